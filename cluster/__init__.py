@@ -1,0 +1,1 @@
+"""cluster: see ARCHITECTURE.md; not built yet."""

@@ -1,0 +1,1 @@
+"""decode_worker: see ARCHITECTURE.md; not built yet."""

@@ -1,0 +1,1 @@
+"""deploy: see ARCHITECTURE.md; not built yet."""

@@ -1,0 +1,1 @@
+"""Baton engine: one process serving a Llama-family model with paged KV."""

@@ -1,0 +1,119 @@
+"""Reference attention in plain torch (the CPU path, and the oracle for the Triton kernels).
+
+Decode tokens (query length 1) of all sequences run as one padded, masked SDPA call;
+each prefill chunk runs as its own SDPA call over its gathered context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class _PrefillSeq:
+    rows: slice  # query rows of this sequence
+    slots: torch.Tensor | None  # [seq_len] cache slots of its keys; None: no cached context
+    mask: torch.Tensor | None  # [q_len, seq_len] bool, True = attend; None: plain causal
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    decode_rows: torch.Tensor | None  # [Bd] query rows of decode tokens
+    decode_slots: torch.Tensor | None  # [Bd, L] cache slots, padded
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, L] bool
+    prefills: list[_PrefillSeq]
+
+
+def context_slots(block_tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """[S, length] cache slot of positions 0..length-1 of every sequence (padding: block 0)."""
+    pos = torch.arange(length, device=block_tables.device)
+    blocks = block_tables[:, pos // block_size].long()
+    return blocks * block_size + pos % block_size
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's keys and values into the paged cache."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """SDPA over gathered paged KV; exact, device-agnostic, no custom kernels."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._plan: _StepPlan | None = None
+        self._plan_for: AttentionMetadata | None = None
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        self._plan = self._make_plan(meta)
+        self._plan_for = meta
+
+    def _make_plan(self, meta: AttentionMetadata) -> _StepPlan:
+        device = meta.block_tables.device
+        decode = [s for s, q in enumerate(meta.query_lens) if q == 1]
+        decode_rows = decode_slots = decode_mask = None
+        if decode:
+            idx = torch.tensor(decode, device=device)
+            lens = meta.seq_lens_tensor[idx]
+            length = max(meta.seq_lens[s] for s in decode)
+            decode_slots = context_slots(meta.block_tables[idx], meta.block_size, length)
+            decode_mask = (torch.arange(length, device=device)[None, :] < lens[:, None])
+            decode_mask = decode_mask[:, None, None, :]
+            decode_rows = meta.query_start_loc[idx].long()
+        prefills = []
+        start = 0
+        for s, (q_len, s_len) in enumerate(zip(meta.query_lens, meta.seq_lens, strict=True)):
+            if q_len > 1:
+                ctx = s_len - q_len
+                slots = mask = None
+                if ctx > 0:
+                    slots = context_slots(meta.block_tables[s:s + 1], meta.block_size, s_len)[0]
+                    q_pos = torch.arange(ctx, s_len, device=device)
+                    mask = torch.arange(s_len, device=device)[None, :] <= q_pos[:, None]
+                prefills.append(_PrefillSeq(slice(start, start + q_len), slots, mask))
+            start += q_len
+        return _StepPlan(decode_rows, decode_slots, decode_mask, prefills)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self._plan_for is not meta:
+            self.begin_step(meta)
+        plan = self._plan
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        out = torch.empty_like(q)
+
+        if plan.decode_rows is not None:
+            bd, length = plan.decode_slots.shape
+            qd = q.index_select(0, plan.decode_rows).unsqueeze(2)  # [Bd, H, 1, D]
+            flat = plan.decode_slots.reshape(-1)
+            kd = k_flat.index_select(0, flat).view(bd, length, num_kv_heads, head_dim)
+            vd = v_flat.index_select(0, flat).view(bd, length, num_kv_heads, head_dim)
+            od = F.scaled_dot_product_attention(
+                qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=plan.decode_mask,
+                scale=scale, enable_gqa=True)  # [Bd, H, 1, D]
+            out.index_copy_(0, plan.decode_rows, od.squeeze(2))
+
+        for seq in plan.prefills:
+            qs = q[seq.rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+            if seq.slots is None:
+                ks, vs = k[seq.rows], v[seq.rows]
+            else:
+                ks, vs = k_flat.index_select(0, seq.slots), v_flat.index_select(0, seq.slots)
+            o = F.scaled_dot_product_attention(
+                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=True)
+            out[seq.rows] = o[0].transpose(0, 1)
+        return out

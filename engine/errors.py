@@ -1,0 +1,21 @@
+"""Exceptions the engine raises for input a user can fix."""
+
+
+class EngineError(Exception):
+    """Base class for errors the engine reports to its caller."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """The request or its parameters are malformed (empty prompt, bad sampling values)."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus max_tokens) exceeds max_model_len."""
+
+
+class CapacityError(EngineError):
+    """Admission control: the request can never fit in the KV cache of this engine."""
+
+
+class ModelNotFoundError(EngineError, FileNotFoundError):
+    """The model name or path does not resolve to a checkpoint."""

@@ -1,0 +1,116 @@
+"""KVCacheManager: per-request block tables on top of the BlockPool.
+
+The scheduler talks to this class in block counts and ids; it never sees the free queue.
+"""
+
+from __future__ import annotations
+
+from engine.block_hash import hash_prompt_blocks, root_hash
+from engine.block_pool import BlockPool, HashKey, KVBlock
+from engine.request import Request
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates, caches and frees the blocks of each request."""
+
+    def __init__(self, pool: BlockPool, block_size: int, hash_seed: str) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self._root = root_hash(hash_seed)
+        self._tables: dict[str, list[KVBlock]] = {}
+
+    # ---- hashing -------------------------------------------------------------------------
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend request.block_hashes to cover every full block of its tokens."""
+        have = len(request.block_hashes)
+        parent = request.block_hashes[-1] if have else None
+        request.block_hashes.extend(hash_prompt_blocks(
+            request.token_ids, self.block_size, self.hash_seed, request.cache_salt,
+            start=have, parent=parent))
+
+    def _hash_key(self, request: Request, i: int) -> HashKey:
+        parent = request.block_hashes[i - 1] if i > 0 else self._root
+        tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
+        extra = (request.cache_salt,) if (i == 0 and request.cache_salt) else ()
+        return parent, tokens, extra
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """Longest run of cached blocks that prefix the request (takes no references).
+
+        At most (num_tokens - 1) // block_size blocks: the last token is always computed,
+        since its logits are needed.
+        """
+        if not self.pool.enable_caching:
+            return []
+        self.update_block_hashes(request)
+        limit = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for i in range(min(limit, len(request.block_hashes))):
+            block = self.pool.lookup(request.block_hashes[i], self._hash_key(request, i))
+            if block is None:
+                break
+            hits.append(block)
+        self.pool.stats.queries += limit
+        self.pool.stats.hits += len(hits)
+        return hits
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int,
+                          computed: list[KVBlock] | None = None) -> int:
+        """Free-queue blocks an allocate_slots call with these arguments would consume."""
+        table = self._tables.get(request.request_id, [])
+        computed = computed or []
+        total = _cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        new = max(0, total - len(table) - len(computed))
+        # Hits on evictable cached blocks also leave the free queue.
+        return new + sum(1 for b in computed if b.ref_cnt == 0)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed: list[KVBlock] | None = None) -> bool:
+        """Make room for num_new_tokens more tokens; attach `computed` prefix hits first.
+
+        Returns False (changing nothing) when the pool cannot supply the blocks.
+        """
+        if self.num_blocks_needed(request, num_new_tokens, computed) > self.pool.num_free_blocks:
+            return False
+        table = self._tables.setdefault(request.request_id, [])
+        if computed:
+            self.pool.touch(computed)
+            table.extend(computed)
+        total = _cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        if total > len(table):
+            table.extend(self.pool.allocate(total - len(table)))
+        return True
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the full blocks among the first num_computed_tokens tokens."""
+        if not self.pool.enable_caching:
+            return
+        self.update_block_hashes(request)
+        table = self._tables.get(request.request_id, [])
+        n_full = min(num_computed_tokens // self.block_size, len(request.block_hashes),
+                     len(table))
+        for i in range(n_full):
+            if table[i].block_hash is None:
+                self.pool.cache_block(table[i], request.block_hashes[i],
+                                      self._hash_key(request, i))
+
+    def free(self, request: Request) -> None:
+        """Release all of the request's blocks, tail first (evicted before the head)."""
+        table = self._tables.pop(request.request_id, None)
+        if table:
+            self.pool.free(list(reversed(table)))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._tables.get(request_id, [])]
+
+    def blocks(self, request_id: str) -> list[KVBlock]:
+        return list(self._tables.get(request_id, []))
+
+    def num_requests(self) -> int:
+        return len(self._tables)

@@ -1,0 +1,85 @@
+"""Request: one sequence's state as it moves through the scheduler."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from engine.block_hash import BlockHash
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything above RUNNING is finished."""
+
+    WAITING = 0
+    WAITING_FOR_REMOTE_KV = 1
+    PREEMPTED = 2
+    RUNNING = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """A prompt plus the tokens generated so far.
+
+    Invariant: num_computed_tokens <= num_tokens; the KV of token i is in the cache
+    exactly when i < num_computed_tokens.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + output
+        self.params = params
+        self.cache_salt = cache_salt
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prefix-cache hit, set when first scheduled
+        self.num_preemptions = 0
+        self.block_hashes: list[BlockHash] = []  # hashes of full blocks of token_ids
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

@@ -1,0 +1,1 @@
+"""kvtransfer: see ARCHITECTURE.md; not built yet."""

@@ -1,0 +1,1 @@
+"""prefill_worker: see ARCHITECTURE.md; not built yet."""

@@ -1,0 +1,1 @@
+"""router: see ARCHITECTURE.md; not built yet."""
