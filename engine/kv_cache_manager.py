@@ -23,6 +23,7 @@ class KVCacheManager:
         self.hash_seed = hash_seed
         self._root = root_hash(hash_seed)
         self._tables: dict[str, list[KVBlock]] = {}
+        self._num_hashed: dict[str, int] = {}  # leading table blocks already offered to the pool
 
     # ---- hashing -------------------------------------------------------------------------
     def update_block_hashes(self, request: Request) -> None:
@@ -95,7 +96,9 @@ class KVCacheManager:
         table = self._tables.get(request.request_id, [])
         n_full = min(num_computed_tokens // self.block_size, len(request.block_hashes),
                      len(table))
-        for i in range(n_full):
+        start = self._num_hashed.get(request.request_id, 0)
+        self._num_hashed[request.request_id] = max(start, n_full)
+        for i in range(start, n_full):
             if table[i].block_hash is None:
                 self.pool.cache_block(table[i], request.block_hashes[i],
                                       self._hash_key(request, i))
@@ -103,6 +106,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release all of the request's blocks, tail first (evicted before the head)."""
         table = self._tables.pop(request.request_id, None)
+        self._num_hashed.pop(request.request_id, None)
         if table:
             self.pool.free(list(reversed(table)))
 

@@ -1,0 +1,96 @@
+"""LLM: the offline API — generate for a list of prompts, or chat with a template."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Runs an LLMEngine to completion over a batch of prompts."""
+
+    def __init__(self, model: str | None = None, **engine_options) -> None:
+        self.engine = LLMEngine(model, **engine_options)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt (strings need the tokenizer)."""
+        if isinstance(prompt, str):
+            if self.engine.tokenizer is None:
+                raise InvalidRequestError("string prompts need a tokenizer; this engine was "
+                                          "started with skip_tokenizer_init=True")
+            return self.engine.tokenizer.encode(prompt, add_special_tokens=True)
+        return [int(t) for t in prompt]
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[CompletionOutput]:
+        """Outputs in the order of the prompts. A single prompt may be passed bare."""
+        if isinstance(prompts, str) or (
+                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        engine = self.engine
+        order: list[str] = []
+        state: dict[str, dict] = {}
+        for prompt, p in zip(prompts, params, strict=True):
+            rid = f"llm-{next(self._ids)}"
+            ids = self.encode(prompt)
+            req = engine.add_request(rid, ids, p, cache_salt=cache_salt)
+            order.append(rid)
+            state[rid] = {"prompt": ids, "tokens": [], "text": "", "lp": [], "arrival":
+                          req.arrival_time, "first": None, "out": None}
+        while engine.has_unfinished() and any(s["out"] is None for s in state.values()):
+            result = engine.step()
+            now = time.monotonic()
+            for rid, o in result.outputs.items():
+                s = state.get(rid)
+                if s is None:
+                    continue
+                if o.new_token_ids and s["first"] is None:
+                    s["first"] = now
+                s["tokens"].extend(o.new_token_ids)
+                s["text"] += o.new_text
+                if o.logprobs:
+                    s["lp"].extend(o.logprobs)
+                if o.finished:
+                    s["out"] = CompletionOutput(
+                        rid, s["prompt"], s["tokens"], s["text"], o.finish_reason,
+                        o.num_cached_tokens, (s["first"] or now) - s["arrival"],
+                        now - s["arrival"], o.stop_reason, s["lp"] or None, o.error)
+        return [state[rid]["out"] for rid in order]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True) -> list[CompletionOutput]:
+        """Apply the model's chat template to one conversation (or a list) and generate."""
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise InvalidRequestError("this model has no tokenizer chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.chat_token_ids(c, add_generation_prompt) for c in convs]
+        return self.generate(prompts, params)
+
+    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered through the chat template."""
+        ids = self.engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)

@@ -1,0 +1,169 @@
+"""LLMEngine: add requests, step, stream outputs; one process, one model, paged KV."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from engine.block_pool import BlockPool, KVEvent
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import CapacityError, InvalidRequestError, PromptTooLongError
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import BatchRow, ModelRunner
+from engine.outputs import RequestOutput, StepResult
+from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.sampler import SampleRequest
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tokenizer import eos_token_ids, load_tokenizer
+
+
+class LLMEngine:
+    """The engine step loop: schedule, run the model, process outputs."""
+
+    def __init__(self, model: str | None = None, **options) -> None:
+        from engine.model_resolver import resolve_model
+
+        self.config = EngineConfig.from_options(model, **options)
+        self.model_dir = resolve_model(self.config.model)
+        from engine.model.loader import read_hf_config
+
+        hf_config = read_hf_config(self.model_dir)
+        model_max = int(hf_config.get("max_position_embeddings", 2048))
+        self.max_model_len = self.config.max_model_len or model_max
+        if self.max_model_len > model_max:
+            raise InvalidRequestError(f"max_model_len={self.max_model_len} exceeds the model's "
+                                      f"max_position_embeddings={model_max}")
+        self.tokenizer = None if self.config.skip_tokenizer_init else load_tokenizer(
+            self.model_dir)
+        self.eos_token_ids = eos_token_ids(self.model_dir, hf_config, self.tokenizer)
+        self.runner = ModelRunner(self.config, self.model_dir, self.max_model_len)
+        self.pool = BlockPool(self.runner.num_blocks, self.config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, self.config.block_size, self.config.hash_seed)
+        self.scheduler = Scheduler(SchedulerConfig(
+            self.config.max_num_batched_tokens, self.config.chunk_size, self.config.max_num_seqs,
+        ), self.kv)
+        self._rng = random.Random(self.config.seed)
+        self._seeds: dict[str, int] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._pending: dict[str, RequestOutput] = {}  # outputs of requests finished off-step
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams | None = None, cache_salt: str | None = None,
+                    arrival_time: float | None = None) -> Request:
+        """Queue a tokenized prompt; raises InvalidRequestError/CapacityError on bad input."""
+        params = params or SamplingParams()
+        if request_id in self.scheduler.requests or request_id in self._pending:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.runner.model.args.vocab_size
+        bad = [t for t in prompt_token_ids if not (0 <= int(t) < vocab)]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise PromptTooLongError(f"prompt has {n} tokens; max_model_len is "
+                                     f"{self.max_model_len} (need room for one new token)")
+        need = -(-(n + 1) // self.config.block_size)
+        if need > self.pool.num_blocks:
+            raise CapacityError(f"prompt needs {need} KV blocks; this engine has only "
+                                f"{self.pool.num_blocks}")
+        req = Request(request_id, [int(t) for t in prompt_token_ids], params,
+                      arrival_time=arrival_time, cache_salt=cache_salt)
+        self._seeds[request_id] = params.seed if params.seed is not None else (
+            self._rng.getrandbits(63))
+        self._detok[request_id] = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.include_stop_str_in_output)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request now and free its blocks; False if it is unknown or done."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        self._pending[request_id] = self._final_output(req, [], "")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.requests)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the block accounting is inconsistent."""
+        self.pool.check_integrity()
+        in_tables: dict[int, int] = {}
+        for rid in self.scheduler.requests:
+            for b in self.kv.block_ids(rid):
+                in_tables[b] = in_tables.get(b, 0) + 1
+        for block in self.pool.blocks:
+            if block.ref_cnt != in_tables.get(block.block_id, 0):
+                raise AssertionError(f"block {block.block_id}: ref_cnt {block.ref_cnt} but "
+                                     f"{in_tables.get(block.block_id, 0)} live references")
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        """Schedule one batch, run it, and return what each request gained."""
+        result = StepResult(outputs=self._pending)
+        self._pending = {}
+        batch = self.scheduler.schedule()
+        result.scheduled = dict(batch.num_tokens)
+        result.preempted = list(batch.preempted)
+        if not batch.is_empty():
+            rows = [self._row(req, batch.num_tokens[req.request_id]) for req in batch.requests]
+            tokens, logprobs = self.runner.execute(rows)
+            sampled = self.scheduler.update_after_step(batch)
+            now = time.monotonic()
+            for req, token, lp in zip(sampled, tokens, logprobs, strict=True):
+                result.outputs[req.request_id] = self._append_token(req, token, lp, now)
+        result.kv_events = self.pool.take_events()
+        return result
+
+    def _row(self, req: Request, n: int) -> BatchRow:
+        samples = req.num_computed_tokens + n == req.num_tokens
+        sample = SampleRequest(req.params, self._seeds[req.request_id], req.num_tokens) if (
+            samples) else None
+        return BatchRow(req.token_ids, req.num_computed_tokens, n,
+                        self.kv.block_ids(req.request_id), sample)
+
+    def _append_token(self, req: Request, token: int, logprob, now: float) -> RequestOutput:
+        req.token_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        text, stop_str = self._detok[req.request_id].add([token])
+        status = self._stop_status(req, token, stop_str)
+        if status is None:
+            return RequestOutput(req.request_id, [token], text, req.num_cached_tokens or 0,
+                                 logprobs=[logprob] if logprob else None)
+        if status == RequestStatus.FINISHED_STOPPED:
+            req.stop_reason = stop_str if stop_str is not None else token
+        self.scheduler.finish(req, status)
+        out = self._final_output(req, [token], text)
+        out.logprobs = [logprob] if logprob else None
+        return out
+
+    def _stop_status(self, req: Request, token: int, stop_str: str | None) -> RequestStatus | None:
+        p = req.params
+        if stop_str is not None or token in p.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _final_output(self, req: Request, tokens: list[int], text: str) -> RequestOutput:
+        self._seeds.pop(req.request_id, None)
+        self._detok.pop(req.request_id, None)
+        return RequestOutput(req.request_id, tokens, text, req.num_cached_tokens or 0,
+                             finished=True, finish_reason=FINISH_REASONS[req.status],
+                             stop_reason=req.stop_reason, error=req.error)

@@ -1,0 +1,50 @@
+"""What the engine hands back: per-step results and finished completions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.block_pool import KVEvent
+from engine.sampler import TokenLogprobs
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's progress in one step: the tokens it gained and whether it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    num_cached_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One engine step: tokens scheduled per request, new outputs, KV events."""
+
+    scheduled: dict[str, int] = field(default_factory=dict)
+    outputs: dict[str, RequestOutput] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+    kv_events: list[KVEvent] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """A finished request as the offline LLM API returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int
+    ttft: float  # seconds from arrival to the first token
+    latency: float  # seconds from arrival to the last token
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None

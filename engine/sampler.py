@@ -1,0 +1,92 @@
+"""Token selection: greedy, temperature, top-k, top-p, min-p, with position-derived randomness.
+
+A sampled request draws its noise from a generator seeded by (seed, position of the token
+being sampled), so its tokens do not depend on which other requests share the batch, and a
+request moved to another engine continues with exactly the same draws.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log-probability of the sampled token and the top-n alternatives (raw model logits)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRequest:
+    """One logits row to sample: its parameters, its seed and the position it fills."""
+
+    params: SamplingParams
+    seed: int
+    position: int
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit seed for the draw at `position` of a request seeded with `seed`."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Apply temperature, top-k, top-p and min-p to one row [V]; masked entries are -inf."""
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p.
+        drop_sorted = (probs.cumsum(-1) - probs) >= p.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if p.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, requests: list[SampleRequest]) -> list[int]:
+    """logits: [N, V] fp32, one row per request -> N token ids."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, req in enumerate(requests):
+        if req.params.greedy:
+            continue
+        filtered = _filter_logits(logits[row], req.params)
+        probs = filtered.softmax(-1)
+        gen = torch.Generator(device=logits.device).manual_seed(
+            position_seed(req.seed, req.position))
+        # Exponential race (Gumbel-max in disguise): argmax p_i / E_i ~ Categorical(p).
+        noise = torch.empty_like(probs).exponential_(generator=gen)
+        tokens[row] = int((probs / noise).argmax())
+    return tokens
+
+
+def compute_logprobs(logits: torch.Tensor, tokens: list[int],
+                     requests: list[SampleRequest]) -> list[TokenLogprobs | None]:
+    """Logprobs for the rows whose params ask for them (None elsewhere)."""
+    out: list[TokenLogprobs | None] = [None] * len(tokens)
+    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    if not rows:
+        return out
+    logp = torch.log_softmax(logits[rows], dim=-1)
+    for j, i in enumerate(rows):
+        n = requests[i].params.logprobs
+        top: tuple[tuple[int, float], ...] = ()
+        if n:
+            vals, ids = torch.topk(logp[j], n)
+            top = tuple(zip(ids.tolist(), vals.tolist(), strict=True))
+        out[i] = TokenLogprobs(tokens[i], float(logp[j, tokens[i]]), top)
+    return out

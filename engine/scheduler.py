@@ -1,0 +1,142 @@
+"""Scheduler: continuous batching with chunked prefill under token and block budgets.
+
+Each step: running requests first (decodes, then unfinished prefills, in admission order),
+then waiting requests in arrival order. A request gets min(remaining, chunk_size, budget)
+tokens; decodes get one. When blocks run out the newest running request is preempted
+(blocks freed, requeued at the front for recompute).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Budgets of one step."""
+
+    max_num_batched_tokens: int
+    chunk_size: int
+    max_num_seqs: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What runs this step: requests in row order with their token counts."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens.values())
+
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    """Decides, step by step, which requests run and how many tokens each gets."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order; the last one is the newest
+        self.requests: dict[str, Request] = {}
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished and free its blocks at once (works from any state)."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, self.config.chunk_size, budget)
+            if n <= 0:
+                continue
+            if not self._allocate_or_preempt(req, n, out):
+                continue
+            budget -= n
+            out.requests.append(req)
+            out.num_tokens[req.request_id] = n
+        # Budget given back by preempted requests stays unused by running ones this step.
+        budget = self.config.max_num_batched_tokens - out.total_tokens
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        while not self.kv.allocate_slots(req, n):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        if req.request_id in out.num_tokens:
+            del out.num_tokens[req.request_id]
+            out.requests.remove(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req.request_id)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                break  # keeps arrival order: nothing overtakes a request still waiting
+            hits = self.kv.get_computed_blocks(req)
+            req.num_computed_tokens = len(hits) * self.kv.block_size
+            n = min(req.num_tokens - req.num_computed_tokens, self.config.chunk_size, budget)
+            if not self.kv.allocate_slots(req, n, hits):
+                req.num_computed_tokens = 0
+                break
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = len(hits) * self.kv.block_size
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.requests.append(req)
+            out.num_tokens[req.request_id] = n
+            budget -= n
+
+    def update_after_step(self, out: SchedulerOutput) -> list[Request]:
+        """Advance num_computed_tokens, cache newly full blocks; return rows that sample."""
+        sampling = []
+        for req in out.requests:
+            req.num_computed_tokens += out.num_tokens[req.request_id]
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            if req.num_computed_tokens == req.num_tokens:
+                sampling.append(req)
+        return sampling
