@@ -26,7 +26,7 @@ class _PrefillSeq:
 class _StepPlan:
     decode_rows: torch.Tensor | None  # [Bd] query rows of decode tokens
     decode_slots: torch.Tensor | None  # [Bd, L] cache slots, padded
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, L] bool
+    decode_mask_neg: torch.Tensor | None  # [Bd, 1, 1, L] bool, True = padding (masked out)
     prefills: list[_PrefillSeq]
 
 
@@ -61,14 +61,14 @@ class TorchAttentionBackend(AttentionBackend):
     def _make_plan(self, meta: AttentionMetadata) -> _StepPlan:
         device = meta.block_tables.device
         decode = [s for s, q in enumerate(meta.query_lens) if q == 1]
-        decode_rows = decode_slots = decode_mask = None
+        decode_rows = decode_slots = decode_mask_neg = None
         if decode:
             idx = torch.tensor(decode, device=device)
             lens = meta.seq_lens_tensor[idx]
             length = max(meta.seq_lens[s] for s in decode)
             decode_slots = context_slots(meta.block_tables[idx], meta.block_size, length)
-            decode_mask = (torch.arange(length, device=device)[None, :] < lens[:, None])
-            decode_mask = decode_mask[:, None, None, :]
+            decode_mask_neg = torch.arange(length, device=device)[None, :] >= lens[:, None]
+            decode_mask_neg = decode_mask_neg[:, None, None, :]
             decode_rows = meta.query_start_loc[idx].long()
         prefills = []
         start = 0
@@ -82,7 +82,7 @@ class TorchAttentionBackend(AttentionBackend):
                     mask = torch.arange(s_len, device=device)[None, :] <= q_pos[:, None]
                 prefills.append(_PrefillSeq(slice(start, start + q_len), slots, mask))
             start += q_len
-        return _StepPlan(decode_rows, decode_slots, decode_mask, prefills)
+        return _StepPlan(decode_rows, decode_slots, decode_mask_neg, prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -96,15 +96,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
 
         if plan.decode_rows is not None:
-            bd, length = plan.decode_slots.shape
-            qd = q.index_select(0, plan.decode_rows).unsqueeze(2)  # [Bd, H, 1, D]
-            flat = plan.decode_slots.reshape(-1)
-            kd = k_flat.index_select(0, flat).view(bd, length, num_kv_heads, head_dim)
-            vd = v_flat.index_select(0, flat).view(bd, length, num_kv_heads, head_dim)
-            od = F.scaled_dot_product_attention(
-                qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=plan.decode_mask,
-                scale=scale, enable_gqa=True)  # [Bd, H, 1, D]
-            out.index_copy_(0, plan.decode_rows, od.squeeze(2))
+            out.index_copy_(0, plan.decode_rows, self._decode(q, k_flat, v_flat, plan, scale))
 
         for seq in plan.prefills:
             qs = q[seq.rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
@@ -117,3 +109,21 @@ class TorchAttentionBackend(AttentionBackend):
                 attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=True)
             out[seq.rows] = o[0].transpose(0, 1)
         return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _StepPlan,
+                scale: float) -> torch.Tensor:
+        """One query per sequence: explicit matmul-softmax-matmul (SDPA's CPU flash kernel
+        is slow for single-token queries). Returns [Bd, H, D]."""
+        bd, length = plan.decode_slots.shape
+        num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
+        group = q.shape[1] // num_kv_heads
+        flat = plan.decode_slots.reshape(-1)
+        kd = k_flat.index_select(0, flat).view(bd, length, num_kv_heads, head_dim)
+        vd = v_flat.index_select(0, flat).view(bd, length, num_kv_heads, head_dim)
+        qd = q.index_select(0, plan.decode_rows).view(bd, num_kv_heads, group, head_dim)
+        scores = torch.matmul(qd, kd.permute(0, 2, 3, 1)) * scale  # [Bd, KVH, G, L]
+        scores = scores.float().masked_fill(plan.decode_mask_neg, float("-inf"))
+        probs = scores.softmax(-1).to(vd.dtype)
+        od = torch.matmul(probs, vd.transpose(1, 2))  # [Bd, KVH, G, D]
+        return od.reshape(bd, num_kv_heads * group, head_dim)

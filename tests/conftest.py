@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny random checkpoints, built once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Tests run on 2 shared cores: keep torch to one thread unless told otherwise.
+torch.set_num_threads(int(os.environ.get("BATON_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    from tests.checkpoints import make_checkpoint
+
+    return str(make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> str:
+    from tests.checkpoints import make_checkpoint
+
+    return str(make_checkpoint(tmp_path_factory.mktemp("ckpt"), "qwen2"))
+
+
+@pytest.fixture(scope="session")
+def hf_models():
+    """Cache of transformers models by checkpoint dir (fp32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[str, object] = {}
+
+    def get(path: str):
+        if path not in cache:
+            cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return cache[path]
+
+    return get
