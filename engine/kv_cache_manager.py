@@ -105,10 +105,18 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks, tail first (evicted before the head)."""
-        table = self._tables.pop(request.request_id, None)
-        self._num_hashed.pop(request.request_id, None)
+        self.free_table(request.request_id)
+
+    def free_table(self, request_id: str) -> None:
+        """Release the blocks held under request_id (no-op if there are none)."""
+        table = self._tables.pop(request_id, None)
+        self._num_hashed.pop(request_id, None)
         if table:
             self.pool.free(list(reversed(table)))
+
+    def table_ids(self) -> list[str]:
+        """Ids of every request that holds a block table (live or held for transfer)."""
+        return list(self._tables)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._tables.get(request_id, [])]

@@ -47,15 +47,29 @@ class LLMEngine:
         self._rng = random.Random(self.config.seed)
         self._seeds: dict[str, int] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._pending: dict[str, RequestOutput] = {}  # outputs of requests finished off-step
+        self._pending: dict[str, RequestOutput] = {}  # outputs produced outside step()
+        self._held: dict[str, float] = {}  # prefilled request id -> hold time (prefill role)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, cache_salt: str | None = None,
-                    arrival_time: float | None = None) -> Request:
-        """Queue a tokenized prompt; raises InvalidRequestError/CapacityError on bad input."""
+                    arrival_time: float | None = None, seed: int | None = None,
+                    prefill_only: bool = False) -> Request:
+        """Queue a tokenized prompt; raises InvalidRequestError/CapacityError on bad input.
+
+        seed overrides the sampling seed (a request moved between engines keeps its seed).
+        prefill_only: finish after the first token and hold the blocks until release_held().
+        """
+        req = self._new_request(request_id, prompt_token_ids, params, cache_salt, arrival_time,
+                                seed, prefill_only)
+        self.scheduler.add(req)
+        return req
+
+    def _new_request(self, request_id, prompt_token_ids, params, cache_salt, arrival_time,
+                     seed, prefill_only) -> Request:
         params = params or SamplingParams()
-        if request_id in self.scheduler.requests or request_id in self._pending:
+        if (request_id in self.scheduler.requests or request_id in self._pending
+                or request_id in self._held):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise InvalidRequestError("prompt is empty")
@@ -72,19 +86,95 @@ class LLMEngine:
             raise CapacityError(f"prompt needs {need} KV blocks; this engine has only "
                                 f"{self.pool.num_blocks}")
         req = Request(request_id, [int(t) for t in prompt_token_ids], params,
-                      arrival_time=arrival_time, cache_salt=cache_salt)
-        self._seeds[request_id] = params.seed if params.seed is not None else (
-            self._rng.getrandbits(63))
+                      arrival_time=arrival_time, cache_salt=cache_salt, prefill_only=prefill_only)
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        self._seeds[request_id] = seed
         self._detok[request_id] = IncrementalDetokenizer(
             self.tokenizer, params.stop, params.include_stop_str_in_output)
-        self.scheduler.add(req)
         return req
+
+    def seed_of(self, request_id: str) -> int:
+        """The effective sampling seed of a live request (to continue it elsewhere)."""
+        return self._seeds[request_id]
+
+    # ---- disaggregation: the prefill side --------------------------------------------------
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """Block ids a prefilled request holds for its transfer."""
+        if request_id not in self._held:
+            raise KeyError(f"request {request_id!r} holds no blocks")
+        return self.kv.block_ids(request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        """Free a prefilled request's blocks (they stay in the prefix cache)."""
+        if self._held.pop(request_id, None) is None:
+            return False
+        self.kv.free_table(request_id)
+        return True
+
+    def held_requests(self) -> dict[str, float]:
+        """Prefilled request id -> monotonic time its blocks were put on hold."""
+        return dict(self._held)
+
+    # ---- disaggregation: the decode side ---------------------------------------------------
+    def reserve_remote(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams, seed: int, cache_salt: str | None = None,
+                       arrival_time: float | None = None) -> tuple[list[int], int]:
+        """Reserve blocks for a prompt whose KV will arrive from a prefill engine.
+
+        Reuses this engine's own cached prefix. Returns (block ids of the whole prompt,
+        number of leading blocks already present); the rest must be received.
+        Raises CapacityError when the blocks are not free now.
+        """
+        req = self._new_request(request_id, prompt_token_ids, params, cache_salt, arrival_time,
+                                seed, False)
+        hits = self.kv.get_computed_blocks(req)
+        req.num_computed_tokens = len(hits) * self.config.block_size
+        if not self.kv.allocate_slots(req, req.num_tokens - req.num_computed_tokens, hits):
+            self._forget(request_id)
+            raise CapacityError(f"not enough free KV blocks for {req.num_tokens} tokens "
+                                f"({self.pool.num_free_blocks} free)")
+        req.num_cached_tokens = req.num_computed_tokens
+        self.scheduler.add_remote(req)
+        return self.kv.block_ids(request_id), len(hits)
+
+    def complete_remote(self, request_id: str, first_token: int) -> None:
+        """The prompt KV has been written into this engine's cache: start decoding."""
+        req = self._remote(request_id)
+        req.num_computed_tokens = req.num_tokens
+        self.kv.cache_blocks(req, req.num_computed_tokens)
+        self.scheduler.activate_remote(req)
+        self._pending[request_id] = self._append_token(req, int(first_token), None,
+                                                       time.monotonic())
+
+    def fail_remote(self, request_id: str, error: str) -> None:
+        """The KV never arrived: free the reservation and report the error."""
+        req = self._remote(request_id)
+        req.error = error
+        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        self._pending[request_id] = self._final_output(req, [], "")
+
+    def _remote(self, request_id: str) -> Request:
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
+        return req
+
+    def _forget(self, request_id: str) -> None:
+        self._seeds.pop(request_id, None)
+        self._detok.pop(request_id, None)
+        self.kv.free_table(request_id)
+
+    @property
+    def kv_caches(self):
+        """Per-layer KV tensors [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        return self.runner.kv_caches
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now and free its blocks; False if it is unknown or done."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
-            return False
+            return self.release_held(request_id)
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         self._pending[request_id] = self._final_output(req, [], "")
         return True
@@ -98,8 +188,11 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Raise AssertionError if the block accounting is inconsistent."""
         self.pool.check_integrity()
+        stray = set(self.kv.table_ids()) - set(self.scheduler.requests) - set(self._held)
+        if stray:
+            raise AssertionError(f"block tables of unknown requests: {sorted(stray)[:5]}")
         in_tables: dict[int, int] = {}
-        for rid in self.scheduler.requests:
+        for rid in self.kv.table_ids():
             for b in self.kv.block_ids(rid):
                 in_tables[b] = in_tables.get(b, 0) + 1
         for block in self.pool.blocks:
@@ -124,7 +217,9 @@ class LLMEngine:
             sampled = self.scheduler.update_after_step(batch)
             now = time.monotonic()
             for req, token, lp in zip(sampled, tokens, logprobs, strict=True):
-                result.outputs[req.request_id] = self._append_token(req, token, lp, now)
+                out = self._append_token(req, token, lp, now)
+                earlier = result.outputs.get(req.request_id)
+                result.outputs[req.request_id] = earlier.merged(out) if earlier else out
         result.kv_events = self.pool.take_events()
         return result
 
@@ -141,12 +236,15 @@ class LLMEngine:
             req.first_token_time = now
         text, stop_str = self._detok[req.request_id].add([token])
         status = self._stop_status(req, token, stop_str)
+        if req.prefill_only:
+            status = RequestStatus.FINISHED_PREFILLED
+            self._held[req.request_id] = now
         if status is None:
             return RequestOutput(req.request_id, [token], text, req.num_cached_tokens or 0,
                                  logprobs=[logprob] if logprob else None)
         if status == RequestStatus.FINISHED_STOPPED:
             req.stop_reason = stop_str if stop_str is not None else token
-        self.scheduler.finish(req, status)
+        self.scheduler.finish(req, status, free_blocks=not req.prefill_only)
         out = self._final_output(req, [token], text)
         out.logprobs = [logprob] if logprob else None
         return out

@@ -20,6 +20,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 5
     FINISHED_ABORTED = 6
     FINISHED_ERROR = 7
+    FINISHED_PREFILLED = 8  # prefill role: prompt done, first token sampled, KV held for transfer
 
     @property
     def finished(self) -> bool:
@@ -31,6 +32,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_PREFILLED: "prefilled",
 }
 
 
@@ -48,12 +50,14 @@ class Request:
         params: SamplingParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        prefill_only: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output
         self.params = params
         self.cache_salt = cache_salt
+        self.prefill_only = prefill_only  # finish after the first token, keeping the blocks
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.status = RequestStatus.WAITING

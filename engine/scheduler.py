@@ -55,14 +55,25 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """Mark finished and free its blocks at once (works from any state)."""
+    def add_remote(self, request: Request) -> None:
+        """Track a request whose prompt KV arrives from another engine (not schedulable yet)."""
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+
+    def activate_remote(self, request: Request) -> None:
+        """Its prompt KV is in place: join the running batch as a decode."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def finish(self, request: Request, status: RequestStatus, free_blocks: bool = True) -> None:
+        """Mark finished and (unless the caller keeps them) free its blocks at once."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        self.kv.free(request)
+        if free_blocks:
+            self.kv.free(request)
         self.requests.pop(request.request_id, None)
 
     def has_unfinished(self) -> bool:

@@ -14,16 +14,11 @@ tile_start(s) = query_start_loc[s] // BLOCK_Q + s, which is strictly increasing 
 room for cdiv(query_len, BLOCK_Q) tiles; a program finds its sequence by binary search, and
 the grid (T // BLOCK_Q + S, num_kv_heads) needs only host-side sizes (no device sync).
 
-Triton decides between compiling and interpreting (TRITON_INTERPRET=1) when a function is
-wrapped by `triton.jit`, so the kernels are wrapped on first launch and cached per mode; that
-lets CPU tests switch the interpreter on regardless of import order.
+On a machine without a GPU the kernels run on CPU tensors under the Triton interpreter, which
+must be enabled (TRITON_INTERPRET=1) before triton is first imported.
 """
 
 from __future__ import annotations
-
-import os
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -40,6 +35,7 @@ from engine.attention.metadata import AttentionMetadata
 _LOG2E = tl.constexpr(1.4426950408889634)  # softmax runs in base 2: exp(x) == exp2(x * log2 e)
 
 
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr,  # [T, KVH, D] this step's keys / values (any strides)
     key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, KVH, D] each, same strides
@@ -54,11 +50,13 @@ def _reshape_and_cache_kernel(
     # One program per token: copies its [KVH, D] key and value rows into one cache slot.
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return  # padding token
     block = slot // block_size
     offset = slot % block_size
     heads = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
     dims = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
-    mask = (heads < num_kv_heads) & (dims < head_dim) & (slot >= 0)
+    mask = (heads < num_kv_heads) & (dims < head_dim)
 
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
     value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd,
@@ -68,6 +66,7 @@ def _reshape_and_cache_kernel(
     tl.store(value_cache_ptr + dst, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
 def _unified_attention_kernel(
     q_ptr,  # [T, H, D]
     key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, KVH, D] each, same strides
@@ -113,7 +112,7 @@ def _unified_attention_kernel(
     rows = tl.arange(0, BLOCK_M)
     q_idx = q_tile * BLOCK_Q + rows // GROUP_P2  # [BLOCK_M] query index within the sequence
     group = rows % GROUP_P2
-    head = kv_head * num_queries_per_kv + group
+    head = kv_head + group
     row_valid = (q_idx < q_len) & (group < num_queries_per_kv)
     q_pos = ctx_len + q_idx  # [BLOCK_M] absolute position; the row attends keys 0 ..= q_pos
     dims = tl.arange(0, BLOCK_D)
@@ -160,26 +159,6 @@ def _unified_attention_kernel(
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-_JITTED: dict[tuple[str, bool], Any] = {}
-
-
-def _interpreting() -> bool:
-    """Whether Triton would interpret (TRITON_INTERPRET) a function jitted right now."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in {"1", "true", "on", "yes"}
-
-
-def _jit(fn: Callable[..., None]) -> Any:
-    """`triton.jit(fn)`, created once per (kernel, interpreter on/off)."""
-    key = (fn.__name__, _interpreting())
-    kernel = _JITTED.get(key)
-    if kernel is None:
-        kernel = _JITTED[key] = triton.jit(fn)
-    return kernel
-
-
 def _pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, triton.next_power_of_2(n))
 
@@ -192,7 +171,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         return
     assert key_cache.stride() == value_cache.stride(), "key and value caches must share layout"
     assert slot_mapping.shape[0] == num_tokens
-    _jit(_reshape_and_cache_kernel)[(num_tokens,)](
+    _reshape_and_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         *key.stride(), *value.stride(), *key_cache.stride(),
         num_kv_heads, head_dim, key_cache.shape[1],
@@ -223,7 +202,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     block_q = max(block_q, 16 // group_p2)
     num_tiles = num_tokens // block_q + meta.num_seqs  # == tile_start(S), see module docstring
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _jit(_unified_attention_kernel)[(num_tiles, num_kv_heads)](
+    _unified_attention_kernel[(num_tiles, num_kv_heads)](
         q, key_cache, value_cache, out,
         meta.block_tables, meta.seq_lens_tensor, meta.query_start_loc,
         float(scale), meta.num_seqs, group, head_dim, key_cache.shape[1],
