@@ -112,7 +112,7 @@ def _unified_attention_kernel(
     rows = tl.arange(0, BLOCK_M)
     q_idx = q_tile * BLOCK_Q + rows // GROUP_P2  # [BLOCK_M] query index within the sequence
     group = rows % GROUP_P2
-    head = kv_head + group
+    head = kv_head * num_queries_per_kv + group
     row_valid = (q_idx < q_len) & (group < num_queries_per_kv)
     q_pos = ctx_len + q_idx  # [BLOCK_M] absolute position; the row attends keys 0 ..= q_pos
     dims = tl.arange(0, BLOCK_D)
@@ -185,7 +185,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     """Causal paged attention of q [T, H, D] over the caches into out [T, H, D], one launch.
 
     block_m bounds the tile rows (query tokens x GQA group) of prefill steps; decode-only steps
-    use 16 rows. block_n is the number of keys per inner-loop step.
+    use the minimum, 16 rows (one group if that is larger). block_n: keys per inner-loop step.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
