@@ -179,6 +179,20 @@ class LLMEngine:
         self._pending[request_id] = self._final_output(req, [], "")
         return True
 
+    def fail_all(self, error: str) -> None:
+        """Finish every request with `error` (outputs queued for the next step/take_pending)."""
+        for req in list(self.scheduler.requests.values()):
+            req.error = error
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            self._pending[req.request_id] = self._final_output(req, [], "")
+        for rid in list(self._held):
+            self.release_held(rid)
+
+    def take_pending(self) -> dict[str, RequestOutput]:
+        """Outputs produced outside step() (aborts, failures, remote completions)."""
+        pending, self._pending = self._pending, {}
+        return pending
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
@@ -206,8 +220,7 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> StepResult:
         """Schedule one batch, run it, and return what each request gained."""
-        result = StepResult(outputs=self._pending)
-        self._pending = {}
+        result = StepResult(outputs=self.take_pending())
         batch = self.scheduler.schedule()
         result.scheduled = dict(batch.num_tokens)
         result.preempted = list(batch.preempted)
