@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import build_metadata, get_attention_backend
+from engine.attention.kv_layout import allocate_kv_cache
 from engine.config import EngineConfig
 from engine.errors import CapacityError
 from engine.model.loader import load_model
@@ -42,10 +43,11 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks or self._blocks_for_budget()
-        # Per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
-        shape = (2, self.num_blocks, self.block_size, args.num_kv_heads, args.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(args.num_layers)]
+        # Per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (head-major storage)
+        self.kv_caches = [
+            allocate_kv_cache(self.num_blocks, self.block_size, args.num_kv_heads,
+                              args.head_dim, self.dtype, self.device)
+            for _ in range(args.num_layers)]
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks,
                     self.block_size, self.kv_cache_bytes() / 2**30)
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.kv_layout import head_major
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -26,7 +27,7 @@ class _PrefillSeq:
 class _StepPlan:
     decode_rows: torch.Tensor | None  # [Bd] query rows of decode tokens
     decode_slots: torch.Tensor | None  # [Bd, L] cache slots, padded
-    decode_mask_neg: torch.Tensor | None  # [Bd, 1, 1, L] bool, True = padding (masked out)
+    decode_mask_neg: torch.Tensor | None  # [Bd, 1, L] bool, True = padding (masked out)
     prefills: list[_PrefillSeq]
 
 
@@ -39,14 +40,14 @@ def context_slots(block_tables: torch.Tensor, block_size: int, length: int) -> t
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's keys and values into the paged cache."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    """Scatter this step's keys and values [T, KVH, D] into the paged cache."""
+    cache = head_major(kv_cache)  # [2, KVH, slots, D]
+    cache[0].index_copy_(1, slot_mapping, k.transpose(0, 1))
+    cache[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """SDPA over gathered paged KV; exact, device-agnostic, no custom kernels."""
+    """Matmul/SDPA over gathered paged KV; exact, device-agnostic, no custom kernels."""
 
     name = "torch"
 
@@ -68,7 +69,7 @@ class TorchAttentionBackend(AttentionBackend):
             length = max(meta.seq_lens[s] for s in decode)
             decode_slots = context_slots(meta.block_tables[idx], meta.block_size, length)
             decode_mask_neg = torch.arange(length, device=device)[None, :] >= lens[:, None]
-            decode_mask_neg = decode_mask_neg[:, None, None, :]
+            decode_mask_neg = decode_mask_neg[:, None, :]  # [Bd, 1, L]
             decode_rows = meta.query_start_loc[idx].long()
         prefills = []
         start = 0
@@ -90,40 +91,39 @@ class TorchAttentionBackend(AttentionBackend):
             self.begin_step(meta)
         plan = self._plan
         write_kv(k, v, kv_cache, meta.slot_mapping)
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        cache = head_major(kv_cache)  # [2, KVH, slots, D]
         out = torch.empty_like(q)
-
         if plan.decode_rows is not None:
-            out.index_copy_(0, plan.decode_rows, self._decode(q, k_flat, v_flat, plan, scale))
-
+            out.index_copy_(0, plan.decode_rows, self._decode(q, cache, plan, scale))
         for seq in plan.prefills:
             qs = q[seq.rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            if seq.slots is None:
-                ks, vs = k[seq.rows], v[seq.rows]
+            if seq.slots is None:  # fresh prompt: this step's keys are the whole context
+                ks, vs = k[seq.rows].transpose(0, 1), v[seq.rows].transpose(0, 1)
             else:
-                ks, vs = k_flat.index_select(0, seq.slots), v_flat.index_select(0, seq.slots)
+                ks, vs = cache[0].index_select(1, seq.slots), cache[1].index_select(1, seq.slots)
             o = F.scaled_dot_product_attention(
-                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=True)
+                qs, ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=seq.mask,
+                is_causal=seq.mask is None, scale=scale, enable_gqa=True)
             out[seq.rows] = o[0].transpose(0, 1)
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, plan: _StepPlan,
+    def _decode(q: torch.Tensor, cache: torch.Tensor, plan: _StepPlan,
                 scale: float) -> torch.Tensor:
-        """One query per sequence: explicit matmul-softmax-matmul (SDPA's CPU flash kernel
-        is slow for single-token queries). Returns [Bd, H, D]."""
+        """One query per sequence: batched matmul-softmax-matmul over (KVH x Bd) matrices
+        (SDPA's CPU flash kernel is slow for single-token queries). Returns [Bd, H, D]."""
         bd, length = plan.decode_slots.shape
-        num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
+        num_kv_heads, head_dim = cache.shape[1], cache.shape[3]
         group = q.shape[1] // num_kv_heads
         flat = plan.decode_slots.reshape(-1)
-        kd = k_flat.index_select(0, flat).view(bd, length, num_kv_heads, head_dim)
-        vd = v_flat.index_select(0, flat).view(bd, length, num_kv_heads, head_dim)
+        kd = cache[0].index_select(1, flat).view(num_kv_heads * bd, length, head_dim)
+        vd = cache[1].index_select(1, flat).view(num_kv_heads * bd, length, head_dim)
         qd = q.index_select(0, plan.decode_rows).view(bd, num_kv_heads, group, head_dim)
-        scores = torch.matmul(qd, kd.permute(0, 2, 3, 1)) * scale  # [Bd, KVH, G, L]
-        scores = scores.float().masked_fill(plan.decode_mask_neg, float("-inf"))
-        probs = scores.softmax(-1).to(vd.dtype)
-        od = torch.matmul(probs, vd.transpose(1, 2))  # [Bd, KVH, G, D]
-        return od.reshape(bd, num_kv_heads * group, head_dim)
+        qd = qd.transpose(0, 1).reshape(num_kv_heads * bd, group, head_dim)
+        scores = torch.bmm(qd, kd.transpose(1, 2)) * scale  # [KVH * Bd, G, L]
+        scores = scores.view(num_kv_heads, bd, group, length).float()
+        scores = scores.masked_fill(plan.decode_mask_neg, float("-inf"))
+        probs = scores.softmax(-1).to(vd.dtype).view(num_kv_heads * bd, group, length)
+        od = torch.bmm(probs, vd)  # [KVH * Bd, G, D]
+        return od.view(num_kv_heads, bd, group, head_dim).transpose(0, 1).reshape(
+            bd, num_kv_heads * group, head_dim)

@@ -28,6 +28,7 @@ triton = pytest.importorskip("triton")
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from engine.attention import get_attention_backend  # noqa: E402
+from engine.attention.kv_layout import allocate_kv_cache  # noqa: E402
 from engine.attention.metadata import AttentionMetadata, build_metadata  # noqa: E402
 from engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from engine.attention.triton_backend import (  # noqa: E402
@@ -81,7 +82,8 @@ def _inputs(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
     q = rand(num_tokens, num_heads, head_dim)
     k = rand(num_tokens, num_kv_heads, head_dim)
     v = rand(num_tokens, num_kv_heads, head_dim)
-    cache = rand(2, num_blocks, block_size, num_kv_heads, head_dim)
+    cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, DEVICE)
+    cache.copy_(rand(2, num_blocks, block_size, num_kv_heads, head_dim))
     return q, k, v, cache
 
 
@@ -168,8 +170,10 @@ def test_strided_qkv_views_match_torch() -> None:
     k = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
     v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    ref_cache, tri_cache = cache.to(DEVICE), cache.to(DEVICE)
+    cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32,
+                              DEVICE)
+    cache.copy_(torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen))
+    ref_cache, tri_cache = cache.clone(), cache.clone()
 
     ref = TorchAttentionBackend().forward(q.contiguous(), k.contiguous(), v.contiguous(),
                                           ref_cache, meta, 0.25)
@@ -185,7 +189,7 @@ def test_prefill_then_decode_reads_what_it_wrote() -> None:
     gen = torch.Generator().manual_seed(4)
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 4
     tables = [[5, 2, 7], [0, 6, 1, 3]]
-    cache = torch.zeros(2, 8, block_size, num_kv_heads, head_dim, device=DEVICE)
+    cache = allocate_kv_cache(8, block_size, num_kv_heads, head_dim, torch.float32, DEVICE)
     ref_cache, tri_cache = cache.clone(), cache.clone()
     torch_backend, triton_backend = TorchAttentionBackend(), _backend()
     for query_lens, seq_lens in [([9, 13], [9, 13]), ([1, 1], [10, 14])]:
