@@ -1,1 +1,1 @@
-"""decode_worker: see ARCHITECTURE.md; not built yet."""
+"""decode_worker: an engine in the decode role (see worker.py)."""

@@ -1,1 +1,1 @@
-"""prefill_worker: see ARCHITECTURE.md; not built yet."""
+"""prefill_worker: an engine in the prefill role (see worker.py)."""

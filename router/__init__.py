@@ -1,1 +1,1 @@
-"""router: see ARCHITECTURE.md; not built yet."""
+"""router: the front door (gRPC, tokenization, routing). Built in the cluster issue."""

@@ -1,0 +1,256 @@
+"""DecodeWorker: an engine in the decode role.
+
+For each request it reserves blocks for the whole prompt (reusing its own cached prefix),
+waits ("waiting for remote KV") while a prefill worker sends the missing blocks, then joins
+the running batch and streams tokens. A reservation whose KV does not arrive within the
+lease, or whose transfer fails, is freed and the request fails with a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from engine import LLMEngine, SamplingParams
+from engine.engine_loop import EngineLoop, RequestStream
+from kvtransfer.control import control_peer
+from kvtransfer import (GroupRegistry, KVTransfer, LeaseTable, PeerLost, TransferDescriptor,
+                        TransferError, TransferRejected, TransferTimeout)
+from prefill_worker.worker import TransferOptions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Reservation:
+    prefill_id: str | None
+    dst_block_ids: tuple[int, ...]  # the blocks the prefill worker must fill
+
+
+def output_dict(out) -> dict:
+    """A RequestOutput as plain values (for RPC and actor calls)."""
+    return {"request_id": out.request_id, "token_ids": list(out.new_token_ids),
+            "text": out.new_text, "finished": out.finished, "finish_reason": out.finish_reason,
+            "num_cached_tokens": out.num_cached_tokens, "error": out.error,
+            "stop_reason": out.stop_reason}
+
+
+class DecodeWorker:
+    """Decode role: reserve, receive KV, decode with continuous batching, stream tokens."""
+
+    role = "decode"
+
+    def __init__(self, worker_id: str, engine_options: dict | None = None,
+                 transfer: dict | None = None) -> None:
+        self.worker_id = worker_id
+        self.options = TransferOptions(**(transfer or {}))
+        self.engine = LLMEngine(**(engine_options or {}))
+        self.loop = EngineLoop(self.engine).start()
+        self.registry = GroupRegistry(self.engine.runner.device, self.options.backend,
+                                      timeout=self.options.timeout_seconds)
+        self.transfer = KVTransfer(self.registry)
+        self.leases = LeaseTable()
+        self._lock = threading.Lock()
+        self._expect: dict[str, _Reservation] = {}
+        self._receiving: set[str] = set()  # requests whose blocks a transfer is writing
+        self._aborted: set[str] = set()  # aborted while receiving: failed once it ends
+        self._streams: dict[str, RequestStream] = {}
+        self._peers: dict[str, Any] = {}  # prefill id -> control object with ack()/abort()
+        self._closing = threading.Event()
+        self.bytes_received = 0
+        self.blocks_received = 0
+        self.loop.add_step_hook(lambda _result: self._expire_leases())
+
+    # ---- control API -----------------------------------------------------------------------
+    def info(self) -> dict:
+        cfg = self.engine.config
+        return {"worker_id": self.worker_id, "role": self.role, "block_size": cfg.block_size,
+                "hash_seed": cfg.hash_seed, "num_kv_blocks": self.engine.pool.num_blocks,
+                "model": str(self.engine.model_dir), "backend": self.registry.backend}
+
+    def connect_prefill(self, prefill_id: str, address: dict, peer: Any = None) -> None:
+        """Join the pair group a prefill worker hosts; `peer` has ack(rid)/abort(rid, ...)."""
+        with self._lock:
+            if prefill_id in self.registry:
+                return
+            self.registry.join(prefill_id, address)
+            if peer is not None:
+                self._peers[prefill_id] = control_peer(peer)
+        threading.Thread(target=self._receive_loop, args=(prefill_id,), daemon=True,
+                         name=f"kv-recv-{prefill_id}").start()
+
+    def disconnect_prefill(self, prefill_id: str) -> None:
+        with self._lock:
+            self._peers.pop(prefill_id, None)
+            if prefill_id in self.registry:
+                self.registry.remove(prefill_id)
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: dict, seed: int,
+                cache_salt: str | None = None, prefill_id: str | None = None) -> dict:
+        """Reserve blocks for the prompt; returns the blocks the prefill side must fill."""
+        stream = self.loop.open_stream(request_id)
+        try:
+            ids, hits = self.loop.run(self.engine.reserve_remote, request_id, prompt_token_ids,
+                                      SamplingParams(**params), seed, cache_salt)
+        except Exception:
+            self.loop.close_stream(request_id)
+            raise
+        with self._lock:
+            self._streams[request_id] = stream
+            self._expect[request_id] = _Reservation(prefill_id, tuple(ids[hits:]))
+        self.leases.grant(request_id, prefill_id or "", self.options.lease_seconds)
+        return {"num_hit_blocks": hits, "dst_block_ids": ids[hits:], "num_blocks": len(ids)}
+
+    def local_generate(self, request_id: str, prompt_token_ids: list[int], params: dict,
+                       cache_salt: str | None = None, seed: int | None = None) -> None:
+        """Prefill locally (a short uncached tail: no transfer) and decode."""
+        stream = self.loop.submit(request_id, prompt_token_ids, SamplingParams(**params),
+                                  cache_salt=cache_salt, seed=seed)
+        with self._lock:
+            self._streams[request_id] = stream
+
+    def poll(self, request_id: str, timeout: float = 1.0) -> list[dict]:
+        """Outputs of a request since the last poll; waits up to timeout for the first one."""
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        outs = []
+        try:
+            outs.append(stream.get(timeout=timeout))
+        except queue.Empty:
+            return []
+        outs += stream.drain()
+        if stream.finished:
+            with self._lock:
+                self._streams.pop(request_id, None)
+        return [output_dict(o) for o in outs]
+
+    def abort(self, request_id: str, propagate: bool = True) -> bool:
+        """Abort everywhere: free this side's blocks and tell the prefill worker."""
+        with self._lock:
+            reservation = self._expect.pop(request_id, None)
+            if request_id in self._receiving:
+                self._aborted.add(request_id)
+        self.leases.release(request_id)
+        found = self.loop.run(self.engine.abort, request_id)
+        if propagate and reservation is not None and reservation.prefill_id in self._peers:
+            self._tell_peer(reservation.prefill_id, "abort", request_id)
+        return found or reservation is not None
+
+    def stats(self) -> dict:
+        eng = self.engine
+        return {"worker_id": self.worker_id, "role": self.role,
+                "num_requests": eng.num_unfinished(), "num_waiting_for_kv": len(self._expect),
+                "kv_usage": eng.pool.usage(), "free_blocks": eng.pool.num_free_blocks,
+                "cache_queries": eng.pool.stats.queries, "cache_hits": eng.pool.stats.hits,
+                "bytes_received": self.bytes_received, "blocks_received": self.blocks_received}
+
+    def check_integrity(self) -> None:
+        self.loop.run(self.engine.check_integrity)
+
+    def shutdown(self) -> None:
+        self._closing.set()
+        for prefill_id in list(self._peers):
+            self.disconnect_prefill(prefill_id)
+        self.loop.stop()
+        self.registry.close()
+
+    # ---- receiving -----------------------------------------------------------------------
+    def _accept(self, desc: TransferDescriptor) -> bool:
+        """Only write into blocks still reserved for exactly this transfer."""
+        with self._lock:
+            reservation = self._expect.get(desc.request_id)
+            if reservation is None or reservation.dst_block_ids != tuple(desc.dst_block_ids):
+                return False
+            self._receiving.add(desc.request_id)
+            return True
+
+    def _receive_loop(self, prefill_id: str) -> None:
+        while not self._closing.is_set():
+            try:
+                desc, stats = self.transfer.recv(prefill_id, self.engine.kv_caches, wait=0.5,
+                                                 accept=self._accept)
+            except TransferTimeout as exc:
+                self._fail_receiving(prefill_id, exc)  # no-op when nothing was announced yet
+                continue
+            except TransferRejected:
+                continue
+            except PeerLost:
+                self._fail_receiving(prefill_id, "prefill worker left")
+                return
+            except (TransferError, KeyError) as exc:
+                if prefill_id not in self.registry:
+                    return
+                self._fail_receiving(prefill_id, exc)
+                continue
+            self.bytes_received += stats.payload_bytes
+            self.blocks_received += stats.num_blocks
+            self._finish_receive(prefill_id, desc)
+
+    def _finish_receive(self, prefill_id: str, desc: TransferDescriptor) -> None:
+        rid = desc.request_id
+        with self._lock:
+            self._receiving.discard(rid)
+            aborted = rid in self._aborted
+            self._aborted.discard(rid)
+            self._expect.pop(rid, None)
+        self.leases.release(rid)
+        if aborted:
+            return  # abort() already freed it; the blocks were ours until now
+        try:
+            self.loop.run(self.engine.complete_remote, rid, desc.first_token)
+        except KeyError:
+            return
+        self._tell_peer(prefill_id, "ack", rid)
+
+    def _fail_receiving(self, prefill_id: str, error: object) -> bool:
+        """Fail the request whose transfer from prefill_id broke; True if there was one."""
+        with self._lock:
+            broken = [rid for rid in self._receiving
+                      if self._expect.get(rid, _Reservation(None, ())).prefill_id == prefill_id
+                      or rid in self._aborted]
+            for rid in broken:
+                self._receiving.discard(rid)
+                self._aborted.discard(rid)
+                self._expect.pop(rid, None)
+        for rid in broken:
+            self.leases.release(rid)
+            self.loop.call(self._fail_remote, rid,
+                           f"KV transfer from prefill worker {prefill_id} failed: {error}")
+        return bool(broken)
+
+    def _fail_remote(self, request_id: str, error: str) -> None:
+        try:
+            self.engine.fail_remote(request_id, error)
+        except KeyError:
+            pass  # aborted meanwhile
+
+    def _expire_leases(self) -> None:
+        """Runs on the loop thread: free reservations whose KV never came."""
+        for lease in self.leases.expired():
+            with self._lock:
+                if lease.request_id in self._receiving:
+                    continue  # the transfer's own timeout bounds it
+                self._expect.pop(lease.request_id, None)
+            self.leases.release(lease.request_id)
+            self._fail_remote(lease.request_id, f"KV from prefill worker {lease.owner} did not "
+                              f"arrive within the {self.options.lease_seconds:.0f}s lease")
+
+    def _tell_peer(self, prefill_id: str, method: str, request_id: str) -> None:
+        peer = self._peers.get(prefill_id)
+        if peer is None:
+            return
+
+        def call() -> None:
+            try:
+                getattr(peer, method)(request_id, propagate=False) if method == "abort" else (
+                    getattr(peer, method)(request_id))
+            except Exception as exc:  # noqa: BLE001 - the peer's lease covers a lost message
+                logger.warning("%s(%s) to prefill worker %s failed: %s", method, request_id,
+                               prefill_id, exc)
+
+        threading.Thread(target=call, daemon=True).start()

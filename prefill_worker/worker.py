@@ -1,0 +1,223 @@
+"""PrefillWorker: an engine in the prefill role.
+
+It runs chunked prefill (with prefix caching) for many requests at once, samples each
+request's first token, sends the KV blocks the decode worker lacks over the pair's process
+group, and keeps the blocks as prefix cache once the decode side acknowledges (or the lease
+runs out). Its methods are the control API: plain values in and out, so they can be called
+over kvtransfer.control RPC or as Ray actor methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from engine import LLMEngine, SamplingParams
+from engine.block_hash import hash_prompt_blocks
+from engine.engine_loop import EngineLoop
+from kvtransfer.control import control_peer
+from kvtransfer import GroupRegistry, KVTransfer, LeaseTable, TransferDescriptor, dtype_name
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferOptions:
+    """How a worker moves KV: backend, lease on held/reserved blocks, per-step timeout."""
+
+    backend: str = "auto"  # auto: nccl when the KV cache is on CUDA, gloo otherwise
+    lease_seconds: float = 30.0
+    timeout_seconds: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class _SendJob:
+    request_id: str
+    decode_id: str
+    missing: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    first_token: int
+    sampling: dict
+    num_prompt_tokens: int
+    block_hashes: tuple[int, ...]
+
+
+class PrefillWorker:
+    """Prefill role: prompt in, first token out, KV shipped to a decode worker."""
+
+    role = "prefill"
+
+    def __init__(self, worker_id: str, engine_options: dict | None = None,
+                 transfer: dict | None = None) -> None:
+        self.worker_id = worker_id
+        self.options = TransferOptions(**(transfer or {}))
+        self.engine = LLMEngine(**(engine_options or {}))
+        self.loop = EngineLoop(self.engine).start()
+        self.registry = GroupRegistry(self.engine.runner.device, self.options.backend,
+                                      timeout=self.options.timeout_seconds)
+        self.transfer = KVTransfer(self.registry)
+        self.leases = LeaseTable()
+        self._lock = threading.Lock()
+        self._senders: dict[str, queue.Queue[_SendJob | None]] = {}
+        self._addresses: dict[str, dict] = {}
+        self._peers: dict[str, Any] = {}  # decode id -> control object with abort()
+        self.bytes_sent = 0
+        self.blocks_sent = 0
+        self.loop.add_step_hook(lambda _result: self._expire_leases())
+
+    # ---- control API -----------------------------------------------------------------------
+    def info(self) -> dict:
+        cfg = self.engine.config
+        return {"worker_id": self.worker_id, "role": self.role, "block_size": cfg.block_size,
+                "hash_seed": cfg.hash_seed, "num_kv_blocks": self.engine.pool.num_blocks,
+                "model": str(self.engine.model_dir), "backend": self.registry.backend}
+
+    def connect_decode(self, decode_id: str, peer: Any = None) -> dict:
+        """Host the pair group with a decode worker; returns the address it must join.
+
+        `peer`, if given, has abort(request_id, propagate=False): aborts here reach it.
+        """
+        with self._lock:
+            if peer is not None:
+                self._peers[decode_id] = control_peer(peer)
+            if decode_id not in self.registry:
+                address = self.registry.host(decode_id)
+                self._senders[decode_id] = q = queue.Queue()
+                threading.Thread(target=self._send_loop, args=(decode_id, q), daemon=True,
+                                 name=f"kv-send-{decode_id}").start()
+                self._addresses[decode_id] = address
+            return self._addresses[decode_id]
+
+    def disconnect_decode(self, decode_id: str) -> None:
+        """Tear down the pair group (the decode worker left)."""
+        with self._lock:
+            q = self._senders.pop(decode_id, None)
+            self._addresses.pop(decode_id, None)
+            self._peers.pop(decode_id, None)
+            if q is not None:
+                q.put(None)
+            if decode_id in self.registry:
+                self.registry.remove(decode_id)
+
+    def prefill(self, request_id: str, prompt_token_ids: list[int], params: dict,
+                cache_salt: str | None = None, decode_id: str | None = None,
+                num_hit_blocks: int = 0, dst_block_ids: list[int] | None = None,
+                timeout: float = 600.0) -> dict:
+        """Prefill the prompt and sample its first token.
+
+        With decode_id, the blocks from num_hit_blocks on are sent to dst_block_ids of that
+        decode worker; the blocks stay held (leased) until ack() or the lease ends.
+        Returns {"finish_reason", "first_token", "seed", "num_cached_tokens", "error"}.
+        """
+        sp = SamplingParams(**params)
+        seed = sp.seed if sp.seed is not None else random.getrandbits(63)  # router sets one
+        stream = self.loop.submit(request_id, prompt_token_ids, sp, cache_salt=cache_salt,
+                                  seed=seed, prefill_only=True)
+        out = stream.get(timeout=timeout)
+        result = {"finish_reason": out.finish_reason, "first_token": None, "seed": seed,
+                  "num_cached_tokens": out.num_cached_tokens, "error": out.error}
+        if out.finish_reason != "prefilled":
+            return result
+        result["first_token"] = out.new_token_ids[0]
+        if decode_id is None:
+            self.loop.run(self.engine.release_held, request_id)
+            return result
+        num_blocks = -(-len(prompt_token_ids) // self.engine.config.block_size)
+        missing = tuple(range(num_hit_blocks, num_blocks))
+        if dst_block_ids is None or len(dst_block_ids) != len(missing):
+            self.loop.run(self.engine.release_held, request_id)
+            raise ValueError(f"dst_block_ids must list {len(missing)} blocks "
+                             f"(prompt blocks {num_hit_blocks}..{num_blocks - 1})")
+        self.leases.grant(request_id, decode_id, self.options.lease_seconds)
+        cfg = self.engine.config
+        hashes = tuple(hash_prompt_blocks(prompt_token_ids, cfg.block_size, cfg.hash_seed,
+                                          cache_salt))
+        self._sender(decode_id).put(_SendJob(
+            request_id, decode_id, missing, tuple(dst_block_ids), result["first_token"],
+            {"seed": seed, "params": params}, len(prompt_token_ids), hashes))
+        return result
+
+    def ack(self, request_id: str) -> bool:
+        """The decode side has the KV: release the held blocks (they stay cached)."""
+        self.leases.release(request_id)
+        return self.loop.run(self.engine.release_held, request_id)
+
+    def abort(self, request_id: str, propagate: bool = True) -> bool:
+        """Abort a prefill in progress or release a request's held blocks; with propagate,
+        the decode worker it was bound for is told too."""
+        lease = self.leases.release(request_id)
+        found = self.loop.run(self.engine.abort, request_id)
+        peer = self._peers.get(lease.owner) if lease is not None else None
+        if propagate and peer is not None:
+            threading.Thread(target=_quietly, args=(peer.abort, request_id), daemon=True).start()
+        return found
+
+    def stats(self) -> dict:
+        eng = self.engine
+        return {"worker_id": self.worker_id, "role": self.role,
+                "num_requests": eng.num_unfinished(), "num_held": len(eng.held_requests()),
+                "kv_usage": eng.pool.usage(), "free_blocks": eng.pool.num_free_blocks,
+                "cache_queries": eng.pool.stats.queries, "cache_hits": eng.pool.stats.hits,
+                "bytes_sent": self.bytes_sent, "blocks_sent": self.blocks_sent}
+
+    def check_integrity(self) -> None:
+        self.loop.run(self.engine.check_integrity)
+
+    def shutdown(self) -> None:
+        for decode_id in list(self._senders):
+            self.disconnect_decode(decode_id)
+        self.loop.stop()
+        self.registry.close()
+
+    # ---- internals -------------------------------------------------------------------------
+    def _sender(self, decode_id: str) -> queue.Queue:
+        q = self._senders.get(decode_id)
+        if q is None:
+            raise ValueError(f"decode worker {decode_id!r} is not connected; "
+                             "call connect_decode first")
+        return q
+
+    def _send_loop(self, decode_id: str, jobs: queue.Queue) -> None:
+        """Sends to one decode worker in order (the pair's messages are ordered)."""
+        while (job := jobs.get()) is not None:
+            try:
+                self._send(job)
+            except Exception as exc:  # noqa: BLE001 - the transfer failed; free its blocks
+                logger.warning("transfer of %s to %s failed: %s", job.request_id, decode_id, exc)
+                self.abort(job.request_id, propagate=False)  # the receiver fails it itself
+
+    def _send(self, job: _SendJob) -> None:
+        try:
+            held = self.loop.run(self.engine.held_block_ids, job.request_id)
+        except KeyError:
+            return  # aborted or expired before its turn
+        eng = self.engine
+        args = eng.runner.model.args
+        desc = TransferDescriptor(
+            request_id=job.request_id, block_hashes=job.block_hashes, missing=job.missing,
+            src_block_ids=tuple(held[i] for i in job.missing), dst_block_ids=job.dst_block_ids,
+            layers=(0, args.num_layers), dtype=dtype_name(eng.runner.dtype),
+            block_shape=(eng.config.block_size, args.num_kv_heads, args.head_dim),
+            first_token=job.first_token, num_prompt_tokens=job.num_prompt_tokens,
+            sampling=job.sampling)
+        stats = self.transfer.send(job.decode_id, eng.kv_caches, desc)
+        self.bytes_sent += stats.payload_bytes
+        self.blocks_sent += stats.num_blocks
+
+    def _expire_leases(self) -> None:
+        for lease in self.leases.expired():
+            self.leases.release(lease.request_id)
+            if self.engine.release_held(lease.request_id):
+                logger.warning("lease of %s ran out without an ack; blocks released",
+                               lease.request_id)
+
+
+def _quietly(fn, request_id: str) -> None:
+    try:
+        fn(request_id, propagate=False)
+    except Exception as exc:  # noqa: BLE001 - the peer's lease covers a lost message
+        logger.warning("telling peer about %s failed: %s", request_id, exc)

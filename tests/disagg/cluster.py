@@ -1,0 +1,63 @@
+"""Start prefill and decode workers as real OS processes, controlled over RPC (test helper)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from dataclasses import dataclass, field
+
+from kvtransfer.control import RpcClient
+
+
+@dataclass
+class WorkerProcess:
+    """A worker in a child process: its RPC proxy, its address and its process."""
+
+    worker_id: str
+    role: str
+    process: mp.Process
+    conn: object
+    address: dict
+    client: RpcClient = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.client = RpcClient(self.address, default_timeout=120.0)
+
+    def kill(self) -> None:
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.join(10)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send("stop")
+            except (OSError, BrokenPipeError):
+                pass
+            self.process.join(20)
+            if self.process.is_alive():
+                self.kill()
+        self.client.close()
+
+
+def start_worker(role: str, worker_id: str, engine_options: dict, transfer: dict
+                 ) -> WorkerProcess:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    if role == "prefill":
+        from prefill_worker.process import main
+    else:
+        from decode_worker.process import main
+    proc = ctx.Process(target=main, args=(worker_id, engine_options, transfer, child),
+                       daemon=True, name=f"{role}-{worker_id}")
+    proc.start()
+    if not parent.poll(180):
+        proc.kill()
+        raise RuntimeError(f"{role} worker {worker_id} did not start")
+    return WorkerProcess(worker_id, role, proc, parent, parent.recv())
+
+
+def pair(prefill: WorkerProcess, decode: WorkerProcess) -> None:
+    """Connect a prefill and a decode worker: pair group + control channels both ways."""
+    address = prefill.client.connect_decode(decode.worker_id, decode.address)
+    decode.client.connect_prefill(prefill.worker_id, address, prefill.address)
