@@ -1,0 +1,230 @@
+"""KV transfer benchmark: kvtransfer's packed path vs one plain contiguous send, in one run.
+
+    python -m benchmarks.kvtransfer [--tokens 1024 8192 32768] [--repeats 3] [--json FILE]
+
+Two processes on CPU (gloo): this one is the prefill side (host, sender), a spawned child the
+decode side (receiver). For each prompt length it moves the KV of all the prompt's blocks with
+SmolLM2-135M shapes (30 layers, 3 KV heads, head_dim 64, block_size 16, fp32) from scattered
+source block ids to scattered destination ids, through KVTransfer (pack, announce, send,
+unpack), and compares it with one `send` of a contiguous tensor of the same byte size over the
+same gloo group. Times run from the sender's call until the receiver reports completion; the
+variants run round-robin and the median of --repeats rounds is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from kvtransfer import GroupRegistry, KVTransfer, TransferDescriptor
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16  # SmolLM2-135M
+BLOCK_SHAPE = (BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "kvtransfer": {},  # defaults: 32 MiB messages, double-buffered
+    "kvtransfer, 1 layer/msg": {"message_bytes": 1},
+    "kvtransfer, no pipeline": {"pipeline": False},
+}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def make_cache(num_blocks: int, random: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per-layer [2, num_blocks, bs, kvh, d] fp32 views of one allocation, and its flat bytes.
+
+    One allocation lets the plain baseline send/receive a contiguous slice of the same memory
+    instead of a second 1.5 GB buffer. Every page is touched (no page faults while timed).
+    """
+    full = torch.empty(LAYERS, 2, num_blocks, *BLOCK_SHAPE)
+    full.uniform_() if random else full.zero_()
+    return list(full.unbind(0)), full.view(-1).view(torch.uint8)
+
+
+def scattered_ids(n: int, total: int, seed: int) -> list[int]:
+    """n distinct block ids out of `total`, in random order (non-contiguous)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(total, generator=g)[:n].tolist()
+
+
+def digest(kv: list[torch.Tensor], ids: list[int]) -> list[float]:
+    """fp64 sums of the given blocks of the first and last layer (equal iff copied exactly)."""
+    index = torch.tensor(ids)
+    return [kv[layer].index_select(1, index).double().sum().item() for layer in (0, LAYERS - 1)]
+
+
+# ---- receiver process ------------------------------------------------------------------------
+def receiver_main(conn: Any, address: dict[str, Any], threads: int) -> None:
+    """Decode side: executes ("alloc" | "recv" | "plain" | "free" | "exit") commands."""
+    torch.set_num_threads(threads)
+    registry = GroupRegistry("cpu", timeout=120.0)
+    registry.join("prefill", address)
+    kv: list[torch.Tensor] = []
+    flat = torch.empty(0, dtype=torch.uint8)
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "alloc":
+            kv, flat = make_cache(args[0], random=False)
+            conn.send(("ok",))
+        elif cmd == "recv":
+            rx = KVTransfer(registry, **args[0])
+            conn.send(("ready",))
+            desc, _ = rx.recv("prefill", kv, wait=120.0)
+            conn.send(("done", digest(kv, list(desc.dst_block_ids))))
+        elif cmd == "plain":
+            work = registry.get("prefill").pg.recv([flat[: args[0]]], 0, 0)
+            conn.send(("ready",))
+            work.wait()
+            conn.send(("done", None))
+        elif cmd == "free":
+            kv, flat = [], torch.empty(0, dtype=torch.uint8)
+            conn.send(("ok",))
+        elif cmd == "exit":
+            registry.close()
+            conn.send(("ok",))
+            return
+
+
+class Receiver:
+    """The spawned decode-side process."""
+
+    def __init__(self, address: dict[str, Any], threads: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=receiver_main, args=(child, address, threads),
+                                daemon=True)
+        self.proc.start()
+
+    def call(self, *cmd: Any, expect: str = "ok", timeout: float = 300.0) -> Any:
+        self.conn.send(cmd)
+        return self.expect(expect, timeout)
+
+    def expect(self, tag: str, timeout: float = 300.0) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"receiver sent no {tag!r} within {timeout}s")
+        msg = self.conn.recv()
+        if msg[0] != tag:
+            raise RuntimeError(f"receiver answered {msg!r}, expected {tag!r}")
+        return msg[1] if len(msg) > 1 else None
+
+
+# ---- sender side -----------------------------------------------------------------------------
+def descriptor(tokens: int, src: list[int], dst: list[int]) -> TransferDescriptor:
+    return TransferDescriptor(
+        request_id=f"bench-{tokens}", block_hashes=list(range(1, tokens // BLOCK_SIZE + 1)),
+        missing=list(range(len(src))), src_block_ids=src, dst_block_ids=dst,
+        layers=(0, LAYERS), dtype="float32", block_shape=BLOCK_SHAPE, first_token=1,
+        num_prompt_tokens=tokens, sampling={"seed": 0})
+
+
+def time_kvtransfer(registry: GroupRegistry, receiver: Receiver, kv: list[torch.Tensor],
+                    desc: TransferDescriptor, options: dict[str, Any]) -> float:
+    """Seconds for one KVTransfer, from send() until the receiver reports it applied."""
+    tx = KVTransfer(registry, **options)
+    receiver.call("recv", options, expect="ready")
+    start = time.perf_counter()
+    tx.send("decode", kv, desc)
+    got = receiver.expect("done")
+    elapsed = time.perf_counter() - start
+    want = digest(kv, list(desc.src_block_ids))
+    if got != want:
+        raise RuntimeError(f"receiver's blocks differ from the sender's: {got} != {want}")
+    return elapsed
+
+
+def time_plain(registry: GroupRegistry, receiver: Receiver, flat: torch.Tensor,
+               nbytes: int) -> float:
+    """Seconds for one send of `nbytes` contiguous bytes over the same gloo group."""
+    pg = registry.get("decode").pg
+    receiver.call("plain", nbytes, expect="ready")
+    start = time.perf_counter()
+    pg.send([flat[:nbytes]], 1, 0).wait()
+    receiver.expect("done")
+    return time.perf_counter() - start
+
+
+def measure(registry: GroupRegistry, receiver: Receiver, kv: list[torch.Tensor],
+            flat: torch.Tensor, desc: TransferDescriptor, repeats: int) -> dict[str, list[float]]:
+    """Seconds per run of every variant and of the plain send, `repeats` rounds each.
+
+    Round-robin over the variants, so that load changes hit them all alike; the first round
+    is a warm-up (group, staging buffers) and is not recorded.
+    """
+    times: dict[str, list[float]] = {name: [] for name in [*VARIANTS, "plain"]}
+    for i in range(repeats + 1):
+        log(f"  round {i}/{repeats}")
+        for name, options in VARIANTS.items():
+            elapsed = time_kvtransfer(registry, receiver, kv, desc, options)
+            if i:
+                times[name].append(elapsed)
+        elapsed = time_plain(registry, receiver, flat, desc.payload_bytes)
+        if i:
+            times["plain"].append(elapsed)
+    return times
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    torch.set_num_threads(args.threads)
+    registry = GroupRegistry("cpu", timeout=120.0)
+    receiver = Receiver(registry.host("decode"), args.threads)
+    rows = []
+    try:
+        for tokens in args.tokens:
+            n = -(-tokens // BLOCK_SIZE)
+            total = n + n // 8 + 1  # a little slack, so ids are scattered, not a permutation
+            log(f"{tokens} tokens: {n} blocks of {total} per side, "
+                f"{2 * total * LAYERS * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4 / 1e9:.2f} GB each")
+            kv, flat = make_cache(total, random=True)
+            receiver.call("alloc", total)
+            desc = descriptor(tokens, scattered_ids(n, total, 1), scattered_ids(n, total, 2))
+            row: dict[str, Any] = {"tokens": tokens, "blocks": n, "bytes": desc.payload_bytes}
+            row.update(measure(registry, receiver, kv, flat, desc, args.repeats))
+            kv, flat = [], None
+            receiver.call("free")
+            rows.append(row)
+    finally:
+        receiver.call("exit")
+        receiver.proc.join(10)
+        registry.close()
+    return rows
+
+
+def report(rows: list[dict[str, Any]]) -> None:
+    names = [*VARIANTS, "plain"]
+    print(f"{'tokens':>7} {'MB':>8} " + " ".join(f"{n + ' GB/s':>30}" for n in names)
+          + f" {'ratio':>6}")
+    for row in rows:
+        gbps = {n: row["bytes"] / statistics.median(row[n]) / 1e9 for n in names}
+        print(f"{row['tokens']:>7} {row['bytes'] / 1e6:>8.1f} "
+              + " ".join(f"{gbps[n]:>30.2f}" for n in names)
+              + f" {gbps['kvtransfer'] / gbps['plain']:>6.2f}")
+        row["gb_per_s"] = gbps
+    print("ratio = kvtransfer (default) / plain; GB/s = bytes / median seconds (1e9 bytes); "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768])
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    rows = run(args)
+    report(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

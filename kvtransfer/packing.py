@@ -1,0 +1,111 @@
+"""Gather KV blocks into contiguous message buffers and scatter them back.
+
+KV cache layout (fixed by the engine): one tensor per layer, [2, num_blocks, bs, kvh, d]
+(index 0 keys, 1 values). A message carries a run of consecutive layers for the moving blocks:
+[num_layers_in_message, 2, n, bs, kvh, d], contiguous and layer-major, so packing is one
+index_select per layer straight into the message buffer and unpacking one index_copy_.
+Within a message, blocks are in `wire_order`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvtransfer.descriptor import TransferDescriptor, dtype_name
+from kvtransfer.errors import DescriptorError
+
+DEFAULT_MESSAGE_BYTES = 32 << 20
+
+
+def check_cache(kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor,
+                block_ids: Sequence[int], side: str) -> None:
+    """Raise DescriptorError unless `desc` fits `kv_cache` on this `side` ("sender"/"receiver")."""
+    start, end = desc.layers
+    if end > len(kv_cache):
+        raise DescriptorError(f"request {desc.request_id}: layers {desc.layers} exceed the "
+                              f"{side}'s {len(kv_cache)}-layer KV cache")
+    first = kv_cache[start]
+    for layer in range(start, end):
+        kv = kv_cache[layer]
+        if kv.dim() != 5 or kv.shape[0] != 2 or tuple(kv.shape[2:]) != desc.block_shape:
+            raise DescriptorError(f"request {desc.request_id}: {side} layer {layer} has shape "
+                                  f"{tuple(kv.shape)}, expected [2, num_blocks, "
+                                  f"{', '.join(map(str, desc.block_shape))}]")
+        if kv.dtype != desc.torch_dtype:
+            raise DescriptorError(f"request {desc.request_id}: {side} KV cache is "
+                                  f"{dtype_name(kv.dtype)} but the transfer is {desc.dtype}")
+        if kv.device != first.device or kv.shape[1] != first.shape[1]:
+            raise DescriptorError(f"request {desc.request_id}: {side} layers differ in device "
+                                  "or block count; kvtransfer needs one uniform cache")
+    num_blocks = first.shape[1]
+    bad = [b for b in block_ids if b >= num_blocks]
+    if bad:
+        raise DescriptorError(f"request {desc.request_id}: {side} block ids {bad[:8]} are out "
+                              f"of range for a cache of {num_blocks} blocks")
+
+
+def wire_order(desc: TransferDescriptor) -> tuple[list[int], list[int]]:
+    """(src ids, dst ids) in the order blocks travel: ascending dst id on both sides.
+
+    The receiver's scatter then writes memory front to back (about 1.5x faster on CPU than
+    the descriptor's order); the sender's gather reads in whatever order that implies.
+    """
+    pairs = sorted(zip(desc.dst_block_ids, desc.src_block_ids, strict=True))
+    return [s for _, s in pairs], [d for d, _ in pairs]
+
+
+def plan_messages(desc: TransferDescriptor, layers_per_message: int) -> list[tuple[int, int]]:
+    """Layer ranges [a, b) of the messages, in send order, covering desc.layers."""
+    if layers_per_message < 1:
+        raise ValueError(f"layers_per_message must be >= 1, got {layers_per_message}")
+    start, end = desc.layers
+    return [(a, min(a + layers_per_message, end)) for a in range(start, end, layers_per_message)]
+
+
+def layers_per_message(desc: TransferDescriptor, message_bytes: int) -> int:
+    """How many layers fit one message of at most `message_bytes` (at least one layer)."""
+    per_layer = max(1, desc.num_blocks * desc.layer_block_bytes)
+    return max(1, min(desc.num_layers, message_bytes // per_layer))
+
+
+class Staging:
+    """Two reusable flat byte buffers on one device, for double-buffered pack/send.
+
+    Grow-only: a buffer is reallocated only when a message needs more bytes than it has.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._slots: list[torch.Tensor | None] = [None, None]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes currently held."""
+        return sum(t.numel() for t in self._slots if t is not None)
+
+    def view(self, slot: int, desc: TransferDescriptor, num_layers: int) -> torch.Tensor:
+        """Slot `slot` viewed as [num_layers, 2, n, bs, kvh, d] of desc's dtype."""
+        shape = (num_layers, 2, desc.num_blocks, *desc.block_shape)
+        nbytes = num_layers * desc.num_blocks * desc.layer_block_bytes
+        buf = self._slots[slot]
+        if buf is None or buf.numel() < nbytes:
+            self._slots[slot] = None  # free the old buffer before allocating the new one
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._slots[slot] = buf
+        return buf[:nbytes].view(desc.torch_dtype).view(shape)
+
+
+def pack(kv_cache: Sequence[torch.Tensor], layers: tuple[int, int], src: torch.Tensor,
+         out: torch.Tensor) -> None:
+    """out[j] = kv_cache[layers[0] + j][:, src]  (out: [num_layers, 2, n, bs, kvh, d])."""
+    for j, layer in enumerate(range(*layers)):
+        torch.index_select(kv_cache[layer], 1, src, out=out[j])
+
+
+def unpack(buf: torch.Tensor, kv_cache: Sequence[torch.Tensor], layers: tuple[int, int],
+           dst: torch.Tensor) -> None:
+    """kv_cache[layers[0] + j][:, dst] = buf[j]  (buf: [num_layers, 2, n, bs, kvh, d])."""
+    for j, layer in enumerate(range(*layers)):
+        kv_cache[layer].index_copy_(1, dst, buf[j])

@@ -1,0 +1,257 @@
+"""PeerGroup: what one worker holds for one peer, and the pair's failure/epoch protocol.
+
+Each pair rendezvous through its own TCPStore, hosted by the prefill side (rank 0) and wrapped
+in a PrefixStore. The backend group is built per *epoch*: when a transfer fails, the group is
+aborted and the pair's epoch in the store moves from e to e + 1 (compare-and-set, so both sides
+together advance it once); the next transfer builds a fresh group under the new epoch's prefix.
+A fresh prefix matters: gloo's rendezvous keys of a failed attempt point at dead sockets.
+
+Deadlines: backend operations are bounded by work.wait(timeout) (kvtransfer.transfer). Store
+calls are bounded here: a TCPStore client call blocks forever when the store's host process
+hangs, so on the joined side every store call and group construction runs on a helper thread
+that is abandoned after the deadline (`call_bounded`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvtransfer.backends import BACKENDS
+from kvtransfer.errors import PeerLost, TransferTimeout
+
+logger = logging.getLogger(__name__)
+
+EPOCH_KEY = "epoch"
+ANNOUNCE_KEY = "announce"  # queue of announced transfers, host -> joiner
+HOST_RANK, JOIN_RANK = 0, 1  # host = prefill side (owns the store), join = decode side
+
+
+class StoreHung(Exception):
+    """A bounded call did not return in time; `done` is set if the abandoned call ever ends."""
+
+    def __init__(self, done: threading.Event) -> None:
+        super().__init__("no answer")
+        self.done = done
+
+
+def call_bounded(fn: Callable[[], Any], timeout: float) -> Any:
+    """fn() run on a daemon thread; StoreHung if it takes longer than `timeout` seconds.
+
+    Used for calls into a store whose server runs in another process (see module docstring).
+    """
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller below
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="kvtransfer-call", daemon=True).start()
+    if not done.wait(timeout):
+        raise StoreHung(done)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+# ---- one pair -----------------------------------------------------------------------------
+class PeerGroup:
+    """Everything this worker holds for one peer: the pair's store, the backend group of the
+    current epoch and transfer scratch buffers. One transfer at a time (see `session`)."""
+
+    def __init__(self, peer_id: str, rank: int, name: str, backend: str, device: torch.device,
+                 timeout: float, local_host: str, tcp_store: dist.TCPStore) -> None:
+        self.peer_id = peer_id
+        self.rank = rank
+        self.name = name
+        self.backend = backend
+        self.device = device
+        self.timeout = timeout
+        self.local_host = local_host
+        self.staging: Any = None  # owned by the transfer layer; dropped with the group
+        self.pg: Any = None  # backend group of `pg_epoch`, or None
+        self.pg_epoch: int | None = None
+        self.closed = False  # removed from the registry
+        # Set while a store call that outlived its deadline still owns the store connection.
+        self._stuck: threading.Event | None = None
+        self._tcp: dist.TCPStore | None = tcp_store
+        self.store: dist.Store | None = dist.PrefixStore(f"kvt/{name}", tcp_store)
+        self._failed_epoch: int | None = None  # epoch whose failure is not yet in the store
+        self._lock = threading.Lock()
+
+    @property
+    def is_host(self) -> bool:
+        """True on the side that owns the store (rank 0, the sender)."""
+        return self.rank == HOST_RANK
+
+    @contextmanager
+    def session(self, wait: float) -> Iterator[PeerGroup]:
+        """Hold the pair for one transfer; PeerLost if the peer was removed, TransferTimeout if
+        an earlier store call is still unanswered after `wait` more seconds."""
+        with self._lock:
+            try:
+                if self.closed:
+                    raise PeerLost(f"peer {self.peer_id!r} was removed; join/host it again")
+                if self._stuck is not None:
+                    if not self._stuck.wait(wait):
+                        raise TransferTimeout(f"peer {self.peer_id!r} still does not answer its "
+                                              "store; remove() it if it is gone")
+                    self._stuck = None  # the peer answered after all: usable again
+                yield self
+            finally:
+                if self.closed:
+                    self._release()
+
+    # ---- store operations (call inside a session; each bounded by `timeout`) ----------------
+    def _bounded(self, what: str, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        if self.is_host:
+            return fn()  # the store server runs in this process: a hung peer cannot stall it
+        try:
+            return call_bounded(fn, self.timeout if timeout is None else timeout)
+        except StoreHung as hung:
+            self._stuck = hung.done
+            if self.pg_epoch is not None and self._failed_epoch is None:
+                self._failed_epoch = self.pg_epoch
+            self._abort()
+            raise TransferTimeout(f"{what}: peer {self.peer_id!r} did not answer within "
+                                  f"{self.timeout}s; transfers with it wait for that answer "
+                                  "first (remove() it if it is gone)") from None
+
+    def epoch(self) -> int:
+        """The pair's current epoch as recorded in the store."""
+        return int(self._bounded("reading the pair epoch", lambda: self.store.get(EPOCH_KEY)))
+
+    def publish_failure(self) -> None:
+        """Advance the store's epoch past a failure this side deferred (joiner side)."""
+        if self._failed_epoch is not None:
+            self._advance(self._failed_epoch)  # raises (keeping it pending) if the peer is down
+            self._failed_epoch = None
+
+    def sync_epoch(self) -> int:
+        """Publish a deferred failure, then return the current epoch (drops an outdated group)."""
+        self.publish_failure()
+        epoch = self.epoch()
+        if self.pg_epoch is not None and self.pg_epoch != epoch:
+            self._abort()  # the peer failed and moved on; our group is dead on its side
+        return epoch
+
+    def announce(self, frame: bytes) -> None:
+        """Queue an announcement frame for the peer."""
+        self._bounded("announcing a transfer",
+                      lambda: self.store.queue_push(ANNOUNCE_KEY, frame))
+
+    def next_announcement(self, wait: float) -> bytes | None:
+        """Pop the oldest announcement frame, waiting up to `wait` seconds; None if none came."""
+        wait = max(wait, 0.001)
+
+        def pop() -> bytes | None:
+            # Blocking pop: the store wakes us as soon as a frame is pushed (no polling). The
+            # client's timeout is per store object and only this session uses it.
+            self.store.set_timeout(timedelta(seconds=wait))
+            try:
+                return self.store.queue_pop(ANNOUNCE_KEY, block=True)
+            except dist.DistNetworkError:
+                raise  # the host is gone
+            except dist.DistStoreError:
+                return None  # the wait timed out with the queue still empty
+            finally:
+                self.store.set_timeout(timedelta(seconds=self.timeout))
+
+        return self._bounded("waiting for an announcement", pop, timeout=wait + self.timeout)
+
+    def num_announcements(self) -> int:
+        """Announcements queued and not yet popped."""
+        return self._bounded("counting announcements",
+                             lambda: self.store.queue_len(ANNOUNCE_KEY))
+
+    def connect(self, epoch: int) -> Any:
+        """The backend group for `epoch`, built now if needed (blocks until the peer joins)."""
+        if self.pg is not None and self.pg_epoch == epoch:
+            return self.pg
+        self._abort()
+        store = dist.PrefixStore(f"epoch{epoch}", self.store)
+        make = BACKENDS[self.backend]
+        timeout = timedelta(seconds=self.timeout)
+
+        def build() -> Any:
+            pg = make(store, self.rank, timeout, self.device, self.local_host)
+            try:
+                # One byte host -> joiner: proves the data path, and makes NCCL create its
+                # lazily built point-to-point communicator here, under this deadline.
+                probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
+                if self.is_host:
+                    work = pg.send([probe], JOIN_RANK, 0)
+                else:
+                    work = pg.recv([probe], HOST_RANK, 0)
+                if not work.wait(timeout):
+                    raise RuntimeError("the connection probe did not complete")
+            except BaseException:
+                pg.abort()
+                raise
+            return pg
+
+        # The backend's own rendezvous timeout fires first when the peer is merely absent;
+        # the bound catches a hung store host, which the backend would wait on forever.
+        self.pg = self._bounded("building the group", build, timeout=self.timeout * 2.5 + 1.0)
+        self.pg_epoch = epoch
+        logger.debug("kvtransfer: group %s with %s ready (epoch %d)", self.name, self.peer_id,
+                     epoch)
+        return self.pg
+
+    def fail(self, epoch: int | None) -> None:
+        """Tear down the group after a failed transfer at `epoch` so the next one rebuilds it."""
+        self._abort()
+        self.staging = None  # an aborted operation may still own the old buffers
+        if epoch is None:
+            return
+        if self.is_host:
+            try:
+                self._advance(epoch)  # the store is in-process: this cannot hang on the peer
+            except RuntimeError as e:
+                logger.warning("kvtransfer: could not advance epoch with %s: %s", self.peer_id, e)
+        else:
+            # The host may be hung: a store call now could block past the deadline.
+            self._failed_epoch = epoch
+
+    def _advance(self, epoch: int) -> None:
+        # Compare-and-set: when both sides report the same failure, the epoch moves only once.
+        self._bounded("advancing the pair epoch",
+                      lambda: self.store.compare_set(EPOCH_KEY, str(epoch), str(epoch + 1)))
+
+    # ---- teardown -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Abort the group and release the store; safe while a transfer runs in another thread."""
+        self.closed = True
+        self._abort()  # unblocks a transfer waiting on the group
+        if self._lock.acquire(blocking=False):
+            try:
+                self._release()
+            finally:
+                self._lock.release()
+        # else: the transfer in flight releases the store when its session ends.
+
+    def _abort(self) -> None:
+        pg, self.pg, self.pg_epoch = self.pg, None, None
+        if pg is None:
+            return
+        try:
+            pg.abort()
+        except RuntimeError as e:  # a broken group may refuse; it is dropped either way
+            logger.debug("kvtransfer: abort of group with %s: %s", self.peer_id, e)
+
+    def _release(self) -> None:
+        self.staging = None
+        self.store = None
+        self._tcp = None  # last reference: the host's store server stops with it
