@@ -20,9 +20,8 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
 
 
 def head_major(kv_cache: torch.Tensor) -> torch.Tensor:
-    """[2, KVH, num_blocks * block_size, D] view of a cache from allocate_kv_cache()."""
-    two, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    """[2, KVH, num_blocks, block_size, D] contiguous view of a cache from allocate_kv_cache()."""
     storage = kv_cache.permute(0, 3, 1, 2, 4)
     if not storage.is_contiguous():
         raise ValueError("KV cache is not head-major; allocate it with allocate_kv_cache()")
-    return storage.view(two, num_kv_heads, num_blocks * block_size, head_dim)
+    return storage

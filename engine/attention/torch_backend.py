@@ -26,7 +26,7 @@ class _PrefillSeq:
 @dataclass(slots=True)
 class _StepPlan:
     decode_rows: torch.Tensor | None  # [Bd] query rows of decode tokens
-    decode_slots: torch.Tensor | None  # [Bd, L] cache slots, padded
+    decode_blocks: torch.Tensor | None  # [Bd, ceil(L / block_size)] block ids, padded
     decode_mask_neg: torch.Tensor | None  # [Bd, 1, L] bool, True = padding (masked out)
     prefills: list[_PrefillSeq]
 
@@ -41,7 +41,7 @@ def context_slots(block_tables: torch.Tensor, block_size: int, length: int) -> t
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter this step's keys and values [T, KVH, D] into the paged cache."""
-    cache = head_major(kv_cache)  # [2, KVH, slots, D]
+    cache = _by_slot(head_major(kv_cache))  # [2, KVH, slots, D]
     cache[0].index_copy_(1, slot_mapping, k.transpose(0, 1))
     cache[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
 
@@ -62,12 +62,13 @@ class TorchAttentionBackend(AttentionBackend):
     def _make_plan(self, meta: AttentionMetadata) -> _StepPlan:
         device = meta.block_tables.device
         decode = [s for s, q in enumerate(meta.query_lens) if q == 1]
-        decode_rows = decode_slots = decode_mask_neg = None
+        decode_rows = decode_blocks = decode_mask_neg = None
         if decode:
             idx = torch.tensor(decode, device=device)
             lens = meta.seq_lens_tensor[idx]
-            length = max(meta.seq_lens[s] for s in decode)
-            decode_slots = context_slots(meta.block_tables[idx], meta.block_size, length)
+            num_ctx_blocks = -(-max(meta.seq_lens[s] for s in decode) // meta.block_size)
+            decode_blocks = meta.block_tables[idx, :num_ctx_blocks].long()
+            length = num_ctx_blocks * meta.block_size
             decode_mask_neg = torch.arange(length, device=device)[None, :] >= lens[:, None]
             decode_mask_neg = decode_mask_neg[:, None, :]  # [Bd, 1, L]
             decode_rows = meta.query_start_loc[idx].long()
@@ -83,7 +84,7 @@ class TorchAttentionBackend(AttentionBackend):
                     mask = torch.arange(s_len, device=device)[None, :] <= q_pos[:, None]
                 prefills.append(_PrefillSeq(slice(start, start + q_len), slots, mask))
             start += q_len
-        return _StepPlan(decode_rows, decode_slots, decode_mask_neg, prefills)
+        return _StepPlan(decode_rows, decode_blocks, decode_mask_neg, prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -91,10 +92,11 @@ class TorchAttentionBackend(AttentionBackend):
             self.begin_step(meta)
         plan = self._plan
         write_kv(k, v, kv_cache, meta.slot_mapping)
-        cache = head_major(kv_cache)  # [2, KVH, slots, D]
+        blocks = head_major(kv_cache)  # [2, KVH, num_blocks, block_size, D]
+        cache = _by_slot(blocks)  # [2, KVH, slots, D]
         out = torch.empty_like(q)
         if plan.decode_rows is not None:
-            out.index_copy_(0, plan.decode_rows, self._decode(q, cache, plan, scale))
+            out.index_copy_(0, plan.decode_rows, self._decode(q, blocks, plan, scale))
         for seq in plan.prefills:
             qs = q[seq.rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             if seq.slots is None:  # fresh prompt: this step's keys are the whole context
@@ -108,16 +110,19 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, cache: torch.Tensor, plan: _StepPlan,
+    def _decode(q: torch.Tensor, blocks: torch.Tensor, plan: _StepPlan,
                 scale: float) -> torch.Tensor:
         """One query per sequence: batched matmul-softmax-matmul over (KVH x Bd) matrices
-        (SDPA's CPU flash kernel is slow for single-token queries). Returns [Bd, H, D]."""
-        bd, length = plan.decode_slots.shape
-        num_kv_heads, head_dim = cache.shape[1], cache.shape[3]
+        (SDPA's CPU flash kernel is slow for single-token queries). Whole blocks are gathered
+        (contiguous block_size x D rows per head). Returns [Bd, H, D]."""
+        bd, num_ctx_blocks = plan.decode_blocks.shape
+        _, num_kv_heads, num_blocks, block_size, head_dim = blocks.shape
+        length = num_ctx_blocks * block_size
         group = q.shape[1] // num_kv_heads
-        flat = plan.decode_slots.reshape(-1)
-        kd = cache[0].index_select(1, flat).view(num_kv_heads * bd, length, head_dim)
-        vd = cache[1].index_select(1, flat).view(num_kv_heads * bd, length, head_dim)
+        by_block = blocks.view(2, num_kv_heads, num_blocks, block_size * head_dim)
+        flat = plan.decode_blocks.reshape(-1)
+        kd = by_block[0].index_select(1, flat).view(num_kv_heads * bd, length, head_dim)
+        vd = by_block[1].index_select(1, flat).view(num_kv_heads * bd, length, head_dim)
         qd = q.index_select(0, plan.decode_rows).view(bd, num_kv_heads, group, head_dim)
         qd = qd.transpose(0, 1).reshape(num_kv_heads * bd, group, head_dim)
         scores = torch.bmm(qd, kd.transpose(1, 2)) * scale  # [KVH * Bd, G, L]
@@ -127,3 +132,9 @@ class TorchAttentionBackend(AttentionBackend):
         od = torch.bmm(probs, vd)  # [KVH * Bd, G, D]
         return od.view(num_kv_heads, bd, group, head_dim).transpose(0, 1).reshape(
             bd, num_kv_heads * group, head_dim)
+
+
+def _by_slot(blocks: torch.Tensor) -> torch.Tensor:
+    """[2, KVH, num_blocks, block_size, D] -> [2, KVH, slots, D] (a view)."""
+    two, num_kv_heads, num_blocks, block_size, head_dim = blocks.shape
+    return blocks.view(two, num_kv_heads, num_blocks * block_size, head_dim)
