@@ -45,9 +45,11 @@ def make_cache(num_blocks: int, random: bool) -> tuple[list[torch.Tensor], torch
     One allocation lets the plain baseline send/receive a contiguous slice of the same memory
     instead of a second 1.5 GB buffer. Every page is touched (no page faults while timed).
     """
-    full = torch.empty(LAYERS, 2, num_blocks, *BLOCK_SHAPE)
+    # The engine's layout (engine.attention.kv_layout): each layer stored head-major.
+    full = torch.empty(LAYERS, 2, KV_HEADS, num_blocks, BLOCK_SIZE, HEAD_DIM)
     full.uniform_() if random else full.zero_()
-    return list(full.unbind(0)), full.view(-1).view(torch.uint8)
+    layers = [layer.permute(0, 2, 3, 1, 4) for layer in full.unbind(0)]
+    return layers, full.view(-1).view(torch.uint8)
 
 
 def scattered_ids(n: int, total: int, seed: int) -> list[int]:

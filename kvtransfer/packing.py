@@ -86,8 +86,9 @@ class Staging:
         return sum(t.numel() for t in self._slots if t is not None)
 
     def view(self, slot: int, desc: TransferDescriptor, num_layers: int) -> torch.Tensor:
-        """Slot `slot` viewed as [num_layers, 2, n, bs, kvh, d] of desc's dtype."""
-        shape = (num_layers, 2, desc.num_blocks, *desc.block_shape)
+        """Slot `slot` viewed as [num_layers, 2, kvh, n, bs, d] of desc's dtype."""
+        block_size, num_kv_heads, head_dim = desc.block_shape
+        shape = (num_layers, 2, num_kv_heads, desc.num_blocks, block_size, head_dim)
         nbytes = num_layers * desc.num_blocks * desc.layer_block_bytes
         buf = self._slots[slot]
         if buf is None or buf.numel() < nbytes:
@@ -99,13 +100,18 @@ class Staging:
 
 def pack(kv_cache: Sequence[torch.Tensor], layers: tuple[int, int], src: torch.Tensor,
          out: torch.Tensor) -> None:
-    """out[j] = kv_cache[layers[0] + j][:, src]  (out: [num_layers, 2, n, bs, kvh, d])."""
+    """out[j] = the src blocks of layer layers[0] + j, head-major: [2, kvh, n, bs, d].
+
+    The engine stores each layer head-major (engine.attention.kv_layout), so a block of one
+    head is bs * d contiguous values and the gather copies whole runs; any layout works.
+    """
     for j, layer in enumerate(range(*layers)):
-        torch.index_select(kv_cache[layer], 1, src, out=out[j])
+        torch.index_select(kv_cache[layer].permute(0, 3, 1, 2, 4), 2, src, out=out[j])
 
 
 def unpack(buf: torch.Tensor, kv_cache: Sequence[torch.Tensor], layers: tuple[int, int],
            dst: torch.Tensor) -> None:
-    """kv_cache[layers[0] + j][:, dst] = buf[j]  (buf: [num_layers, 2, n, bs, kvh, d])."""
+    """Write buf[j] ([2, kvh, n, bs, d], head-major) into the dst blocks of layer
+    layers[0] + j."""
     for j, layer in enumerate(range(*layers)):
-        kv_cache[layer].index_copy_(1, dst, buf[j])
+        kv_cache[layer].permute(0, 3, 1, 2, 4).index_copy_(2, dst, buf[j])

@@ -25,7 +25,8 @@ def test_pack_then_unpack_moves_exact_blocks():
     src, dst = [7, 0, 11, 3], [2, 8, 5, 0]
     desc = make_descriptor("r", src, dst, layers=(1, 4))
     buf = Staging(torch.device("cpu")).view(0, desc, 3)
-    assert buf.shape == (3, 2, 4, *BLOCK_SHAPE) and buf.is_contiguous()
+    block_size, num_kv_heads, head_dim = BLOCK_SHAPE
+    assert buf.shape == (3, 2, num_kv_heads, 4, block_size, head_dim) and buf.is_contiguous()
 
     pack(src_cache, (1, 4), torch.tensor(src), buf)
     unpack(buf, dst_cache, (1, 4), torch.tensor(dst))
