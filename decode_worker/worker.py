@@ -16,9 +16,17 @@ from typing import Any
 
 from engine import LLMEngine, SamplingParams
 from engine.engine_loop import EngineLoop, RequestStream
+from kvtransfer import (
+    GroupRegistry,
+    KVTransfer,
+    LeaseTable,
+    PeerLost,
+    TransferDescriptor,
+    TransferError,
+    TransferRejected,
+    TransferTimeout,
+)
 from kvtransfer.control import control_peer
-from kvtransfer import (GroupRegistry, KVTransfer, LeaseTable, PeerLost, TransferDescriptor,
-                        TransferError, TransferRejected, TransferTimeout)
 from prefill_worker.worker import TransferOptions
 
 logger = logging.getLogger(__name__)

@@ -4,8 +4,13 @@ Public API: LLM (offline), LLMEngine (step loop), SamplingParams.
 """
 
 from engine.config import EngineConfig
-from engine.errors import (CapacityError, EngineError, InvalidRequestError, ModelNotFoundError,
-                           PromptTooLongError)
+from engine.errors import (
+                           CapacityError,
+                           EngineError,
+                           InvalidRequestError,
+                           ModelNotFoundError,
+                           PromptTooLongError,
+)
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput, StepResult

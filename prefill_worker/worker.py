@@ -19,8 +19,8 @@ from typing import Any
 from engine import LLMEngine, SamplingParams
 from engine.block_hash import hash_prompt_blocks
 from engine.engine_loop import EngineLoop
-from kvtransfer.control import control_peer
 from kvtransfer import GroupRegistry, KVTransfer, LeaseTable, TransferDescriptor, dtype_name
+from kvtransfer.control import control_peer
 
 logger = logging.getLogger(__name__)
 

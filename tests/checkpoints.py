@@ -9,8 +9,7 @@ import torch
 
 def make_checkpoint(root: Path, kind: str = "llama", **overrides) -> Path:
     """Save a tiny random `kind` (llama | qwen2) model with transformers; return its dir."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,

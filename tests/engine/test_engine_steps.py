@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import (CapacityError, InvalidRequestError, LLMEngine, PromptTooLongError,
-                    SamplingParams)
+from engine import CapacityError, InvalidRequestError, LLMEngine, PromptTooLongError, SamplingParams
 from tests.engine.test_engine_vs_hf import random_prompts
 
 DECODE = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)

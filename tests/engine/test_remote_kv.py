@@ -4,6 +4,7 @@ reserved blocks continues exactly like the colocated engine (transport-free here
 from __future__ import annotations
 
 import pytest
+
 from engine import CapacityError, LLMEngine, SamplingParams
 from tests.engine.test_engine_steps import run_to_completion
 from tests.engine.test_engine_vs_hf import random_prompts
