@@ -14,20 +14,16 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from engine import LLMEngine, SamplingParams
-from engine.engine_loop import EngineLoop, RequestStream
+from engine import SamplingParams
+from engine.engine_loop import RequestStream
 from kvtransfer import (
-    GroupRegistry,
-    KVTransfer,
-    LeaseTable,
     PeerLost,
     TransferDescriptor,
     TransferError,
     TransferRejected,
     TransferTimeout,
 )
-from kvtransfer.control import control_peer
-from prefill_worker.worker import TransferOptions
+from kvtransfer.endpoint import TransferEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -46,55 +42,36 @@ def output_dict(out) -> dict:
             "stop_reason": out.stop_reason}
 
 
-class DecodeWorker:
+class DecodeWorker(TransferEndpoint):
     """Decode role: reserve, receive KV, decode with continuous batching, stream tokens."""
 
     role = "decode"
 
     def __init__(self, worker_id: str, engine_options: dict | None = None,
                  transfer: dict | None = None) -> None:
-        self.worker_id = worker_id
-        self.options = TransferOptions(**(transfer or {}))
-        self.engine = LLMEngine(**(engine_options or {}))
-        self.loop = EngineLoop(self.engine).start()
-        self.registry = GroupRegistry(self.engine.runner.device, self.options.backend,
-                                      timeout=self.options.timeout_seconds)
-        self.transfer = KVTransfer(self.registry)
-        self.leases = LeaseTable()
-        self._lock = threading.Lock()
+        super().__init__(worker_id, engine_options, transfer)
         self._expect: dict[str, _Reservation] = {}
         self._receiving: set[str] = set()  # requests whose blocks a transfer is writing
         self._aborted: set[str] = set()  # aborted while receiving: failed once it ends
         self._streams: dict[str, RequestStream] = {}
-        self._peers: dict[str, Any] = {}  # prefill id -> control object with ack()/abort()
         self._closing = threading.Event()
         self.bytes_received = 0
         self.blocks_received = 0
-        self.loop.add_step_hook(lambda _result: self._expire_leases())
 
     # ---- control API -----------------------------------------------------------------------
-    def info(self) -> dict:
-        cfg = self.engine.config
-        return {"worker_id": self.worker_id, "role": self.role, "block_size": cfg.block_size,
-                "hash_seed": cfg.hash_seed, "num_kv_blocks": self.engine.pool.num_blocks,
-                "model": str(self.engine.model_dir), "backend": self.registry.backend}
-
     def connect_prefill(self, prefill_id: str, address: dict, peer: Any = None) -> None:
         """Join the pair group a prefill worker hosts; `peer` has ack(rid)/abort(rid, ...)."""
         with self._lock:
             if prefill_id in self.registry:
                 return
             self.registry.join(prefill_id, address)
-            if peer is not None:
-                self._peers[prefill_id] = control_peer(peer)
+            self._attach_peer(prefill_id, peer)
         threading.Thread(target=self._receive_loop, args=(prefill_id,), daemon=True,
                          name=f"kv-recv-{prefill_id}").start()
 
     def disconnect_prefill(self, prefill_id: str) -> None:
-        with self._lock:
-            self._peers.pop(prefill_id, None)
-            if prefill_id in self.registry:
-                self.registry.remove(prefill_id)
+        """Tear down the pair group (the prefill worker left)."""
+        self._disconnect(prefill_id)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: dict, seed: int,
                 cache_salt: str | None = None, prefill_id: str | None = None) -> dict:
@@ -150,22 +127,12 @@ class DecodeWorker:
         return found or reservation is not None
 
     def stats(self) -> dict:
-        eng = self.engine
-        return {"worker_id": self.worker_id, "role": self.role,
-                "num_requests": eng.num_unfinished(), "num_waiting_for_kv": len(self._expect),
-                "kv_usage": eng.pool.usage(), "free_blocks": eng.pool.num_free_blocks,
-                "cache_queries": eng.pool.stats.queries, "cache_hits": eng.pool.stats.hits,
+        return {**super().stats(), "num_waiting_for_kv": len(self._expect),
                 "bytes_received": self.bytes_received, "blocks_received": self.blocks_received}
-
-    def check_integrity(self) -> None:
-        self.loop.run(self.engine.check_integrity)
 
     def shutdown(self) -> None:
         self._closing.set()
-        for prefill_id in list(self._peers):
-            self.disconnect_prefill(prefill_id)
-        self.loop.stop()
-        self.registry.close()
+        super().shutdown()
 
     # ---- receiving -----------------------------------------------------------------------
     def _accept(self, desc: TransferDescriptor) -> bool:

@@ -16,22 +16,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from engine import LLMEngine, SamplingParams
+from engine import SamplingParams
 from engine.block_hash import hash_prompt_blocks
-from engine.engine_loop import EngineLoop
-from kvtransfer import GroupRegistry, KVTransfer, LeaseTable, TransferDescriptor, dtype_name
-from kvtransfer.control import control_peer
+from kvtransfer import TransferDescriptor, dtype_name
+from kvtransfer.endpoint import TransferEndpoint
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class TransferOptions:
-    """How a worker moves KV: backend, lease on held/reserved blocks, per-step timeout."""
-
-    backend: str = "auto"  # auto: nccl when the KV cache is on CUDA, gloo otherwise
-    lease_seconds: float = 30.0
-    timeout_seconds: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,44 +36,27 @@ class _SendJob:
     block_hashes: tuple[int, ...]
 
 
-class PrefillWorker:
+class PrefillWorker(TransferEndpoint):
     """Prefill role: prompt in, first token out, KV shipped to a decode worker."""
 
     role = "prefill"
 
     def __init__(self, worker_id: str, engine_options: dict | None = None,
                  transfer: dict | None = None) -> None:
-        self.worker_id = worker_id
-        self.options = TransferOptions(**(transfer or {}))
-        self.engine = LLMEngine(**(engine_options or {}))
-        self.loop = EngineLoop(self.engine).start()
-        self.registry = GroupRegistry(self.engine.runner.device, self.options.backend,
-                                      timeout=self.options.timeout_seconds)
-        self.transfer = KVTransfer(self.registry)
-        self.leases = LeaseTable()
-        self._lock = threading.Lock()
+        super().__init__(worker_id, engine_options, transfer)
         self._senders: dict[str, queue.Queue[_SendJob | None]] = {}
         self._addresses: dict[str, dict] = {}
-        self._peers: dict[str, Any] = {}  # decode id -> control object with abort()
         self.bytes_sent = 0
         self.blocks_sent = 0
-        self.loop.add_step_hook(lambda _result: self._expire_leases())
 
     # ---- control API -----------------------------------------------------------------------
-    def info(self) -> dict:
-        cfg = self.engine.config
-        return {"worker_id": self.worker_id, "role": self.role, "block_size": cfg.block_size,
-                "hash_seed": cfg.hash_seed, "num_kv_blocks": self.engine.pool.num_blocks,
-                "model": str(self.engine.model_dir), "backend": self.registry.backend}
-
     def connect_decode(self, decode_id: str, peer: Any = None) -> dict:
         """Host the pair group with a decode worker; returns the address it must join.
 
         `peer`, if given, has abort(request_id, propagate=False): aborts here reach it.
         """
         with self._lock:
-            if peer is not None:
-                self._peers[decode_id] = control_peer(peer)
+            self._attach_peer(decode_id, peer)
             if decode_id not in self.registry:
                 address = self.registry.host(decode_id)
                 self._senders[decode_id] = q = queue.Queue()
@@ -94,14 +67,15 @@ class PrefillWorker:
 
     def disconnect_decode(self, decode_id: str) -> None:
         """Tear down the pair group (the decode worker left)."""
+        self._disconnect(decode_id)
+
+    def _disconnect(self, peer_id: str) -> None:
         with self._lock:
-            q = self._senders.pop(decode_id, None)
-            self._addresses.pop(decode_id, None)
-            self._peers.pop(decode_id, None)
+            q = self._senders.pop(peer_id, None)
+            self._addresses.pop(peer_id, None)
             if q is not None:
                 q.put(None)
-            if decode_id in self.registry:
-                self.registry.remove(decode_id)
+        super()._disconnect(peer_id)
 
     def prefill(self, request_id: str, prompt_token_ids: list[int], params: dict,
                 cache_salt: str | None = None, decode_id: str | None = None,
@@ -157,21 +131,13 @@ class PrefillWorker:
         return found
 
     def stats(self) -> dict:
-        eng = self.engine
-        return {"worker_id": self.worker_id, "role": self.role,
-                "num_requests": eng.num_unfinished(), "num_held": len(eng.held_requests()),
-                "kv_usage": eng.pool.usage(), "free_blocks": eng.pool.num_free_blocks,
-                "cache_queries": eng.pool.stats.queries, "cache_hits": eng.pool.stats.hits,
+        return {**super().stats(), "num_held": len(self.engine.held_requests()),
                 "bytes_sent": self.bytes_sent, "blocks_sent": self.blocks_sent}
-
-    def check_integrity(self) -> None:
-        self.loop.run(self.engine.check_integrity)
 
     def shutdown(self) -> None:
         for decode_id in list(self._senders):
-            self.disconnect_decode(decode_id)
-        self.loop.stop()
-        self.registry.close()
+            self._disconnect(decode_id)
+        super().shutdown()
 
     # ---- internals -------------------------------------------------------------------------
     def _sender(self, decode_id: str) -> queue.Queue:

@@ -31,20 +31,32 @@ def workers(tiny_llama):
     prefill.stop()
 
 
-def run_concurrently(prefill, decode, prompts, params, prefix="r") -> dict[str, list[dict]]:
+def run_concurrently(prefill, decode, prompts, params, prefix="r", timeout=60.0
+                     ) -> dict[str, list[dict]]:
+    """Run every prompt through the hand-off at once; a request whose control call fails
+    (a killed worker) reports what the decode side says of it, or the error."""
     results: dict[str, list[dict]] = {}
 
     def one(i: int) -> None:
         rid = f"{prefix}{i}"
-        results[rid] = list(generate_disaggregated(
-            prefill.client, decode.client, rid, prompts[i], params[i], prefill_id="p0",
-            decode_id="d0", timeout=60))
+        try:
+            results[rid] = list(generate_disaggregated(
+                prefill.client, decode.client, rid, prompts[i], params[i],
+                prefill_id=prefill.worker_id, decode_id=decode.worker_id, timeout=timeout))
+        except Exception as exc:  # noqa: BLE001 - a worker died under the request
+            outs: list[dict] = []
+            try:
+                while not (outs and outs[-1]["finished"]):
+                    outs += decode.client.poll(rid, 1.0)
+            except Exception:  # noqa: BLE001
+                outs = outs or [{"finish_reason": "error", "error": str(exc)}]
+            results[rid] = outs
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(90)
+        t.join(timeout + 30)
     return results
 
 
@@ -125,7 +137,7 @@ def test_killing_prefill_mid_transfer_frees_reserved_blocks(tiny_llama):
         params = [dict(max_tokens=4, temperature=0.0, ignore_eos=True)] * 6
         results: dict[str, list[dict]] = {}
         worker = threading.Thread(target=lambda: results.update(
-            run_concurrently_safe(prefill, decode, prompts, params)))
+            run_concurrently(prefill, decode, prompts, params, prefix="k", timeout=30)))
         worker.start()
         time.sleep(0.3)  # requests are reserved and prefilling / transferring
         prefill.kill()
@@ -153,30 +165,3 @@ def test_killing_prefill_mid_transfer_frees_reserved_blocks(tiny_llama):
     finally:
         decode.stop()
         prefill.stop()
-
-
-def run_concurrently_safe(prefill, decode, prompts, params) -> dict[str, list[dict]]:
-    """Like run_concurrently, but a request whose control call fails reports the error."""
-    results: dict[str, list[dict]] = {}
-
-    def one(i: int) -> None:
-        rid = f"k{i}"
-        try:
-            results[rid] = list(generate_disaggregated(
-                prefill.client, decode.client, rid, prompts[i], params[i], prefill_id="p0",
-                decode_id="d0", timeout=30))
-        except Exception as exc:  # noqa: BLE001 - the prefill process was killed
-            outs = []
-            try:  # the decode side still reports the request's fate
-                while not (outs and outs[-1]["finished"]):
-                    outs += decode.client.poll(rid, 1.0)
-            except Exception:  # noqa: BLE001
-                outs = outs or [{"finish_reason": "error", "error": str(exc)}]
-            results[rid] = outs
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return results
