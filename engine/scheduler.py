@@ -125,8 +125,6 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-                break  # keeps arrival order: nothing overtakes a request still waiting
             hits = self.kv.get_computed_blocks(req)
             req.num_computed_tokens = len(hits) * self.kv.block_size
             n = min(req.num_tokens - req.num_computed_tokens, self.config.chunk_size, budget)
