@@ -1,0 +1,261 @@
+"""Choosing the prefill and the decode worker for one request (pure logic, no RPC).
+
+Prefill policies are chosen by name from POLICIES; "cache_aware" is the default. Every
+policy sees only healthy workers; choose_prefill / choose_decode raise NoWorkerAvailable
+when there are none.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+from engine.block_hash import BlockHash
+from router.kv_index import KVIndex, WorkerId
+
+DEFAULT_POLICY = "cache_aware"
+
+
+class NoWorkerAvailable(RuntimeError):
+    """No healthy worker of the needed role is registered."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A prefill worker's load as the router sees it."""
+
+    worker_id: WorkerId
+    queued_prefill_tokens: int = 0  # dispatched to it and not yet prefilled (see LoadTracker)
+    running_requests: int = 0
+    healthy: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLoad:
+    """A decode worker's load as the router sees it."""
+
+    worker_id: WorkerId
+    free_blocks: int  # free + evictable cached blocks (BlockPool.num_free_blocks)
+    running_requests: int = 0
+    healthy: bool = True
+
+
+class PrefillChoice(NamedTuple):
+    """The chosen prefill worker and the prompt tokens it is expected to find cached."""
+
+    worker_id: WorkerId
+    cached_tokens: int
+
+
+class DecodeChoice(NamedTuple):
+    """The chosen decode worker, its own prefix-hit blocks, and whether the prompt fits."""
+
+    worker_id: WorkerId
+    hit_blocks: int
+    fits: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInfo:
+    """What a policy may know about the prompt; `cached_tokens` reads the index."""
+
+    block_hashes: Sequence[BlockHash]
+    block_size: int
+    num_tokens: int
+    index: KVIndex
+
+    @property
+    def max_hit_blocks(self) -> int:
+        """Blocks an engine may take from cache: its last token is always computed."""
+        return min(len(self.block_hashes), (self.num_tokens - 1) // self.block_size)
+
+    def cached_tokens(self, worker_id: WorkerId) -> int:
+        """Prompt tokens the worker holds as a leading run of cached blocks."""
+        hashes = self.block_hashes[: self.max_hit_blocks]
+        return self.index.prefix_hits(worker_id, hashes) * self.block_size
+
+
+class Policy(ABC):
+    """Picks one prefill worker; called with a non-empty list of healthy workers."""
+
+    # True when choices depend on earlier calls: such a policy must be built once
+    # (make_policy) and reused, not named afresh on every call.
+    stateful: ClassVar[bool] = False
+
+    @abstractmethod
+    def choose(self, prompt: PromptInfo, loads: list[WorkerLoad]) -> WorkerLoad:
+        """One of `loads`; does not modify the index or the loads."""
+
+
+class CacheAware(Policy):
+    """The worker that would finish this prompt's prefill soonest.
+
+    score = uncached prompt tokens + queued prefill tokens, so the longest cached prefix
+    wins unless that worker's queue is longer than what its cache saves. Ties go to the
+    shorter queue, then the lower worker id.
+    """
+
+    def choose(self, prompt: PromptInfo, loads: list[WorkerLoad]) -> WorkerLoad:
+        def key(w: WorkerLoad) -> tuple[int, int, str]:
+            uncached = prompt.num_tokens - prompt.cached_tokens(w.worker_id)
+            return uncached + w.queued_prefill_tokens, w.queued_prefill_tokens, w.worker_id
+
+        return min(loads, key=key)
+
+
+class RoundRobin(Policy):
+    """Healthy workers in worker-id order, one after the other, skipping absent ones."""
+
+    stateful = True
+
+    def __init__(self) -> None:
+        self._last: WorkerId | None = None
+        self._lock = threading.Lock()
+
+    def choose(self, prompt: PromptInfo, loads: list[WorkerLoad]) -> WorkerLoad:
+        ordered = sorted(loads, key=lambda w: w.worker_id)
+        with self._lock:
+            # The first id after the last one chosen; wrap around to the lowest.
+            nxt = next((w for w in ordered if self._last is None or w.worker_id > self._last),
+                       ordered[0])
+            self._last = nxt.worker_id
+        return nxt
+
+
+class LeastLoaded(Policy):
+    """Fewest queued prefill tokens, then fewest running requests, then lowest id."""
+
+    def choose(self, prompt: PromptInfo, loads: list[WorkerLoad]) -> WorkerLoad:
+        return min(loads, key=lambda w: (w.queued_prefill_tokens, w.running_requests,
+                                         w.worker_id))
+
+
+class RandomChoice(Policy):
+    """A uniformly random healthy worker; reproducible for a given seed and call sequence."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def choose(self, prompt: PromptInfo, loads: list[WorkerLoad]) -> WorkerLoad:
+        ordered = sorted(loads, key=lambda w: w.worker_id)  # independent of input order
+        with self._lock:
+            return self._rng.choice(ordered)
+
+
+POLICIES: dict[str, type[Policy]] = {
+    "cache_aware": CacheAware,
+    "round_robin": RoundRobin,
+    "least_loaded": LeastLoaded,
+    "random": RandomChoice,
+}
+
+
+def make_policy(name: str = DEFAULT_POLICY, **options) -> Policy:
+    """Build the policy registered under `name` (options e.g. seed= for "random")."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of "
+                         f"{sorted(POLICIES)}") from None
+    return cls(**options)
+
+
+def _healthy(loads: Sequence[WorkerLoad | DecodeLoad], role: str) -> list:
+    ids = [w.worker_id for w in loads]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate {role} worker ids in {ids}")
+    healthy = [w for w in loads if w.healthy]
+    if not healthy:
+        detail = f"all {len(loads)} are unhealthy: {sorted(ids)}" if loads else "none registered"
+        raise NoWorkerAvailable(f"no healthy {role} worker ({detail})")
+    return healthy
+
+
+def _check_prompt(block_hashes: Sequence[BlockHash], block_size: int, num_tokens: int) -> None:
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    full = num_tokens // block_size
+    if len(block_hashes) > full:  # fewer is fine: the router may hash only a leading part
+        raise ValueError(f"num_prompt_tokens={num_tokens} makes {full} full blocks of "
+                         f"{block_size}, but {len(block_hashes)} block hashes were given")
+
+
+def choose_prefill(policy: str | Policy, prompt_block_hashes: Sequence[BlockHash],
+                   block_size: int, loads: Sequence[WorkerLoad], index: KVIndex, *,
+                   num_prompt_tokens: int | None = None) -> PrefillChoice:
+    """Pick a healthy prefill worker with `policy` (a name in POLICIES or an instance).
+
+    Without num_prompt_tokens the prompt is taken to end in a partial block after its
+    full ones; pass it to apply the engine's cap (the last token is never cached).
+    """
+    if isinstance(policy, str):
+        if policy in POLICIES and POLICIES[policy].stateful:
+            raise ValueError(f"policy {policy!r} keeps state between calls: build it once "
+                             f"with make_policy({policy!r}) and pass the instance")
+        policy = make_policy(policy)
+    if num_prompt_tokens is None:
+        num_prompt_tokens = len(prompt_block_hashes) * block_size + 1
+    _check_prompt(prompt_block_hashes, block_size, num_prompt_tokens)
+    prompt = PromptInfo(prompt_block_hashes, block_size, num_prompt_tokens, index)
+    chosen = policy.choose(prompt, _healthy(loads, "prefill"))
+    return PrefillChoice(chosen.worker_id, prompt.cached_tokens(chosen.worker_id))
+
+
+def choose_decode(prompt_block_hashes: Sequence[BlockHash], num_prompt_tokens: int,
+                  block_size: int, loads: Sequence[DecodeLoad], index: KVIndex) -> DecodeChoice:
+    """Pick a healthy decode worker: room for the prompt, then own prefix hits, then load.
+
+    A worker "fits" when its free blocks cover every block of the prompt (its own hits may
+    be evictable blocks that the reservation takes off the free queue too). If none fits,
+    the best of the rest is returned with fits=False; the caller decides to wait or fail.
+    """
+    _check_prompt(prompt_block_hashes, block_size, num_prompt_tokens)
+    healthy = _healthy(loads, "decode")
+    needed = -(-num_prompt_tokens // block_size)
+    prompt = PromptInfo(prompt_block_hashes, block_size, num_prompt_tokens, index)
+    hits = {w.worker_id: prompt.cached_tokens(w.worker_id) // block_size for w in healthy}
+    best = min(healthy, key=lambda w: (w.free_blocks < needed, -hits[w.worker_id],
+                                       w.running_requests, w.worker_id))
+    return DecodeChoice(best.worker_id, hits[best.worker_id], best.free_blocks >= needed)
+
+
+class LoadTracker:
+    """Queued prefill tokens per worker, from dispatch until prefilled; thread-safe."""
+
+    def __init__(self) -> None:
+        self._queued: dict[WorkerId, int] = {}  # invariant: every value >= 0
+        self._lock = threading.Lock()
+
+    def dispatched(self, worker_id: WorkerId, n_tokens: int) -> None:
+        """Count n_tokens (the uncached tokens of a prompt) as queued on the worker."""
+        if n_tokens < 0:
+            raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
+        with self._lock:
+            self._queued[worker_id] = self._queued.get(worker_id, 0) + n_tokens
+
+    def prefilled(self, worker_id: WorkerId, n_tokens: int) -> None:
+        """Take n_tokens off the worker's queue (clamped at zero: never negative)."""
+        if n_tokens < 0:
+            raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
+        with self._lock:
+            self._queued[worker_id] = max(0, self._queued.get(worker_id, 0) - n_tokens)
+
+    def queued(self, worker_id: WorkerId) -> int:
+        """Tokens dispatched to the worker and not yet prefilled."""
+        with self._lock:
+            return self._queued.get(worker_id, 0)
+
+    def forget(self, worker_id: WorkerId) -> None:
+        """Drop a worker's count (it died; its queue is gone with it)."""
+        with self._lock:
+            self._queued.pop(worker_id, None)
+
+    def snapshot(self) -> dict[WorkerId, int]:
+        """A copy of all counts."""
+        with self._lock:
+            return dict(self._queued)

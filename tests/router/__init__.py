@@ -1,0 +1,1 @@
+"""Router routing core: the KV index and the worker-choice policies."""
