@@ -5,6 +5,11 @@ KV cache layout (fixed by the engine): one tensor per layer, [2, num_blocks, bs,
 [num_layers_in_message, 2, n, bs, kvh, d], contiguous and layer-major, so packing is one
 index_select per layer straight into the message buffer and unpacking one index_copy_.
 Within a message, blocks are in `wire_order`.
+
+Zero-copy alternative (kvtransfer.transfer's "runs" mode): when the moving blocks form a few
+`runs` (stretches where src and dst ids both ascend by one) and a cache `is_head_major`, each
+(layer, k/v, kv head, run) region, storage[kv, head, s0:s0 + n], is already contiguous
+(n * bs * d values) and travels as its own message, straight from and into the cache.
 """
 
 from __future__ import annotations
@@ -17,6 +22,33 @@ from kvtransfer.descriptor import TransferDescriptor, dtype_name
 from kvtransfer.errors import DescriptorError
 
 DEFAULT_MESSAGE_BYTES = 32 << 20
+
+
+def is_head_major(kv_cache: Sequence[torch.Tensor], layers: tuple[int, int]) -> bool:
+    """Whether every layer in [layers) is stored head-major and contiguous
+    ([2, kvh, num_blocks, bs, d] storage, engine.attention.kv_layout)."""
+    return all(kv_cache[layer].permute(0, 3, 1, 2, 4).is_contiguous()
+               for layer in range(*layers))
+
+
+def runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the maximal stretches of aligned `src`/`dst` (given in
+    wire order) where both ids go up by exactly one from each block to the next."""
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if out:
+            s0, d0, n = out[-1]
+            if s == s0 + n and d == d0 + n:
+                out[-1] = (s0, d0, n + 1)
+                continue
+        out.append((s, d, 1))
+    return out
+
+
+def run_region(kv: torch.Tensor, k: int, head: int, start: int, n: int) -> torch.Tensor:
+    """Blocks [start, start + n) of `head`'s keys (k=0) or values (k=1) of one layer:
+    [n, bs, d]; contiguous when the layer is head-major."""
+    return kv.permute(0, 3, 1, 2, 4)[k, head, start:start + n]
 
 
 def check_cache(kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor,
@@ -96,6 +128,15 @@ class Staging:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._slots[slot] = buf
         return buf[:nbytes].view(desc.torch_dtype).view(shape)
+
+    def raw(self, slot: int, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of slot `slot`, flat uint8 (grown if needed)."""
+        buf = self._slots[slot]
+        if buf is None or buf.numel() < nbytes:
+            self._slots[slot] = None
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._slots[slot] = buf
+        return buf[:nbytes]
 
 
 def pack(kv_cache: Sequence[torch.Tensor], layers: tuple[int, int], src: torch.Tensor,

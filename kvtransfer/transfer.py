@@ -5,9 +5,19 @@ Protocol for one transfer (sender = host side, rank 0; receiver = joined side, r
      store's queue; announcing through the store, not the group, lets a receiver wait for work
      with a timeout without breaking anything, and wakes it without polling;
   2. both sides use the backend group of that epoch, building it if needed;
-  3. the payload goes as len(plan_messages(...)) messages of consecutive layers, in order,
-     double-buffered: the sender packs message m + 1 while m is on the wire, the receiver has
-     two receives posted and unpacks one while the next arrives.
+  3. the payload goes in one of two modes, which the sender picks and names in the frame:
+     - "packed": len(plan_messages(...)) messages of consecutive layers, in order,
+       double-buffered: the sender packs message m + 1 while m is on the wire, the receiver
+       has two receives posted and unpacks one while the next arrives;
+     - "runs" (zero-copy): when the blocks, in wire order, form at most `max_runs` runs
+       (stretches where src and dst ids both go up by one; a fresh engine allocates prompts
+       this way) and the sender's cache is head-major, every (layer, k/v, kv head, run) region
+       of the cache storage is contiguous and is one message, sent straight from the cache:
+       layers * 2 * kv_heads * runs messages, in that nesting order, up to RUN_WINDOW of
+       them in flight. A head-major receiver receives each straight into its cache; any other
+       receiver (or a draining one) receives into scratch buffers and copies (correct, slower).
+     The run cap bounds the message count (small messages cost gloo/NCCL per-message overhead);
+     more scattered ids go packed, where one gather + scatter is cheaper than many tiny sends.
 Any failure after (1) tears the group down and advances the pair's epoch (kvtransfer.pair).
 Deadlines: `timeout` bounds each blocking step (a store call, the group rendezvous, each
 message), so a dead or hung peer fails a transfer within about `timeout` of its last progress.
@@ -23,9 +33,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import msgpack
 import torch
 
-from kvtransfer.announcement import Announcement
+from kvtransfer.announcement import ANNOUNCEMENT_VERSION, Announcement
 from kvtransfer.descriptor import TransferDescriptor
 from kvtransfer.errors import (
     DescriptorError,
@@ -39,9 +50,12 @@ from kvtransfer.packing import (
     DEFAULT_MESSAGE_BYTES,
     Staging,
     check_cache,
+    is_head_major,
     layers_per_message,
     pack,
     plan_messages,
+    run_region,
+    runs,
     unpack,
     wire_order,
 )
@@ -49,6 +63,10 @@ from kvtransfer.pair import PeerGroup
 
 TAG = 0  # NCCL ignores tags: the protocol relies on per-pair message order only
 ANNOUNCE_SLICE_S = 0.25  # longest single blocking wait for an announcement
+FRAME_VERSION = 2  # announcement frame: Announcement's fields plus the payload "mode"
+MODE_PACKED, MODE_RUNS = "packed", "runs"
+MAX_RUNS = 8  # default cap on runs for the zero-copy mode (0 disables it)
+RUN_WINDOW = 8  # run-mode messages in flight per side (1 without pipelining)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,12 +136,15 @@ class KVTransfer:
     """
 
     def __init__(self, registry: GroupRegistry, *, message_bytes: int = DEFAULT_MESSAGE_BYTES,
-                 pipeline: bool = True) -> None:
+                 pipeline: bool = True, max_runs: int = MAX_RUNS) -> None:
         if message_bytes < 1:
             raise ValueError(f"message_bytes must be >= 1, got {message_bytes}")
+        if max_runs < 0:
+            raise ValueError(f"max_runs must be >= 0, got {max_runs}")
         self.registry = registry
         self.message_bytes = message_bytes  # target size of one message; at least one layer
         self.pipeline = pipeline  # double-buffer (overlap pack/unpack with the wire)
+        self.max_runs = max_runs  # send zero-copy when the blocks form at most this many runs
 
     # ---- sender -------------------------------------------------------------------------
     def send(self, peer_id: str, kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor, *,
@@ -140,24 +161,53 @@ class KVTransfer:
         check_cache(kv_cache, desc, desc.src_block_ids, "sender")
         timeout = self.registry.timeout if timeout is None else timeout
         lpm = layers_per_message(desc, self.message_bytes)
+        mode = self._mode(kv_cache, desc)
         with group.session(timeout):
             start = time.perf_counter()
             with _blocking(group, "reading the pair epoch", timeout, store=True):
                 epoch = group.sync_epoch()
-            frame = Announcement(epoch, lpm, desc).encode()
+            frame = _encode_frame(Announcement(epoch, lpm, desc), mode)
             try:
                 with _blocking(group, "announcing the transfer", timeout, store=True):
                     group.announce(frame)
                 with _blocking(group, "building the group", timeout, store=False):
                     pg = group.connect(epoch)
-                num_messages, payload = self._send_payload(pg, group, kv_cache, desc, lpm,
-                                                           timeout)
+                if mode == MODE_RUNS:
+                    num_messages, payload = self._send_runs(pg, group, kv_cache, desc, timeout)
+                else:
+                    num_messages, payload = self._send_payload(pg, group, kv_cache, desc, lpm,
+                                                               timeout)
             except BaseException:
                 group.fail(epoch)
                 raise
             seconds = time.perf_counter() - start
         return TransferStats(desc.request_id, desc.num_blocks, desc.num_layers, num_messages,
                              payload, len(frame), seconds)
+
+    def _mode(self, kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor) -> str:
+        """MODE_RUNS if desc's blocks form 1..max_runs runs and this cache is head-major."""
+        if (self.max_runs and desc.num_blocks and is_head_major(kv_cache, desc.layers)
+                and len(runs(*wire_order(desc))) <= self.max_runs):
+            return MODE_RUNS
+        return MODE_PACKED
+
+    def _send_runs(self, pg: Any, group: PeerGroup, kv_cache: Sequence[torch.Tensor],
+                   desc: TransferDescriptor, timeout: float) -> tuple[int, int]:
+        """Zero-copy: each (layer, k/v, head, run) region of the cache is one message."""
+        window = RUN_WINDOW if self.pipeline else 1
+        inflight: deque[Any] = deque()  # send works, message order
+        payload = count = 0
+        with _blocking(group, f"sending request {desc.request_id}", timeout, store=False):
+            for layer, k, head, (s0, _, n) in _run_messages(desc):
+                if len(inflight) >= window:
+                    _wait(inflight.popleft(), timeout)
+                wire = run_region(kv_cache[layer], k, head, s0, n).view(-1).view(torch.uint8)
+                inflight.append(pg.send([wire], 1 - group.rank, TAG))
+                payload += wire.numel()
+                count += 1
+            while inflight:
+                _wait(inflight.popleft(), timeout)
+        return count, payload
 
     def _send_payload(self, pg: Any, group: PeerGroup, kv_cache: Sequence[torch.Tensor],
                       desc: TransferDescriptor, lpm: int, timeout: float) -> tuple[int, int]:
@@ -211,14 +261,15 @@ class KVTransfer:
             start = time.perf_counter()
             with _blocking(group, "reading the pair epoch", timeout, store=True):
                 group.publish_failure()
-            frame = self._next_frame(group, start + wait, timeout)
+            frame, mode = self._next_frame(group, start + wait, timeout)
             desc = frame.descriptor
             try:
                 refusal = _refusal(kv_cache, desc, accept)
                 with _blocking(group, "building the group", timeout, store=False):
                     pg = group.connect(frame.epoch)
-                num_messages, payload = self._recv_payload(pg, group, kv_cache, frame, timeout,
-                                                           drain=refusal is not None)
+                recv_payload = self._recv_runs if mode == MODE_RUNS else self._recv_payload
+                num_messages, payload = recv_payload(pg, group, kv_cache, frame, timeout,
+                                                     drain=refusal is not None)
             except BaseException:
                 group.fail(frame.epoch)
                 raise
@@ -229,7 +280,8 @@ class KVTransfer:
         return desc, TransferStats(desc.request_id, desc.num_blocks, desc.num_layers,
                                    num_messages, payload, frame.nbytes, seconds)
 
-    def _next_frame(self, group: PeerGroup, deadline: float, timeout: float) -> Announcement:
+    def _next_frame(self, group: PeerGroup, deadline: float,
+                    timeout: float) -> tuple[Announcement, str]:
         """Pop announcements until one of the current epoch arrives or the deadline passes."""
         while True:
             if group.closed:
@@ -244,7 +296,7 @@ class KVTransfer:
                 if raw is None:
                     continue
                 try:
-                    frame = Announcement.decode(raw)
+                    frame, mode = _decode_frame(raw)
                 except DescriptorError as e:
                     group.fail(None)  # its payload cannot be sized: the stream is lost
                     raise TransferError(f"peer {group.peer_id!r} announced a malformed "
@@ -254,7 +306,7 @@ class KVTransfer:
                 # failure and its sender has given up on it; building a group for it would
                 # wait for a peer that never comes.
                 if frame.epoch == group.pg_epoch or frame.epoch >= group.epoch():
-                    return frame
+                    return frame, mode
 
     def _recv_payload(self, pg: Any, group: PeerGroup, kv_cache: Sequence[torch.Tensor],
                       frame: Announcement, timeout: float, drain: bool) -> tuple[int, int]:
@@ -285,6 +337,44 @@ class KVTransfer:
                     # after the unpack above, on CPU the unpack is already done
         return len(plan), payload
 
+    def _recv_runs(self, pg: Any, group: PeerGroup, kv_cache: Sequence[torch.Tensor],
+                   frame: Announcement, timeout: float, drain: bool) -> tuple[int, int]:
+        """Receive a "runs" payload: straight into a head-major cache, else (or when draining)
+        into RUN_WINDOW scratch chunks of one staging slot, copying each into the cache."""
+        desc = frame.descriptor
+        messages = list(_run_messages(desc))
+        block_size, _, head_dim = desc.block_shape
+        block_bytes = block_size * head_dim * desc.torch_dtype.itemsize  # one head, K or V
+        direct = not drain and is_head_major(kv_cache, desc.layers)
+        window = RUN_WINDOW if self.pipeline else 1
+        chunk = max(n for _, _, _, (_, _, n) in messages) * block_bytes if messages else 0
+        scratch = None if direct else self._staging(group).raw(0, window * chunk)
+        posted: deque[tuple[torch.Tensor, Any]] = deque()  # (buffer, recv work), message order
+        payload = 0
+
+        def post(i: int) -> None:
+            layer, k, head, (_, d0, n) = messages[i]
+            if scratch is None:
+                buf = run_region(kv_cache[layer], k, head, d0, n).view(-1).view(torch.uint8)
+            else:
+                offset = (i % window) * chunk
+                buf = scratch[offset:offset + n * block_bytes]
+            posted.append((buf, pg.recv([buf], 1 - group.rank, TAG)))
+
+        with _blocking(group, f"receiving request {desc.request_id}", timeout, store=False):
+            for i in range(min(window, len(messages))):
+                post(i)
+            for i, (layer, k, head, (_, d0, n)) in enumerate(messages):
+                buf, work = posted.popleft()
+                _wait(work, timeout)
+                if scratch is not None and not drain:
+                    run_region(kv_cache[layer], k, head, d0, n).copy_(
+                        buf.view(desc.torch_dtype).view(n, block_size, head_dim))
+                payload += buf.numel()
+                if i + window < len(messages):
+                    post(i + window)  # reuses buf's chunk: stream-ordered after the copy
+        return len(messages), payload
+
     @staticmethod
     def _staging(group: PeerGroup) -> Staging:
         if group.staging is None:
@@ -295,6 +385,43 @@ class KVTransfer:
 def _plan(desc: TransferDescriptor, lpm: int) -> list[tuple[int, int]]:
     """Message layer ranges; none when no block moves (the announcement alone suffices)."""
     return plan_messages(desc, lpm) if desc.num_blocks else []
+
+
+def _run_messages(desc: TransferDescriptor,
+                  ) -> Iterator[tuple[int, int, int, tuple[int, int, int]]]:
+    """(layer, k/v, kv head, (src start, dst start, n)) of each "runs" message, in wire order."""
+    spans = runs(*wire_order(desc))
+    for layer in range(*desc.layers):
+        for k in range(2):
+            for head in range(desc.block_shape[1]):
+                for span in spans:
+                    yield layer, k, head, span
+
+
+def _encode_frame(announcement: Announcement, mode: str) -> bytes:
+    """The announcement frame: Announcement's fields plus the payload mode, FRAME_VERSION."""
+    return msgpack.packb({"v": FRAME_VERSION, "epoch": announcement.epoch,
+                          "layers_per_message": announcement.layers_per_message, "mode": mode,
+                          "descriptor": announcement.descriptor.encode()}, use_bin_type=True)
+
+
+def _decode_frame(raw: bytes) -> tuple[Announcement, str]:
+    """Parse `_encode_frame()` output into (announcement, mode); DescriptorError if malformed."""
+    try:
+        obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise DescriptorError(f"announcement is not valid msgpack: {e}") from e
+    version = obj.get("v") if isinstance(obj, dict) else None
+    if version != FRAME_VERSION:
+        raise DescriptorError(f"announcement frame version {version!r} is not {FRAME_VERSION}; "
+                              "are both workers the same build?")
+    mode = obj.pop("mode", None)
+    if mode not in (MODE_PACKED, MODE_RUNS):
+        raise DescriptorError(f"announcement has an unknown payload mode {mode!r}")
+    # The remaining fields are exactly an Announcement's: reuse its validation.
+    inner = Announcement.decode(msgpack.packb({**obj, "v": ANNOUNCEMENT_VERSION},
+                                              use_bin_type=True))
+    return Announcement(inner.epoch, inner.layers_per_message, inner.descriptor, len(raw)), mode
 
 
 def _refusal(kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor,
