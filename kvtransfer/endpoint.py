@@ -41,7 +41,8 @@ class TransferEndpoint:
         self.leases = LeaseTable()
         self._lock = threading.Lock()
         self._peers: dict[str, Any] = {}  # peer worker id -> its control object
-        self.loop.add_step_hook(lambda _result: self._expire_leases())
+        self._events: list[dict] = []  # KV events not yet taken by a router, oldest first
+        self.loop.add_step_hook(self._after_step)
 
     def info(self) -> dict:
         cfg = self.engine.config
@@ -55,6 +56,12 @@ class TransferEndpoint:
                 "num_requests": eng.num_unfinished(), "kv_usage": eng.pool.usage(),
                 "free_blocks": eng.pool.num_free_blocks, "cache_queries": eng.pool.stats.queries,
                 "cache_hits": eng.pool.stats.hits}
+
+    def kv_events(self) -> list[dict]:
+        """Take the stored/removed block-hash events since the last call, oldest first."""
+        with self._lock:
+            events, self._events = self._events, []
+        return events
 
     def check_integrity(self) -> None:
         self.loop.run(self.engine.check_integrity)
@@ -75,6 +82,14 @@ class TransferEndpoint:
             self._peers.pop(peer_id, None)
             if peer_id in self.registry:
                 self.registry.remove(peer_id)
+
+    def _after_step(self, result) -> None:
+        if result.kv_events:
+            with self._lock:
+                self._events.extend(
+                    {"kind": e.kind, "block_hashes": list(e.block_hashes),
+                     "parent_hash": e.parent_hash} for e in result.kv_events)
+        self._expire_leases()
 
     def _expire_leases(self) -> None:
         """Runs on the loop thread after every step; subclasses free what expired."""
