@@ -1,14 +1,19 @@
-"""KV transfer benchmark: kvtransfer's packed path vs one plain contiguous send, in one run.
+"""KV transfer benchmark: kvtransfer's packed and zero-copy paths vs one plain send, in one run.
 
     python -m benchmarks.kvtransfer [--tokens 1024 8192 32768] [--repeats 3] [--json FILE]
 
 Two processes on CPU (gloo): this one is the prefill side (host, sender), a spawned child the
 decode side (receiver). For each prompt length it moves the KV of all the prompt's blocks with
-SmolLM2-135M shapes (30 layers, 3 KV heads, head_dim 64, block_size 16, fp32) from scattered
-source block ids to scattered destination ids, through KVTransfer (pack, announce, send,
-unpack), and compares it with one `send` of a contiguous tensor of the same byte size over the
-same gloo group. Times run from the sender's call until the receiver reports completion; the
-variants run round-robin and the median of --repeats rounds is reported.
+SmolLM2-135M shapes (30 layers, 3 KV heads, head_dim 64, block_size 16, fp32, head-major caches
+like the engine's) through KVTransfer, in two cases:
+  - scattered: random source ids to random destination ids, the packed path (pack, announce,
+    send, unpack);
+  - consecutive: ids 0..n-1 on both sides, as a fresh engine allocates a new prompt's blocks:
+    one run, the zero-copy path (each (layer, k/v, head) region sent from and received into the
+    cache directly);
+and compares each with one `send` of a contiguous tensor of the same byte size over the same
+gloo group. Times run from the sender's call until the receiver reports completion; within a
+case the variants run round-robin and the median of --repeats rounds is reported.
 """
 
 from __future__ import annotations
@@ -81,7 +86,8 @@ def receiver_main(conn: Any, address: dict[str, Any], threads: int) -> None:
             rx = KVTransfer(registry, **args[0])
             conn.send(("ready",))
             desc, _ = rx.recv("prefill", kv, wait=120.0)
-            conn.send(("done", digest(kv, list(desc.dst_block_ids))))
+            conn.send(("done",))  # the timed part ends here, before the check below
+            conn.send(("digest", digest(kv, list(desc.dst_block_ids))))
         elif cmd == "plain":
             work = registry.get("prefill").pg.recv([flat[: args[0]]], 0, 0)
             conn.send(("ready",))
@@ -135,8 +141,9 @@ def time_kvtransfer(registry: GroupRegistry, receiver: Receiver, kv: list[torch.
     receiver.call("recv", options, expect="ready")
     start = time.perf_counter()
     tx.send("decode", kv, desc)
-    got = receiver.expect("done")
+    receiver.expect("done")
     elapsed = time.perf_counter() - start
+    got = receiver.expect("digest")
     want = digest(kv, list(desc.src_block_ids))
     if got != want:
         raise RuntimeError(f"receiver's blocks differ from the sender's: {got} != {want}")
@@ -187,12 +194,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 f"{2 * total * LAYERS * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4 / 1e9:.2f} GB each")
             kv, flat = make_cache(total, random=True)
             receiver.call("alloc", total)
-            desc = descriptor(tokens, scattered_ids(n, total, 1), scattered_ids(n, total, 2))
-            row: dict[str, Any] = {"tokens": tokens, "blocks": n, "bytes": desc.payload_bytes}
-            row.update(measure(registry, receiver, kv, flat, desc, args.repeats))
+            cases = {"scattered": (scattered_ids(n, total, 1), scattered_ids(n, total, 2)),
+                     "consecutive": (list(range(n)), list(range(n)))}
+            for case, (src, dst) in cases.items():
+                log(f" case {case}")
+                desc = descriptor(tokens, src, dst)
+                row: dict[str, Any] = {"tokens": tokens, "case": case, "blocks": n,
+                                       "bytes": desc.payload_bytes}
+                row.update(measure(registry, receiver, kv, flat, desc, args.repeats))
+                rows.append(row)
             kv, flat = [], None
             receiver.call("free")
-            rows.append(row)
     finally:
         receiver.call("exit")
         receiver.proc.join(10)
@@ -202,16 +214,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def report(rows: list[dict[str, Any]]) -> None:
     names = [*VARIANTS, "plain"]
-    print(f"{'tokens':>7} {'MB':>8} " + " ".join(f"{n + ' GB/s':>30}" for n in names)
-          + f" {'ratio':>6}")
+    print(f"{'tokens':>7} {'ids':>12} {'MB':>8} "
+          + " ".join(f"{n + ' GB/s':>30}" for n in names) + f" {'ratio':>6}")
     for row in rows:
         gbps = {n: row["bytes"] / statistics.median(row[n]) / 1e9 for n in names}
-        print(f"{row['tokens']:>7} {row['bytes'] / 1e6:>8.1f} "
-              + " ".join(f"{gbps[n]:>30.2f}" for n in names)
-              + f" {gbps['kvtransfer'] / gbps['plain']:>6.2f}")
         row["gb_per_s"] = gbps
-    print("ratio = kvtransfer (default) / plain; GB/s = bytes / median seconds (1e9 bytes); "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        row["ratio"] = gbps["kvtransfer"] / gbps["plain"]
+        print(f"{row['tokens']:>7} {row['case']:>12} {row['bytes'] / 1e6:>8.1f} "
+              + " ".join(f"{gbps[n]:>30.2f}" for n in names) + f" {row['ratio']:>6.2f}")
+    print("ratio = kvtransfer (default) / plain; ids: scattered = packed path (gather + "
+          "scatter), consecutive = one run, zero-copy path; GB/s = bytes / median seconds "
+          f"(1e9 bytes); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
 
 def main() -> None:

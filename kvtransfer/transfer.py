@@ -15,7 +15,8 @@ Protocol for one transfer (sender = host side, rank 0; receiver = joined side, r
        of the cache storage is contiguous and is one message, sent straight from the cache:
        layers * 2 * kv_heads * runs messages, in that nesting order, up to RUN_WINDOW of
        them in flight. A head-major receiver receives each straight into its cache; any other
-       receiver (or a draining one) receives into scratch buffers and copies (correct, slower).
+       receiver (or a draining one) receives into SCRATCH_WINDOW scratch chunks and copies
+       (correct, slower).
      The run cap bounds the message count (small messages cost gloo/NCCL per-message overhead);
      more scattered ids go packed, where one gather + scatter is cheaper than many tiny sends.
 Any failure after (1) tears the group down and advances the pair's epoch (kvtransfer.pair).
@@ -66,7 +67,11 @@ ANNOUNCE_SLICE_S = 0.25  # longest single blocking wait for an announcement
 FRAME_VERSION = 2  # announcement frame: Announcement's fields plus the payload "mode"
 MODE_PACKED, MODE_RUNS = "packed", "runs"
 MAX_RUNS = 8  # default cap on runs for the zero-copy mode (0 disables it)
-RUN_WINDOW = 8  # run-mode messages in flight per side (1 without pipelining)
+# Run-mode messages in flight (1 without pipelining). Gloo costs ~0.1 ms per message (2-CPU
+# box), and a gloo send waits for its receive to be posted, so many must be posted ahead:
+# sends and direct receives cost no memory, scratch receives one chunk each.
+RUN_WINDOW = 64
+SCRATCH_WINDOW = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,13 +345,13 @@ class KVTransfer:
     def _recv_runs(self, pg: Any, group: PeerGroup, kv_cache: Sequence[torch.Tensor],
                    frame: Announcement, timeout: float, drain: bool) -> tuple[int, int]:
         """Receive a "runs" payload: straight into a head-major cache, else (or when draining)
-        into RUN_WINDOW scratch chunks of one staging slot, copying each into the cache."""
+        into SCRATCH_WINDOW scratch chunks of one staging slot, copying each into the cache."""
         desc = frame.descriptor
         messages = list(_run_messages(desc))
         block_size, _, head_dim = desc.block_shape
         block_bytes = block_size * head_dim * desc.torch_dtype.itemsize  # one head, K or V
         direct = not drain and is_head_major(kv_cache, desc.layers)
-        window = RUN_WINDOW if self.pipeline else 1
+        window = (RUN_WINDOW if direct else SCRATCH_WINDOW) if self.pipeline else 1
         chunk = max(n for _, _, _, (_, _, n) in messages) * block_bytes if messages else 0
         scratch = None if direct else self._staging(group).raw(0, window * chunk)
         posted: deque[tuple[torch.Tensor, Any]] = deque()  # (buffer, recv work), message order

@@ -22,12 +22,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def make_cache(num_blocks: int, seed: int, dtype: str = "float32", layers: int = LAYERS,
-               device: str = "cpu") -> list[torch.Tensor]:
-    """Per layer [2, num_blocks, bs, kvh, d] of seeded random values (same on any device)."""
+               device: str = "cpu", head_major: bool = False) -> list[torch.Tensor]:
+    """Per layer [2, num_blocks, bs, kvh, d] of seeded random values (same on any device).
+
+    `head_major`: the same values, stored like the engine's cache (engine.attention.kv_layout:
+    [2, kvh, num_blocks, bs, d] storage under the logical view); else plain contiguous.
+    """
     g = torch.Generator().manual_seed(seed)
     shape = (2, num_blocks, *BLOCK_SHAPE)
-    return [torch.randn(shape, generator=g).to(device=device, dtype=DTYPES[dtype])
-            for _ in range(layers)]
+    out = [torch.randn(shape, generator=g).to(device=device, dtype=DTYPES[dtype])
+           for _ in range(layers)]
+    if head_major:
+        out = [t.permute(0, 3, 1, 2, 4).contiguous().permute(0, 2, 3, 1, 4) for t in out]
+    return out
 
 
 def make_descriptor(request_id: str, src: list[int], dst: list[int], *,
@@ -56,10 +63,11 @@ def _sender_main(conn: Any, cfg: dict[str, Any]) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     registry = GroupRegistry(device, timeout=cfg["timeout"])  # gloo on CPU, NCCL on CUDA
-    caches = {dtype: make_cache(cfg["num_blocks"], cfg["seed"], dtype, device=device)
+    caches = {dtype: make_cache(cfg["num_blocks"], cfg["seed"], dtype, device=device,
+                                head_major=cfg["head_major"])
               for dtype in DTYPES}
     transfer = KVTransfer(registry, message_bytes=cfg["message_bytes"],
-                          pipeline=cfg["pipeline"])
+                          pipeline=cfg["pipeline"], max_runs=cfg["max_runs"])
     conn.send(("ready", os.getpid()))
     while True:
         cmd, *args = conn.recv()
@@ -88,12 +96,13 @@ class SenderProcess:
 
     def __init__(self, *, seed: int = 1, num_blocks: int = 32, timeout: float = 5.0,
                  message_bytes: int = 32 << 20, pipeline: bool = True,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", head_major: bool = False, max_runs: int = 8) -> None:
         self.seed, self.num_blocks = seed, num_blocks
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         cfg = {"seed": seed, "num_blocks": num_blocks, "timeout": timeout,
-               "message_bytes": message_bytes, "pipeline": pipeline, "device": device}
+               "message_bytes": message_bytes, "pipeline": pipeline, "device": device,
+               "head_major": head_major, "max_runs": max_runs}
         self.proc = ctx.Process(target=_sender_main, args=(child, cfg), daemon=True)
         self.proc.start()
         self._ready = False

@@ -1,0 +1,216 @@
+"""Zero-copy "runs" mode: two real OS processes on CPU (gloo), head-major sender cache.
+
+When the moving blocks form at most `max_runs` runs (src and dst ids both consecutive, in wire
+order) and the sender's cache is head-major, every (layer, k/v, kv head, run) region of the
+cache travels as its own message, with no staging buffer on either head-major side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgpack
+import pytest
+import torch
+
+from kvtransfer import GroupRegistry, KVTransfer, TransferRejected
+from kvtransfer.announcement import Announcement
+from kvtransfer.errors import DescriptorError
+from kvtransfer.packing import is_head_major, runs, wire_order
+from kvtransfer.transfer import (
+    FRAME_VERSION,
+    MODE_PACKED,
+    MODE_RUNS,
+    _decode_frame,
+    _encode_frame,
+)
+from tests.kvtransfer.peer import BLOCK_SHAPE, LAYERS, SenderProcess, make_cache, make_descriptor
+from tests.kvtransfer.test_transfer import assert_exact
+
+SENDER_BLOCKS, RECEIVER_BLOCKS = 24, 20
+MESSAGE_BYTES = 4096
+BLOCK_SIZE, KV_HEADS, HEAD_DIM = BLOCK_SHAPE
+LAYER_BLOCK_BYTES = 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4  # fp32
+
+
+@pytest.fixture(scope="module")
+def sender() -> Iterator[SenderProcess]:
+    proc = SenderProcess(seed=21, num_blocks=SENDER_BLOCKS, message_bytes=MESSAGE_BYTES,
+                         head_major=True)
+    yield proc
+    proc.close()
+
+
+@pytest.fixture(scope="module")
+def receiver(sender) -> Iterator[tuple[GroupRegistry, KVTransfer]]:
+    registry = GroupRegistry("cpu", timeout=5.0)
+    registry.join("prefill-0", sender.host("decode-0"))
+    yield registry, KVTransfer(registry)
+    registry.close()
+
+
+def transfer(sender, receiver, desc, kv, accept=None):
+    registry, rx = receiver
+    sender.start_send("decode-0", desc)
+    got, stats = rx.recv("prefill-0", kv, wait=10.0, accept=accept)
+    status, *info = sender.result()
+    assert status == "sent", info
+    return got, stats, info[0]
+
+
+def staging_bytes(registry: GroupRegistry) -> int:
+    staging = registry.get("prefill-0").staging
+    return 0 if staging is None else staging.nbytes
+
+
+def run_messages(desc, num_runs: int) -> int:
+    return desc.num_layers * 2 * KV_HEADS * num_runs
+
+
+# ---- pure helpers ------------------------------------------------------------------------------
+def test_runs_follow_wire_order():
+    assert runs([], []) == []
+    assert runs([3, 4, 5], [10, 11, 12]) == [(3, 10, 3)]
+    assert runs([3, 4, 9], [10, 11, 12]) == [(3, 10, 2), (9, 12, 1)]
+    assert runs([3, 4, 5], [10, 11, 13]) == [(3, 10, 2), (5, 13, 1)]
+    desc = make_descriptor("r", src=[5, 4, 3], dst=[9, 8, 7])  # descending: one run on the wire
+    assert runs(*wire_order(desc)) == [(3, 7, 3)]
+
+
+def test_head_major_detection():
+    assert is_head_major(make_cache(4, 0, head_major=True), (0, LAYERS))
+    assert not is_head_major(make_cache(4, 0), (0, LAYERS))
+
+
+def test_frame_carries_the_mode():
+    desc = make_descriptor("f", src=[1], dst=[2])
+    for mode in (MODE_PACKED, MODE_RUNS):
+        raw = _encode_frame(Announcement(3, 2, desc), mode)
+        ann, got = _decode_frame(raw)
+        assert (ann.epoch, ann.layers_per_message, ann.descriptor, ann.nbytes, got) == (
+            3, 2, desc, len(raw), mode)
+    obj = msgpack.unpackb(_encode_frame(Announcement(0, 1, desc), MODE_RUNS))
+    assert obj["v"] == FRAME_VERSION
+    with pytest.raises(DescriptorError, match="unknown payload mode"):
+        _decode_frame(msgpack.packb({**obj, "mode": "bogus"}))
+    with pytest.raises(DescriptorError, match="version"):
+        _decode_frame(Announcement(0, 1, desc).encode())  # an old-build frame is refused
+
+
+# ---- two processes -----------------------------------------------------------------------------
+def test_one_run_head_major_both_sides_is_zero_copy(sender, receiver):
+    registry, _ = receiver
+    kv = make_cache(RECEIVER_BLOCKS, seed=31, head_major=True)
+    before = [t.clone() for t in kv]
+    desc = make_descriptor("run-1", src=list(range(3, 9)), dst=list(range(10, 16)))
+    staged = staging_bytes(registry)
+    got, stats, sent = transfer(sender, receiver, desc, kv)
+
+    assert got == desc
+    assert_exact(kv, before, sender.cache(), desc)
+    assert all(t.permute(0, 3, 1, 2, 4).is_contiguous() for t in kv)  # still the same storage
+    assert sent["num_messages"] == stats.num_messages == run_messages(desc, 1)
+    assert sent["payload_bytes"] == stats.payload_bytes == 6 * LAYERS * LAYER_BLOCK_BYTES
+    assert stats.payload_bytes == desc.payload_bytes
+    assert staging_bytes(registry) == staged  # the receiver allocated no staging buffer
+
+
+def test_mixed_runs_in_a_layer_range(sender, receiver):
+    kv = make_cache(RECEIVER_BLOCKS, seed=32, head_major=True)
+    before = [t.clone() for t in kv]
+    # Wire order (ascending dst): src 10,11 -> dst 0,1 | src 0,1,2 -> dst 5,6,7 | 20 -> 12.
+    desc = make_descriptor("run-3", src=[0, 1, 2, 10, 11, 20], dst=[5, 6, 7, 0, 1, 12],
+                           layers=(1, 3))
+    assert len(runs(*wire_order(desc))) == 3
+    _, stats, sent = transfer(sender, receiver, desc, kv)
+
+    assert_exact(kv, before, sender.cache(), desc)
+    assert sent["num_messages"] == stats.num_messages == run_messages(desc, 3) == 24
+    assert sent["payload_bytes"] == stats.payload_bytes == 6 * 2 * LAYER_BLOCK_BYTES
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs(sender, receiver, dtype):
+    kv = make_cache(RECEIVER_BLOCKS, seed=33, dtype=dtype, head_major=True)
+    before = [t.clone() for t in kv]
+    desc = make_descriptor(f"run-{dtype}", src=[7, 6, 5, 4], dst=[3, 2, 1, 0], dtype=dtype)
+    _, stats, sent = transfer(sender, receiver, desc, kv)
+    assert_exact(kv, before, sender.cache(dtype), desc)
+    assert sent["num_messages"] == stats.num_messages == run_messages(desc, 1)
+    assert sent["payload_bytes"] == stats.payload_bytes == 4 * LAYERS * LAYER_BLOCK_BYTES // 2
+
+
+def test_receiver_without_head_major_cache_copies_in(sender, receiver):
+    kv = make_cache(RECEIVER_BLOCKS, seed=34)  # plain contiguous logical layout
+    before = [t.clone() for t in kv]
+    desc = make_descriptor("run-plain", src=[0, 1, 2, 3, 15, 16], dst=[12, 13, 14, 15, 2, 3])
+    _, stats, sent = transfer(sender, receiver, desc, kv)
+    assert_exact(kv, before, sender.cache(), desc)
+    assert sent["num_messages"] == stats.num_messages == run_messages(desc, 2)
+    assert sent["payload_bytes"] == stats.payload_bytes == 6 * LAYERS * LAYER_BLOCK_BYTES
+
+
+@pytest.mark.parametrize("head_major", [True, False])
+def test_rejected_run_transfer_is_drained_and_the_next_one_lands(sender, receiver, head_major):
+    registry, _ = receiver
+    kv = make_cache(RECEIVER_BLOCKS, seed=35, head_major=head_major)
+    before = [t.clone() for t in kv]
+    refused = make_descriptor("run-aborted", src=[2, 3, 4, 5], dst=[4, 5, 6, 7])
+    sender.start_send("decode-0", refused)
+    with pytest.raises(TransferRejected, match="run-aborted"):
+        receiver[1].recv("prefill-0", kv, wait=10.0, accept=lambda d: False)
+    status, *info = sender.result()
+    assert status == "sent" and info[0]["num_messages"] == run_messages(refused, 1)
+    for layer in range(LAYERS):
+        assert torch.equal(kv[layer], before[layer])  # nothing written
+    group = registry.get("prefill-0")
+    pg, epoch = group.pg, group.pg_epoch
+
+    desc = make_descriptor("run-after", src=[8, 9, 10], dst=[1, 2, 3])
+    _, stats, _ = transfer(sender, receiver, desc, kv)
+    assert_exact(kv, before, sender.cache(), desc)
+    assert stats.payload_bytes == 3 * LAYERS * LAYER_BLOCK_BYTES
+    assert group.pg is pg and group.pg_epoch == epoch  # the stream stayed in step
+
+
+def test_out_of_range_dst_is_drained_in_run_mode(sender, receiver):
+    kv = make_cache(8, seed=36, head_major=True)  # too small for dst block 10
+    before = [t.clone() for t in kv]
+    desc = make_descriptor("run-oob", src=[0, 1, 2], dst=[8, 9, 10])
+    sender.start_send("decode-0", desc)
+    with pytest.raises(TransferRejected, match="out of range"):
+        receiver[1].recv("prefill-0", kv, wait=10.0)
+    assert sender.result()[0] == "sent"
+    for layer in range(LAYERS):
+        assert torch.equal(kv[layer], before[layer])
+
+
+def test_too_many_runs_fall_back_to_packed(sender, receiver):
+    kv = make_cache(RECEIVER_BLOCKS, seed=37, head_major=True)
+    before = [t.clone() for t in kv]
+    ids = list(range(0, 18, 2))  # 9 single-block runs > MAX_RUNS
+    desc = make_descriptor("run-scattered", src=ids, dst=ids)
+    _, stats, sent = transfer(sender, receiver, desc, kv)
+    assert_exact(kv, before, sender.cache(), desc)
+    # Packed: 9 blocks x 512 B = 4608 B per layer > 4096 B, so one layer per message.
+    assert sent["num_messages"] == stats.num_messages == LAYERS
+    assert sent["payload_bytes"] == stats.payload_bytes == 9 * LAYERS * LAYER_BLOCK_BYTES
+
+
+def test_sender_mode_choice():
+    registry = GroupRegistry("cpu", timeout=5.0)
+    try:
+        tx = KVTransfer(registry)
+        hm, plain = make_cache(24, 0, head_major=True), make_cache(24, 0)
+        one_run = make_descriptor("m", src=[1, 2, 3], dst=[4, 5, 6])
+        assert tx._mode(hm, one_run) == MODE_RUNS
+        assert tx._mode(plain, one_run) == MODE_PACKED  # sender not head-major
+        assert KVTransfer(registry, max_runs=0)._mode(hm, one_run) == MODE_PACKED
+        eight = make_descriptor("m8", src=list(range(0, 16, 2)), dst=list(range(0, 16, 2)))
+        assert tx._mode(hm, eight) == MODE_RUNS
+        nine = make_descriptor("m9", src=list(range(0, 18, 2)), dst=list(range(0, 18, 2)))
+        assert tx._mode(hm, nine) == MODE_PACKED
+        with pytest.raises(ValueError):
+            KVTransfer(registry, max_runs=-1)
+    finally:
+        registry.close()
