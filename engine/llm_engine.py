@@ -31,10 +31,18 @@ class LLMEngine:
 
         hf_config = read_hf_config(self.model_dir)
         model_max = int(hf_config.get("max_position_embeddings", 2048))
+        # Sliding-window attention is not implemented: within the window it equals full
+        # attention, so the context is capped at the window.
+        window = hf_config.get("sliding_window") if (
+            hf_config.get("model_type") == "mistral" or hf_config.get("use_sliding_window")
+        ) else None
+        if window:
+            model_max = min(model_max, int(window))
         self.max_model_len = self.config.max_model_len or model_max
         if self.max_model_len > model_max:
-            raise InvalidRequestError(f"max_model_len={self.max_model_len} exceeds the model's "
-                                      f"max_position_embeddings={model_max}")
+            raise InvalidRequestError(
+                f"max_model_len={self.max_model_len} exceeds this model's limit of {model_max} "
+                f"tokens (max_position_embeddings{' / sliding_window' if window else ''})")
         self.tokenizer = None if self.config.skip_tokenizer_init else load_tokenizer(
             self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, hf_config, self.tokenizer)

@@ -8,8 +8,15 @@ import torch
 
 
 def make_checkpoint(root: Path, kind: str = "llama", **overrides) -> Path:
-    """Save a tiny random `kind` (llama | qwen2) model with transformers; return its dir."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Save a tiny random `kind` (llama | mistral | qwen2) model; return its directory."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
@@ -19,6 +26,9 @@ def make_checkpoint(root: Path, kind: str = "llama", **overrides) -> Path:
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, rope_theta=10000.0,
                                              **common))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(tie_word_embeddings=False, rope_theta=1e4,
+                                                 sliding_window=96, **common))
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, rope_theta=1e6,
                                              **common))

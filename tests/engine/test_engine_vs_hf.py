@@ -95,3 +95,17 @@ def test_logprobs_match_hf(tiny_qwen2, hf_models):
         top = torch.topk(ref[step], 5)
         assert list(ids) == top.indices.tolist()
         assert torch.allclose(torch.tensor(vals), top.values, atol=1e-4)
+
+
+def test_mistral_matches_hf_within_its_sliding_window(tmp_path, hf_models):
+    from engine import PromptTooLongError
+    from tests.checkpoints import make_checkpoint
+
+    path = str(make_checkpoint(tmp_path, "mistral"))
+    llm = LLM(path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=128, chunk_size=16)
+    assert llm.engine.max_model_len == 96  # capped at the window (full attention inside it)
+    prompts = random_prompts([9, 40], seed=9)
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
+        assert out.token_ids == hf_greedy(hf_models(path), prompt, 10)
+    with pytest.raises(PromptTooLongError):
+        llm.generate([[5] * 96], GREEDY)
