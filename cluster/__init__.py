@@ -1,1 +1,1 @@
-"""cluster: see ARCHITECTURE.md; not built yet."""
+"""cluster: Ray controller, worker actors and placement (see controller.py)."""
