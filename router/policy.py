@@ -96,13 +96,15 @@ class CacheAware(Policy):
 
     score = uncached prompt tokens + queued prefill tokens, so the longest cached prefix
     wins unless that worker's queue is longer than what its cache saves. Ties go to the
-    shorter queue, then the lower worker id.
+    shorter queue, then to the worker caching fewer blocks (a new prompt family goes where
+    it displaces least and spreads the families over the pool), then the lower worker id.
     """
 
     def choose(self, prompt: PromptInfo, loads: list[WorkerLoad]) -> WorkerLoad:
-        def key(w: WorkerLoad) -> tuple[int, int, str]:
+        def key(w: WorkerLoad) -> tuple[int, int, int, str]:
             uncached = prompt.num_tokens - prompt.cached_tokens(w.worker_id)
-            return uncached + w.queued_prefill_tokens, w.queued_prefill_tokens, w.worker_id
+            return (uncached + w.queued_prefill_tokens, w.queued_prefill_tokens,
+                    prompt.index.num_blocks(w.worker_id), w.worker_id)
 
         return min(loads, key=key)
 

@@ -1,0 +1,94 @@
+"""Router: picks the prefill and decode worker of each request and streams its tokens.
+
+Transport-agnostic: workers are control objects (in-process workers, RPC clients or
+cluster.ray_peer.RayPeer wrappers). The prefill choice uses a KV index built from the
+workers' own stored/removed events, the queued prefill tokens counted from dispatch, and the
+named policy; the decode choice uses free blocks, running requests and the decode worker's
+own cached prefix. The gRPC front door (cluster issue) sits on top of this class.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from engine.block_hash import hash_prompt_blocks
+from router.handoff import generate_disaggregated
+from router.kv_index import KVIndex
+from router.policy import (
+    DecodeLoad,
+    LoadTracker,
+    Policy,
+    WorkerLoad,
+    choose_decode,
+    choose_prefill,
+    make_policy,
+)
+
+
+class Router:
+    """Routes requests over a fixed set of prefill and decode workers."""
+
+    def __init__(self, prefill: dict[str, Any], decode: dict[str, Any], *, block_size: int,
+                 hash_seed: str, policy: str | Policy = "cache_aware",
+                 timeout: float = 600.0) -> None:
+        self.prefill = dict(prefill)
+        self.decode = dict(decode)
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.timeout = timeout
+        self.index = KVIndex()
+        self.load = LoadTracker()
+        self._lock = threading.Lock()  # index updates: events must apply in emission order
+        for worker_id in [*self.prefill, *self.decode]:
+            self.index.add_worker(worker_id)
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+
+    def hit_rate(self) -> float:
+        """Prompt tokens served from prefill workers' prefix caches / all prompt tokens."""
+        return self.num_cached_tokens / max(1, self.num_prompt_tokens)
+
+    def refresh_index(self) -> None:
+        """Apply every worker's KV events published since the last refresh."""
+        with self._lock:
+            for worker_id, worker in [*self.prefill.items(), *self.decode.items()]:
+                self.index.apply(worker_id, worker.kv_events())
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: dict,
+                 cache_salt: str | None = None) -> Iterator[dict]:
+        """Output dicts of one request; the last carries prefill_worker and decode_worker."""
+        hashes = hash_prompt_blocks(prompt_token_ids, self.block_size, self.hash_seed,
+                                    cache_salt)
+        n = len(prompt_token_ids)
+        self.refresh_index()
+        loads = [WorkerLoad(w, self.load.queued(w)) for w in self.prefill]
+        choice = choose_prefill(self.policy, hashes, self.block_size, loads, self.index,
+                                num_prompt_tokens=n)
+        decode_loads = [DecodeLoad(w, (s := d.stats())["free_blocks"], s["num_requests"])
+                        for w, d in self.decode.items()]
+        decode_choice = choose_decode(hashes, n, self.block_size, decode_loads, self.index)
+        uncached = n - choice.cached_tokens
+        self.load.dispatched(choice.worker_id, uncached)  # load counts from dispatch
+        prefilled = False
+        try:
+            for out in generate_disaggregated(
+                    self.prefill[choice.worker_id], self.decode[decode_choice.worker_id],
+                    request_id, prompt_token_ids, params, prefill_id=choice.worker_id,
+                    decode_id=decode_choice.worker_id, cache_salt=cache_salt,
+                    timeout=self.timeout):
+                if not prefilled:
+                    prefilled = True
+                    self.load.prefilled(choice.worker_id, uncached)
+                    self.num_prompt_tokens += n
+                    self.num_cached_tokens += out["num_cached_tokens"]
+                if out["finished"]:
+                    out["prefill_worker"] = choice.worker_id
+                    out["decode_worker"] = decode_choice.worker_id
+                    out["prompt_tokens"] = n
+                yield out
+        finally:
+            if not prefilled:
+                self.load.prefilled(choice.worker_id, uncached)
