@@ -46,6 +46,29 @@ class Router:
             self.index.add_worker(worker_id)
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
+        self._active: dict[str, tuple[str, str]] = {}  # request id -> (prefill, decode) ids
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a running request on its decode worker (which tells the prefill worker)."""
+        workers = self._active.get(request_id)
+        if workers is None:
+            return False
+        prefill_id, decode_id = workers
+        self.decode[decode_id].abort(request_id)
+        self.prefill[prefill_id].abort(request_id)
+        return True
+
+    def status(self) -> list[dict]:
+        """Every worker's stats with its role and health."""
+        out = []
+        for role, pool in (("prefill", self.prefill), ("decode", self.decode)):
+            for worker_id, worker in pool.items():
+                try:
+                    stats, healthy = worker.stats(), True
+                except Exception as exc:  # noqa: BLE001 - reported as unhealthy
+                    stats, healthy = {"error": str(exc)}, False
+                out.append({**stats, "worker_id": worker_id, "role": role, "healthy": healthy})
+        return out
 
     def hit_rate(self) -> float:
         """Prompt tokens served from prefill workers' prefix caches / all prompt tokens."""
@@ -72,6 +95,7 @@ class Router:
         decode_choice = choose_decode(hashes, n, self.block_size, decode_loads, self.index)
         uncached = n - choice.cached_tokens
         self.load.dispatched(choice.worker_id, uncached)  # load counts from dispatch
+        self._active[request_id] = (choice.worker_id, decode_choice.worker_id)
         prefilled = False
         try:
             for out in generate_disaggregated(
@@ -90,5 +114,6 @@ class Router:
                     out["prompt_tokens"] = n
                 yield out
         finally:
+            self._active.pop(request_id, None)
             if not prefilled:
                 self.load.prefilled(choice.worker_id, uncached)

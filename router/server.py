@@ -1,0 +1,154 @@
+"""The gRPC front door: baton.v1.Inference over a Router, plus grpc.health.v1 and reflection.
+
+Errors are status codes with messages a user can act on, never a traceback: bad parameters
+or an empty prompt -> INVALID_ARGUMENT, prompt over max_model_len -> OUT_OF_RANGE, admission
+refused -> RESOURCE_EXHAUSTED, no worker -> UNAVAILABLE; a client cancel or deadline aborts
+the request on its workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.errors import CapacityError, InvalidRequestError
+from engine.sampling_params import SamplingParams
+from router.policy import NoWorkerAvailable
+from router.proto import inference_pb2 as pb
+from router.proto import inference_pb2_grpc as pb_grpc
+from router.router import Router
+
+logger = logging.getLogger(__name__)
+SERVICE = "baton.v1.Inference"
+_DONE = object()
+
+
+def sampling_dict(msg: pb.SamplingParams) -> dict:
+    """The proto's sampling message as SamplingParams keyword arguments (unset -> default)."""
+    out: dict = {}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
+        if msg.HasField(name):
+            value = getattr(msg, name)
+            out[name] = round(value, 6) if isinstance(value, float) else value
+    if msg.stop:
+        out["stop"] = list(msg.stop)
+    if msg.stop_token_ids:
+        out["stop_token_ids"] = list(msg.stop_token_ids)
+    out["ignore_eos"] = msg.ignore_eos
+    return out
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    """Implements baton.v1.Inference with a Router (blocking calls run in threads)."""
+
+    def __init__(self, router: Router, tokenizer=None, max_model_len: int | None = None):
+        self.router = router
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind == "prompt_token_ids":
+            return list(request.prompt_token_ids.ids)
+        if kind is None:
+            raise InvalidRequestError("one of prompt, prompt_token_ids or messages is required")
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"{kind} needs a tokenizer; this server takes "
+                                      "prompt_token_ids only")
+        if kind == "prompt":
+            return self.tokenizer.encode(request.prompt) if request.prompt else []
+        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        if not messages:
+            raise InvalidRequestError("messages is empty")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    async def Generate(self, request, context):  # noqa: N802 - gRPC method name
+        request_id = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
+        try:
+            ids = self._prompt_ids(request)
+            params = sampling_dict(request.sampling)
+            SamplingParams(**params)  # validate before any worker is touched
+            if not ids:
+                raise InvalidRequestError("prompt is empty")
+            if self.max_model_len is not None and len(ids) >= self.max_model_len:
+                await context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                                    f"prompt has {len(ids)} tokens; max_model_len is "
+                                    f"{self.max_model_len}")
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        stream = self.router.generate(request_id, ids, params, request.cache_salt or None)
+        completion = 0
+        try:
+            while True:
+                out = await asyncio.to_thread(next, stream, _DONE)
+                if out is _DONE:
+                    return
+                completion += len(out["token_ids"])
+                reply = pb.GenerateResponse(request_id=request_id, token_ids=out["token_ids"],
+                                            text=out.get("text") or "")
+                if out["finished"]:
+                    if out["finish_reason"] == "error":
+                        await context.abort(grpc.StatusCode.INTERNAL,
+                                            f"request {request_id} failed: {out['error']}")
+                    reply.finish_reason = out["finish_reason"] or ""
+                    reply.usage.CopyFrom(pb.Usage(
+                        prompt_tokens=len(ids), completion_tokens=completion,
+                        cached_tokens=out["num_cached_tokens"],
+                        prefill_worker=out.get("prefill_worker", ""),
+                        decode_worker=out.get("decode_worker", "")))
+                yield reply
+                if out["finished"]:
+                    return
+        except asyncio.CancelledError:  # client cancel or deadline
+            await asyncio.to_thread(self.router.abort, request_id)
+            raise
+        except NoWorkerAvailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except CapacityError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            stream.close()
+
+    async def Abort(self, request, context):  # noqa: N802
+        found = await asyncio.to_thread(self.router.abort, request.request_id)
+        return pb.AbortResponse(found=found)
+
+    async def ClusterStatus(self, request, context):  # noqa: N802
+        workers = await asyncio.to_thread(self.router.status)
+        reply = pb.ClusterStatusResponse(cache_hit_rate=self.router.hit_rate())
+        for w in workers:
+            queries = w.get("cache_queries", 0)
+            reply.workers.append(pb.WorkerStatus(
+                worker_id=w["worker_id"], role=w["role"], healthy=w["healthy"],
+                running_requests=w.get("num_requests", 0), kv_usage=w.get("kv_usage", 0.0),
+                cache_hit_rate=w.get("cache_hits", 0) / queries if queries else 0.0,
+                free_blocks=w.get("free_blocks", 0)))
+        return reply
+
+
+async def start_server(router: Router, host: str = "127.0.0.1", port: int = 50051,
+                       tokenizer=None, max_model_len: int | None = None) -> tuple[object, int]:
+    """Start the aio server; returns (server, bound port). Port 0 picks a free one."""
+    server = grpc.aio.server()
+    pb_grpc.add_InferenceServicer_to_server(
+        InferenceServicer(router, tokenizer, max_model_len), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

@@ -1,0 +1,103 @@
+"""baton.v1.Inference over gRPC: streamed greedy tokens equal the offline engine's, usage
+is reported, each bad request gets its status code and the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from decode_worker.worker import DecodeWorker
+from engine import LLM, SamplingParams
+from prefill_worker.worker import PrefillWorker
+from router.proto import inference_pb2 as pb
+from router.proto import inference_pb2_grpc as pb_grpc
+from router.router import Router
+from router.server import start_server
+from tests.engine.test_engine_vs_hf import random_prompts
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    options = dict(model=tiny_llama, skip_tokenizer_init=True, block_size=4,
+                   num_kv_blocks=256, chunk_size=16, max_model_len=200)
+    p, d = PrefillWorker("p0", options), DecodeWorker("d0", options)
+    d.connect_prefill("p0", p.connect_decode("d0", d), p)
+    router = Router({"p0": p}, {"d0": d}, block_size=4, hash_seed="baton")
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    srv, port = asyncio.run_coroutine_threadsafe(
+        start_server(router, port=0, max_model_len=200), loop).result(30)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield pb_grpc.InferenceStub(channel), channel, options, (p, d)
+    channel.close()
+    asyncio.run_coroutine_threadsafe(srv.stop(1), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    p.shutdown()
+    d.shutdown()
+
+
+def generate(stub, ids, **sampling) -> list:
+    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids),
+                             sampling=pb.SamplingParams(**sampling))
+    return list(stub.Generate(req, timeout=60))
+
+
+def test_streamed_tokens_equal_offline_engine_and_usage(server):
+    stub, _, options, _ = server
+    prompt = random_prompts([30], seed=301)[0]
+    expected = LLM(**options).generate([prompt], SamplingParams(max_tokens=7, temperature=0.0,
+                                                                ignore_eos=True))[0]
+    replies = generate(stub, prompt, max_tokens=7, temperature=0.0, ignore_eos=True)
+    assert [t for r in replies for t in r.token_ids] == expected.token_ids
+    assert len(replies) >= 2  # streamed, not one final message
+    last = replies[-1]
+    assert last.finish_reason == "length"
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (30, 7)
+    assert (last.usage.prefill_worker, last.usage.decode_worker) == ("p0", "d0")
+    again = generate(stub, prompt, max_tokens=2, temperature=0.0, ignore_eos=True)
+    assert again[-1].usage.cached_tokens == 28  # 7 full blocks, last token recomputed
+
+
+@pytest.mark.parametrize(("request_kwargs", "code", "text"), [
+    (dict(prompt_token_ids=pb.TokenIds(ids=[])), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    (dict(), grpc.StatusCode.INVALID_ARGUMENT, "required"),
+    (dict(prompt="hello"), grpc.StatusCode.INVALID_ARGUMENT, "tokenizer"),
+    (dict(prompt_token_ids=pb.TokenIds(ids=[5]), sampling=pb.SamplingParams(temperature=-1)),
+     grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    (dict(prompt_token_ids=pb.TokenIds(ids=[5] * 250)), grpc.StatusCode.OUT_OF_RANGE,
+     "max_model_len"),
+])
+def test_errors_have_status_codes_and_server_keeps_serving(server, request_kwargs, code, text):
+    stub, _, _, workers = server
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(**request_kwargs), timeout=30))
+    assert err.value.code() == code
+    assert text in err.value.details() and "Traceback" not in err.value.details()
+    assert generate(stub, [5, 6, 7], max_tokens=2, ignore_eos=True)[-1].finish_reason == "length"
+    for w in workers:
+        w.check_integrity()
+
+
+def test_health_status_and_cancel_frees_blocks(server):
+    stub, channel, _, (p, d) = server
+    health = health_pb2_grpc.HealthStub(channel)
+    reply = health.Check(health_pb2.HealthCheckRequest(service="baton.v1.Inference"))
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    status = stub.ClusterStatus(pb.ClusterStatusRequest())
+    assert sorted((w.worker_id, w.role, w.healthy) for w in status.workers) == [
+        ("d0", "decode", True), ("p0", "prefill", True)]
+    call = stub.Generate(pb.GenerateRequest(
+        request_id="long", prompt_token_ids=pb.TokenIds(ids=[9] * 20),
+        sampling=pb.SamplingParams(max_tokens=150, ignore_eos=True)), timeout=60)
+    next(call)
+    call.cancel()
+    for _ in range(100):
+        if d.stats()["free_blocks"] == 256 and p.stats()["free_blocks"] == 256:
+            break
+        threading.Event().wait(0.05)
+    assert d.stats()["free_blocks"] == 256 and p.stats()["free_blocks"] == 256
+    d.check_integrity()
