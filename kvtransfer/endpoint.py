@@ -48,6 +48,7 @@ class TransferEndpoint:
         cfg = self.engine.config
         return {"worker_id": self.worker_id, "role": self.role, "block_size": cfg.block_size,
                 "hash_seed": cfg.hash_seed, "num_kv_blocks": self.engine.pool.num_blocks,
+                "max_model_len": self.engine.max_model_len,
                 "model": str(self.engine.model_dir), "backend": self.registry.backend}
 
     def stats(self) -> dict:

@@ -1,0 +1,179 @@
+"""`baton`: serve a local cluster, or talk to one over gRPC.
+
+    baton serve [--model M] [--prefill N] [--decode N] [--host H] [--port P]
+    baton generate "prompt" [--max-tokens N] [--temperature T] [--address H:P]
+    baton chat [--system TEXT] [--address H:P]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import time
+
+
+def _serve(args: argparse.Namespace) -> int:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    from cluster.controller import NAMESPACE, ClusterSpec, start_controller
+    from cluster.ray_peer import RayPeer
+    from engine.model_resolver import resolve_model
+    from engine.tokenizer import load_tokenizer
+    from router.router import Router
+    from router.server import start_server
+
+    engine = {"model": args.model, "kv_cache_memory_gb": args.kv_cache_memory_gb,
+              "chunk_size": args.chunk_size, "block_size": args.block_size}
+    print(f"resolving {args.model} ...", flush=True)
+    model_dir = resolve_model(args.model)  # converts a GGUF once, before the workers load it
+    tokenizer = load_tokenizer(model_dir)
+    ray.init(num_cpus=max(8, args.prefill + args.decode + 2), include_dashboard=False,
+             namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
+    try:
+        print(f"starting {args.prefill} prefill + {args.decode} decode workers on Ray ...",
+              flush=True)
+        controller = start_controller(ClusterSpec(
+            engine=engine, num_prefill=args.prefill, num_decode=args.decode,
+            resources={"CPU": 1}, torch_threads=args.threads))
+        ids = ray.get(controller.worker_ids.remote())
+        roles = {w["worker_id"]: w["role"] for w in ray.get(controller.workers.remote())}
+        peers = {i: RayPeer(ray.get(controller.handle.remote(i))) for i in ids}
+        info = next(iter(peers.values())).info()
+        router = Router({i: p for i, p in peers.items() if roles[i] == "prefill"},
+                        {i: p for i, p in peers.items() if roles[i] == "decode"},
+                        block_size=info["block_size"], hash_seed=info["hash_seed"],
+                        policy=args.policy)
+
+        async def main() -> None:
+            server, port = await start_server(router, args.host, args.port, tokenizer,
+                                              info.get("max_model_len"))
+            stop = asyncio.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            print(f"Baton is serving {args.model} on {args.host}:{port} (gRPC "
+                  f"baton.v1.Inference). Try:\n  baton generate \"Hello\" --address "
+                  f"{args.host}:{port}\nCtrl-C stops everything.", flush=True)
+            await stop.wait()
+            print("\nshutting down ...", flush=True)
+            await server.stop(grace=5)
+
+        asyncio.run(main())
+        ray.get(controller.shutdown.remote(), timeout=120)
+        print("stopped: workers, controller and placement group removed", flush=True)
+    finally:
+        ray.shutdown()
+    return 0
+
+
+def _client(address: str):
+    import grpc
+
+    from router.proto import inference_pb2_grpc as pb_grpc
+
+    return pb_grpc.InferenceStub(grpc.insecure_channel(address))
+
+
+def _stream(stub, request, timeout: float) -> tuple[int, str]:
+    """Print tokens as they arrive and usage at the end; returns (exit code, text)."""
+    import grpc
+
+    start = time.perf_counter()
+    first = None
+    text = []
+    try:
+        for reply in stub.Generate(request, timeout=timeout):
+            if first is None:
+                first = time.perf_counter() - start
+            text.append(reply.text)
+            print(reply.text, end="", flush=True)
+            if reply.finish_reason:
+                u = reply.usage
+                print(f"\n[{reply.finish_reason}] prompt {u.prompt_tokens} tokens "
+                      f"({u.cached_tokens} cached), {u.completion_tokens} generated, "
+                      f"TTFT {first * 1000:.0f} ms, prefill {u.prefill_worker}, "
+                      f"decode {u.decode_worker}", file=sys.stderr)
+    except grpc.RpcError as err:
+        print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1, "".join(text)
+    return 0, "".join(text)
+
+
+def _sampling(args: argparse.Namespace):
+    from router.proto import inference_pb2 as pb
+
+    return pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from router.proto import inference_pb2 as pb
+
+    if args.raw:
+        request = pb.GenerateRequest(prompt=args.prompt, sampling=_sampling(args))
+    else:  # instruct models answer a user turn, not raw text
+        request = pb.GenerateRequest(
+            messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=args.prompt)]),
+            sampling=_sampling(args))
+    return _stream(_client(args.address), request, args.timeout)[0]
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from router.proto import inference_pb2 as pb
+
+    stub = _client(args.address)
+    history = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            return 0
+        if not line.strip():
+            continue
+        history.append(pb.ChatMessage(role="user", content=line))
+        request = pb.GenerateRequest(messages=pb.ChatMessages(messages=history),
+                                     sampling=_sampling(args))
+        print("baton> ", end="", flush=True)
+        _, answer = _stream(stub, request, args.timeout)
+        history.append(pb.ChatMessage(role="assistant", content=answer))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="baton", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start a local Ray cluster and the gRPC server")
+    serve.add_argument("--model", default="smollm2-135m-instruct")
+    serve.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    serve.add_argument("--decode", type=int, default=1, help="decode workers")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--policy", default="cache_aware",
+                       help="cache_aware | round_robin | least_loaded | random")
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--chunk-size", type=int, default=1024)
+    serve.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    serve.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    serve.set_defaults(run=_serve)
+    for name, fn, text in (("generate", _generate, "stream one completion"),
+                           ("chat", _chat, "interactive chat")):
+        p = sub.add_parser(name, help=text)
+        if name == "generate":
+            p.add_argument("prompt")
+            p.add_argument("--raw", action="store_true",
+                           help="send the text as is instead of as a chat user turn")
+        else:
+            p.add_argument("--system", default="")
+        p.add_argument("--address", default="127.0.0.1:50051")
+        p.add_argument("--max-tokens", type=int, default=128)
+        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+        p.set_defaults(run=fn)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
