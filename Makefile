@@ -18,7 +18,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(PY) -m engine.demo
+	$(PY) -m cluster.demo
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.engine

@@ -8,64 +8,34 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
 import signal
 import sys
+import threading
 import time
 
 
 def _serve(args: argparse.Namespace) -> int:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
+    from cluster.local import LocalCluster, LocalOptions
 
-    from cluster.controller import NAMESPACE, ClusterSpec, start_controller
-    from cluster.ray_peer import RayPeer
-    from engine.model_resolver import resolve_model
-    from engine.tokenizer import load_tokenizer
-    from router.router import Router
-    from router.server import start_server
-
-    engine = {"model": args.model, "kv_cache_memory_gb": args.kv_cache_memory_gb,
-              "chunk_size": args.chunk_size, "block_size": args.block_size}
-    print(f"resolving {args.model} ...", flush=True)
-    model_dir = resolve_model(args.model)  # converts a GGUF once, before the workers load it
-    tokenizer = load_tokenizer(model_dir)
-    ray.init(num_cpus=max(8, args.prefill + args.decode + 2), include_dashboard=False,
-             namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
+    options = LocalOptions(model=args.model, prefill=args.prefill, decode=args.decode,
+                           host=args.host, port=args.port, policy=args.policy,
+                           block_size=args.block_size, chunk_size=args.chunk_size,
+                           kv_cache_memory_gb=args.kv_cache_memory_gb, threads=args.threads)
+    stop = threading.Event()
+    cluster = LocalCluster(options)
     try:
-        print(f"starting {args.prefill} prefill + {args.decode} decode workers on Ray ...",
-              flush=True)
-        controller = start_controller(ClusterSpec(
-            engine=engine, num_prefill=args.prefill, num_decode=args.decode,
-            resources={"CPU": 1}, torch_threads=args.threads))
-        ids = ray.get(controller.worker_ids.remote())
-        roles = {w["worker_id"]: w["role"] for w in ray.get(controller.workers.remote())}
-        peers = {i: RayPeer(ray.get(controller.handle.remote(i))) for i in ids}
-        info = next(iter(peers.values())).info()
-        router = Router({i: p for i, p in peers.items() if roles[i] == "prefill"},
-                        {i: p for i, p in peers.items() if roles[i] == "decode"},
-                        block_size=info["block_size"], hash_seed=info["hash_seed"],
-                        policy=args.policy)
-
-        async def main() -> None:
-            server, port = await start_server(router, args.host, args.port, tokenizer,
-                                              info.get("max_model_len"))
-            stop = asyncio.Event()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-            print(f"Baton is serving {args.model} on {args.host}:{port} (gRPC "
-                  f"baton.v1.Inference). Try:\n  baton generate \"Hello\" --address "
-                  f"{args.host}:{port}\nCtrl-C stops everything.", flush=True)
-            await stop.wait()
-            print("\nshutting down ...", flush=True)
-            await server.stop(grace=5)
-
-        asyncio.run(main())
-        ray.get(controller.shutdown.remote(), timeout=120)
-        print("stopped: workers, controller and placement group removed", flush=True)
+        cluster.start(log=lambda m: print(m, flush=True))
+        for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"Baton is serving {args.model} on {cluster.address} (gRPC baton.v1.Inference)."
+              f"\nTry:  baton generate \"Hello\" --address {cluster.address}\n"
+              "Ctrl-C stops everything.", flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("\nshutting down ...", flush=True)
     finally:
-        ray.shutdown()
+        cluster.close()
+    print("stopped: server, workers, controller and placement group removed", flush=True)
     return 0
 
 
