@@ -101,3 +101,39 @@ def test_health_status_and_cancel_frees_blocks(server):
         threading.Event().wait(0.05)
     assert d.stats()["free_blocks"] == 256 and p.stats()["free_blocks"] == 256
     d.check_integrity()
+
+
+def test_32_concurrent_streams_all_complete(server):
+    stub, _, options, (p, d) = server
+    prompts = random_prompts([5 + i for i in range(32)], seed=302)
+    expected = LLM(**options).generate(prompts, SamplingParams(max_tokens=5, temperature=0.0,
+                                                               ignore_eos=True))
+    got: dict[int, list[int]] = {}
+
+    def one(i: int) -> None:
+        replies = generate(stub, prompts[i], max_tokens=5, temperature=0.0, ignore_eos=True)
+        assert replies[-1].finish_reason == "length"
+        got[i] = [t for r in replies for t in r.token_ids]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got.get(i) for i in range(32)] == [e.token_ids for e in expected]
+    d.check_integrity()
+    p.check_integrity()
+
+
+def test_deadline_exceeded_aborts_and_frees_blocks(server):
+    stub, _, _, (p, d) = server
+    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[11] * 20),
+                                 sampling=pb.SamplingParams(max_tokens=179, ignore_eos=True))
+    with pytest.raises(grpc.RpcError) as err:  # 179 decode steps take well over 0.2 s
+        list(stub.Generate(request, timeout=0.2))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for _ in range(100):
+        if d.stats()["free_blocks"] == 256 and p.stats()["free_blocks"] == 256:
+            break
+        threading.Event().wait(0.05)
+    assert d.stats()["free_blocks"] == 256 and p.stats()["free_blocks"] == 256
