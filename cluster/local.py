@@ -55,7 +55,8 @@ class LocalCluster:
         o = self.options
         log(f"resolving {o.model} ...")
         model_dir = resolve_model(o.model)  # a GGUF is converted once, before workers load it
-        tokenizer = load_tokenizer(model_dir)
+        tokenizer = None if o.engine_extra.get("skip_tokenizer_init") else load_tokenizer(
+            model_dir)
         ray.init(num_cpus=max(8, o.prefill + o.decode + 2), include_dashboard=False,
                  namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
         log(f"starting {o.prefill} prefill + {o.decode} decode workers on Ray ...")
