@@ -20,7 +20,8 @@ def _serve(args: argparse.Namespace) -> int:
     options = LocalOptions(model=args.model, prefill=args.prefill, decode=args.decode,
                            host=args.host, port=args.port, policy=args.policy,
                            block_size=args.block_size, chunk_size=args.chunk_size,
-                           kv_cache_memory_gb=args.kv_cache_memory_gb, threads=args.threads)
+                           kv_cache_memory_gb=args.kv_cache_memory_gb, threads=args.threads,
+                           local_prefill_tokens=args.local_prefill_tokens)
     stop = threading.Event()
     cluster = LocalCluster(options)
     try:
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--chunk-size", type=int, default=1024)
     serve.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     serve.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    serve.add_argument("--local-prefill-tokens", type=int, default=0,
+                       help="prefill on the decode worker (no KV transfer) when its uncached "
+                            "tail is at most this many tokens; 0 always disaggregates")
     serve.set_defaults(run=_serve)
     for name, fn, text in (("generate", _generate, "stream one completion"),
                            ("chat", _chat, "interactive chat")):

@@ -23,6 +23,7 @@ class LocalOptions:
     chunk_size: int = 1024
     kv_cache_memory_gb: float = 1.0
     threads: int = 1
+    local_prefill_tokens: int = 0  # conditional disaggregation threshold (0: always transfer)
     engine_extra: dict = field(default_factory=dict)
 
 
@@ -73,7 +74,7 @@ class LocalCluster:
         self.router = Router({i: p for i, p in peers.items() if roles[i] == "prefill"},
                              {i: p for i, p in peers.items() if roles[i] == "decode"},
                              block_size=info["block_size"], hash_seed=info["hash_seed"],
-                             policy=o.policy)
+                             policy=o.policy, local_prefill_tokens=o.local_prefill_tokens)
         threading.Thread(target=self._loop.run_forever, daemon=True).start()
         self._server, self.port = asyncio.run_coroutine_threadsafe(
             start_server(self.router, o.host, o.port, tokenizer, info.get("max_model_len")),

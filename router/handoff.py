@@ -45,10 +45,26 @@ def generate_disaggregated(prefill: Any, decode: Any, request_id: str,
         yield error_output(request_id, first["error"] or f"prefill {first['finish_reason']}",
                            first["finish_reason"])
         return
+    yield from stream_outputs(decode, request_id, timeout, poll_s, first["num_cached_tokens"])
+
+
+def generate_local(decode: Any, request_id: str, prompt_token_ids: list[int], params: dict,
+                   *, cache_salt: str | None = None, timeout: float = 600.0,
+                   poll_s: float = 0.5) -> Iterator[dict]:
+    """Conditional disaggregation: the decode worker prefills the prompt itself (its uncached
+    tail is short), so no KV moves. Yields output dicts like generate_disaggregated."""
+    decode.local_generate(request_id, prompt_token_ids, params, cache_salt, params.get("seed"))
+    yield from stream_outputs(decode, request_id, timeout, poll_s)
+
+
+def stream_outputs(decode: Any, request_id: str, timeout: float, poll_s: float,
+                   num_cached_tokens: int | None = None) -> Iterator[dict]:
+    """Poll the decode worker until the request finishes or the deadline passes (abort)."""
     deadline = time.monotonic() + timeout
     while True:
         for out in decode.poll(request_id, poll_s):
-            out["num_cached_tokens"] = first["num_cached_tokens"]
+            if num_cached_tokens is not None:
+                out["num_cached_tokens"] = num_cached_tokens
             yield out
             if out["finished"]:
                 return

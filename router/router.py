@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from engine.block_hash import hash_prompt_blocks
-from router.handoff import generate_disaggregated
+from router.handoff import generate_disaggregated, generate_local
 from router.kv_index import KVIndex
 from router.policy import (
     DecodeLoad,
@@ -32,13 +32,16 @@ class Router:
 
     def __init__(self, prefill: dict[str, Any], decode: dict[str, Any], *, block_size: int,
                  hash_seed: str, policy: str | Policy = "cache_aware",
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, local_prefill_tokens: int = 0) -> None:
         self.prefill = dict(prefill)
         self.decode = dict(decode)
         self.block_size = block_size
         self.hash_seed = hash_seed
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.timeout = timeout
+        # Conditional disaggregation: when the chosen decode worker's uncached tail is at
+        # most this many tokens, it prefills locally and no KV moves (0 = always transfer).
+        self.local_prefill_tokens = local_prefill_tokens
         self.index = KVIndex()
         self.load = LoadTracker()
         self._lock = threading.Lock()  # index updates: events must apply in emission order
@@ -46,7 +49,8 @@ class Router:
             self.index.add_worker(worker_id)
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
-        self._active: dict[str, tuple[str, str]] = {}  # request id -> (prefill, decode) ids
+        # request id -> (prefill id or None when prefilled locally, decode id)
+        self._active: dict[str, tuple[str | None, str]] = {}
 
     def abort(self, request_id: str) -> bool:
         """Abort a running request on its decode worker (which tells the prefill worker)."""
@@ -55,7 +59,8 @@ class Router:
             return False
         prefill_id, decode_id = workers
         self.decode[decode_id].abort(request_id)
-        self.prefill[prefill_id].abort(request_id)
+        if prefill_id is not None:
+            self.prefill[prefill_id].abort(request_id)
         return True
 
     def status(self) -> list[dict]:
@@ -93,6 +98,11 @@ class Router:
         decode_loads = [DecodeLoad(w, (s := d.stats())["free_blocks"], s["num_requests"])
                         for w, d in self.decode.items()]
         decode_choice = choose_decode(hashes, n, self.block_size, decode_loads, self.index)
+        local_tail = n - decode_choice.hit_blocks * self.block_size
+        if local_tail <= self.local_prefill_tokens:
+            yield from self._generate_local(request_id, prompt_token_ids, params, cache_salt,
+                                            decode_choice.worker_id)
+            return
         uncached = n - choice.cached_tokens
         self.load.dispatched(choice.worker_id, uncached)  # load counts from dispatch
         self._active[request_id] = (choice.worker_id, decode_choice.worker_id)
@@ -106,14 +116,33 @@ class Router:
                 if not prefilled:
                     prefilled = True
                     self.load.prefilled(choice.worker_id, uncached)
-                    self.num_prompt_tokens += n
-                    self.num_cached_tokens += out["num_cached_tokens"]
+                    self._count(n, out["num_cached_tokens"])
                 if out["finished"]:
-                    out["prefill_worker"] = choice.worker_id
-                    out["decode_worker"] = decode_choice.worker_id
-                    out["prompt_tokens"] = n
+                    out.update(prefill_worker=choice.worker_id,
+                               decode_worker=decode_choice.worker_id, prompt_tokens=n)
                 yield out
         finally:
             self._active.pop(request_id, None)
             if not prefilled:
                 self.load.prefilled(choice.worker_id, uncached)
+
+    def _generate_local(self, request_id: str, prompt_token_ids: list[int], params: dict,
+                        cache_salt: str | None, decode_id: str) -> Iterator[dict]:
+        self._active[request_id] = (None, decode_id)
+        counted = False
+        try:
+            for out in generate_local(self.decode[decode_id], request_id, prompt_token_ids,
+                                      params, cache_salt=cache_salt, timeout=self.timeout):
+                if not counted:
+                    counted = True
+                    self._count(len(prompt_token_ids), out["num_cached_tokens"])
+                if out["finished"]:
+                    out.update(prefill_worker=decode_id, decode_worker=decode_id,
+                               prompt_tokens=len(prompt_token_ids))
+                yield out
+        finally:
+            self._active.pop(request_id, None)
+
+    def _count(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.num_prompt_tokens += prompt_tokens
+        self.num_cached_tokens += cached_tokens

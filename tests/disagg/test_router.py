@@ -80,3 +80,28 @@ def test_cache_aware_beats_round_robin_and_keeps_both_busy(options):
     assert rr_served == ["p0", "p1"] * 4
     assert aware_rate == pytest.approx(6 * 64 / (8 * 69))  # all but the first of each family
     assert rr_rate == pytest.approx(4 * 64 / (8 * 69))  # both workers miss each family once
+
+
+def test_short_uncached_tail_is_prefilled_on_the_decode_worker(options):
+    router, workers = make_router(options, "cache_aware")
+    router.local_prefill_tokens = 16
+    decode = workers[-1]
+    try:
+        shared = random_prompts([64], seed=211)[0]
+        first, second = (shared + tail for tail in random_prompts([30, 6], seed=212))
+        expected = LLM(**options).generate([first, second], SamplingParams(**PARAMS))
+        # 94 tokens, nothing cached on the decode worker: transferred from a prefill worker.
+        outs = list(router.generate("far", first, PARAMS))
+        assert outs[-1]["prefill_worker"] in ("p0", "p1")
+        received = decode.stats()["blocks_received"]
+        assert received == 24
+        # 70 tokens, 64 cached on the decode worker itself: a 6-token tail, prefilled locally.
+        outs = list(router.generate("near", second, PARAMS))
+        assert (outs[-1]["prefill_worker"], outs[-1]["decode_worker"]) == ("d0", "d0")
+        assert outs[-1]["num_cached_tokens"] == 64
+        assert decode.stats()["blocks_received"] == received  # no transfer
+        assert [t for o in outs for t in o["token_ids"]] == expected[1].token_ids
+        decode.check_integrity()
+    finally:
+        for w in workers:
+            w.shutdown()
