@@ -49,16 +49,21 @@ def _worker_class(role: str):
 
     class Actor(cls):
         def __init__(self, worker_id: str, engine: dict, transfer: dict, threads: int) -> None:
+            import uuid
+
             import torch
 
             torch.set_num_threads(threads)
             super().__init__(worker_id, engine, transfer)
+            self.incarnation = uuid.uuid4().hex  # changes when Ray restarts the actor
 
         def ping(self) -> str:
-            return self.worker_id
+            return self.incarnation
 
     Actor.__name__ = Actor.__qualname__ = f"{cls.__name__}Actor"
-    return ray.remote(max_concurrency=ACTOR_CONCURRENCY)(Actor)
+    # A dead worker is restarted by Ray (its __init__ runs again); calls in flight fail.
+    return ray.remote(max_concurrency=ACTOR_CONCURRENCY, max_restarts=-1,
+                      max_task_retries=0)(Actor)
 
 
 class Controller:
@@ -69,6 +74,9 @@ class Controller:
         self.pg = None
         self.handles: dict[str, object] = {}
         self.roles: dict[str, str] = {}
+        self.incarnations: dict[str, str] = {}
+        self.healthy: dict[str, bool] = {}
+        self.generation = 0  # bumps whenever a worker comes back as a new incarnation
 
     def start(self) -> list[dict]:
         """Start every worker in its bundle, wait until they are up, pair them."""
@@ -87,11 +95,47 @@ class Controller:
             ).remote(worker_id, spec.engine, spec.transfer, spec.torch_threads)
             self.handles[worker_id] = actor
             self.roles[worker_id] = role
-        ray.get([h.ping.remote() for h in self.handles.values()], timeout=300)
+        for worker_id, inc in zip(self.handles, ray.get(
+                [h.ping.remote() for h in self.handles.values()], timeout=300), strict=True):
+            self.incarnations[worker_id] = inc
+            self.healthy[worker_id] = True
         for p in self.worker_ids("prefill"):
             for d in self.worker_ids("decode"):
                 self._pair(p, d)
         return self.workers()
+
+    def check_health(self, timeout: float = 10.0) -> dict:
+        """Ping every worker; re-pair any that Ray restarted. Returns
+        {"generation", "healthy": {id: bool}, "restarted": [ids]} for the router."""
+        restarted = []
+        for worker_id, handle in self.handles.items():
+            try:
+                inc = ray.get(handle.ping.remote(), timeout=timeout)
+            except Exception:  # noqa: BLE001 - dead, restarting or hung
+                self.healthy[worker_id] = False
+                continue
+            self.healthy[worker_id] = True
+            if inc != self.incarnations[worker_id]:
+                self.incarnations[worker_id] = inc
+                restarted.append(worker_id)
+        for worker_id in restarted:
+            logger.warning("worker %s was restarted; pairing it again", worker_id)
+            self._repair(worker_id)
+        if restarted:
+            self.generation += 1
+        return {"generation": self.generation, "healthy": dict(self.healthy),
+                "restarted": restarted}
+
+    def _repair(self, worker_id: str) -> None:
+        """Rebuild every pair group of a restarted worker (its peers drop the old one)."""
+        if self.roles[worker_id] == "prefill":
+            for d in self.worker_ids("decode"):
+                ray.get(self.handles[d].disconnect_prefill.remote(worker_id), timeout=30)
+                self._pair(worker_id, d)
+        else:
+            for p in self.worker_ids("prefill"):
+                ray.get(self.handles[p].disconnect_decode.remote(worker_id), timeout=30)
+                self._pair(p, worker_id)
 
     def _pair(self, prefill_id: str, decode_id: str) -> None:
         p, d = self.handles[prefill_id], self.handles[decode_id]
@@ -113,8 +157,8 @@ class Controller:
                 healthy = True
             except Exception as exc:  # noqa: BLE001 - reported as unhealthy
                 stats, healthy = {"error": str(exc)}, False
-            out.append({"worker_id": worker_id, "role": self.roles[worker_id],
-                        "healthy": healthy, **stats})
+            out.append({**stats, "worker_id": worker_id, "role": self.roles[worker_id],
+                        "healthy": healthy})
         return out
 
     def spec_dict(self) -> dict:

@@ -37,6 +37,7 @@ class LocalCluster:
         self._loop = asyncio.new_event_loop()
         self._server = None
         self._controller = None
+        self._stop = threading.Event()
 
     @property
     def address(self) -> str:
@@ -76,14 +77,28 @@ class LocalCluster:
                              block_size=info["block_size"], hash_seed=info["hash_seed"],
                              policy=o.policy, local_prefill_tokens=o.local_prefill_tokens)
         threading.Thread(target=self._loop.run_forever, daemon=True).start()
+        threading.Thread(target=self._watch, daemon=True, name="health").start()
         self._server, self.port = asyncio.run_coroutine_threadsafe(
             start_server(self.router, o.host, o.port, tokenizer, info.get("max_model_len")),
             self._loop).result(60)
         return self
 
+    def _watch(self, period_s: float = 2.0) -> None:
+        """Every period: the controller pings the workers (re-pairing restarted ones) and the
+        router learns who is healthy and whose cache was lost."""
+        import ray
+
+        while not self._stop.wait(period_s):
+            try:
+                health = ray.get(self._controller.check_health.remote(), timeout=60)
+            except Exception:  # noqa: BLE001 - shutting down, or the controller is busy
+                continue
+            self.router.update_membership(health)
+
     def close(self) -> None:
         import ray
 
+        self._stop.set()
         if self._server is not None:
             asyncio.run_coroutine_threadsafe(self._server.stop(5), self._loop).result(30)
             self._server = None

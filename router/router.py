@@ -51,6 +51,17 @@ class Router:
         self.num_cached_tokens = 0
         # request id -> (prefill id or None when prefilled locally, decode id)
         self._active: dict[str, tuple[str | None, str]] = {}
+        self._healthy: dict[str, bool] = {}  # from the controller; unknown = healthy
+
+    def update_membership(self, health: dict) -> None:
+        """Apply the controller's check_health(): restarted workers start with an empty cache,
+        unhealthy ones get no new requests."""
+        with self._lock:
+            for worker_id in health.get("restarted", []):
+                self.index.remove_worker(worker_id)
+                self.index.add_worker(worker_id)
+                self.load.forget(worker_id)
+            self._healthy.update(health.get("healthy", {}))
 
     def abort(self, request_id: str) -> bool:
         """Abort a running request on its decode worker (which tells the prefill worker)."""
@@ -92,10 +103,12 @@ class Router:
                                     cache_salt)
         n = len(prompt_token_ids)
         self.refresh_index()
-        loads = [WorkerLoad(w, self.load.queued(w)) for w in self.prefill]
+        healthy = lambda w: self._healthy.get(w, True)  # noqa: E731
+        loads = [WorkerLoad(w, self.load.queued(w), healthy=healthy(w)) for w in self.prefill]
         choice = choose_prefill(self.policy, hashes, self.block_size, loads, self.index,
                                 num_prompt_tokens=n)
         decode_loads = [DecodeLoad(w, (s := d.stats())["free_blocks"], s["num_requests"])
+                        if healthy(w) else DecodeLoad(w, 0, 0, healthy=False)
                         for w, d in self.decode.items()]
         decode_choice = choose_decode(hashes, n, self.block_size, decode_loads, self.index)
         local_tail = n - decode_choice.hit_blocks * self.block_size

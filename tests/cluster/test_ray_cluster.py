@@ -35,7 +35,8 @@ def test_controller_places_and_pairs_workers(cluster):
     workers = ray.get(controller.workers.remote())
     assert sorted((w["worker_id"], w["role"], w["healthy"]) for w in workers) == [
         ("decode-0", "decode", True), ("prefill-0", "prefill", True)]
-    assert ray.get(ray.get_actor("prefill-0", namespace=NAMESPACE).ping.remote()) == "prefill-0"
+    actor = ray.get_actor("prefill-0", namespace=NAMESPACE)  # named, in the baton namespace
+    assert ray.get(actor.info.remote())["role"] == "prefill"
 
 
 def test_request_through_actors_equals_colocated(cluster, tiny_llama):
@@ -53,3 +54,25 @@ def test_request_through_actors_equals_colocated(cluster, tiny_llama):
     stats = {w["worker_id"]: w for w in ray.get(controller.workers.remote())}
     assert stats["decode-0"]["blocks_received"] == 2 + 11  # 7 and 41 tokens, block size 4
     assert stats["decode-0"]["free_blocks"] == 256
+
+
+def test_killed_worker_is_restarted_repaired_and_serves_again(cluster):
+    controller, engine = cluster
+    decode_handle = ray.get(controller.handle.remote("decode-0"))
+    ray.kill(decode_handle, no_restart=False)  # the process dies; Ray restarts the actor
+    health = {"restarted": []}
+    for _ in range(60):
+        health = ray.get(controller.check_health.remote(timeout=5.0))
+        if "decode-0" in health["restarted"]:
+            break
+    assert health["restarted"] == ["decode-0"] and health["healthy"]["decode-0"]
+    prefill = RayPeer(ray.get(controller.handle.remote("prefill-0")))
+    decode = RayPeer(ray.get(controller.handle.remote("decode-0")))
+    prompt = random_prompts([23], seed=111)[0]
+    params = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    expected = LLM(**engine).generate([prompt], SamplingParams(**params))[0].token_ids
+    outs = list(generate_disaggregated(prefill, decode, "after-restart", prompt, params,
+                                       prefill_id="prefill-0", decode_id="decode-0",
+                                       timeout=60))
+    assert [t for o in outs for t in o["token_ids"]] == expected
+    assert ray.get(controller.check_health.remote())["generation"] == 1
