@@ -22,7 +22,15 @@ class LocalOptions:
     kv_cache_memory_gb: float = 1.0
     threads: int = 1
     local_prefill_tokens: int = 0  # conditional disaggregation threshold (0: always transfer)
+    resources: dict | None = None  # per worker; None: {"GPU": 1} if CUDA is visible else CPU
     engine_extra: dict = field(default_factory=dict)
+
+
+def default_resources() -> dict:
+    """One GPU per worker where CUDA is visible (NCCL transfers), else one CPU."""
+    import torch
+
+    return {"GPU": 1} if torch.cuda.is_available() else {"CPU": 1}
 
 
 class LocalCluster:
@@ -56,8 +64,8 @@ class LocalCluster:
         engine = {"model": o.model, "kv_cache_memory_gb": o.kv_cache_memory_gb,
                   "chunk_size": o.chunk_size, "block_size": o.block_size, **o.engine_extra}
         self._controller = start_controller(ClusterSpec(
-            engine=engine, num_prefill=o.prefill, num_decode=o.decode, resources={"CPU": 1},
-            torch_threads=o.threads))
+            engine=engine, num_prefill=o.prefill, num_decode=o.decode,
+            resources=o.resources or default_resources(), torch_threads=o.threads))
         self._router = RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE).remote(
             self._controller, {"model": o.model, "host": o.host, "port": o.port,
                                "policy": o.policy,

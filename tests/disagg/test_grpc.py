@@ -137,3 +137,30 @@ def test_deadline_exceeded_aborts_and_frees_blocks(server):
             break
         threading.Event().wait(0.05)
     assert d.stats()["free_blocks"] == 256 and p.stats()["free_blocks"] == 256
+
+
+def test_admission_refusal_is_resource_exhausted(tiny_llama):
+    # The decode worker has 16 blocks (64 tokens): a 100-token prompt cannot be reserved.
+    options = dict(model=tiny_llama, skip_tokenizer_init=True, block_size=4, chunk_size=16,
+                   max_model_len=200)
+    p = PrefillWorker("p0", dict(options, num_kv_blocks=256))
+    d = DecodeWorker("d0", dict(options, num_kv_blocks=16))
+    d.connect_prefill("p0", p.connect_decode("d0", d), p)
+    router = Router({"p0": p}, {"d0": d}, block_size=4, hash_seed="baton")
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    srv, port = asyncio.run_coroutine_threadsafe(start_server(router, port=0), loop).result(30)
+    try:
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        with pytest.raises(grpc.RpcError) as err:
+            generate(stub, [5] * 100, max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "KV blocks" in err.value.details()
+        assert generate(stub, [5] * 20, max_tokens=2)[-1].finish_reason == "length"
+        d.check_integrity()
+        p.check_integrity()
+    finally:
+        asyncio.run_coroutine_threadsafe(srv.stop(1), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        p.shutdown()
+        d.shutdown()
