@@ -9,23 +9,25 @@ import msgpack
 from kvtransfer.descriptor import TransferDescriptor
 from kvtransfer.errors import DescriptorError
 
-ANNOUNCEMENT_VERSION = 1
+ANNOUNCEMENT_VERSION = 2
+MODE_PACKED, MODE_RUNS = "packed", "runs"  # payload: staged messages | zero-copy block runs
 
 
 @dataclass(frozen=True, slots=True)
 class Announcement:
     """A transfer about to start: the group epoch it uses, how its payload is cut into
-    messages (the receiver follows the sender's plan), and its descriptor."""
+    messages (the receiver follows the sender's plan and mode), and its descriptor."""
 
     epoch: int
     layers_per_message: int
     descriptor: TransferDescriptor
+    mode: str = MODE_PACKED
     nbytes: int = field(default=0, compare=False)  # size on the wire, set by decode()
 
     def encode(self) -> bytes:
         """msgpack bytes."""
         return msgpack.packb({"v": ANNOUNCEMENT_VERSION, "epoch": self.epoch,
-                              "layers_per_message": self.layers_per_message,
+                              "layers_per_message": self.layers_per_message, "mode": self.mode,
                               "descriptor": self.descriptor.encode()}, use_bin_type=True)
 
     @classmethod
@@ -44,4 +46,7 @@ class Announcement:
                 or isinstance(lpm, bool) or not isinstance(lpm, int) or lpm < 1):
             raise DescriptorError(f"announcement has a bad epoch or layers_per_message: "
                                   f"{epoch!r}, {lpm!r}")
-        return cls(epoch, lpm, TransferDescriptor.decode(obj.get("descriptor")), len(raw))
+        mode = obj.get("mode")
+        if mode not in (MODE_PACKED, MODE_RUNS):
+            raise DescriptorError(f"announcement has an unknown payload mode {mode!r}")
+        return cls(epoch, lpm, TransferDescriptor.decode(obj.get("descriptor")), mode, len(raw))

@@ -34,10 +34,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import msgpack
 import torch
 
-from kvtransfer.announcement import ANNOUNCEMENT_VERSION, Announcement
+from kvtransfer.announcement import MODE_PACKED, MODE_RUNS, Announcement
 from kvtransfer.descriptor import TransferDescriptor
 from kvtransfer.errors import (
     DescriptorError,
@@ -64,8 +63,6 @@ from kvtransfer.pair import PeerGroup
 
 TAG = 0  # NCCL ignores tags: the protocol relies on per-pair message order only
 ANNOUNCE_SLICE_S = 0.25  # longest single blocking wait for an announcement
-FRAME_VERSION = 2  # announcement frame: Announcement's fields plus the payload "mode"
-MODE_PACKED, MODE_RUNS = "packed", "runs"
 MAX_RUNS = 8  # default cap on runs for the zero-copy mode (0 disables it)
 # Run-mode messages in flight (1 without pipelining). Gloo costs ~0.1 ms per message (2-CPU
 # box), and a gloo send waits for its receive to be posted, so many must be posted ahead:
@@ -171,7 +168,7 @@ class KVTransfer:
             start = time.perf_counter()
             with _blocking(group, "reading the pair epoch", timeout, store=True):
                 epoch = group.sync_epoch()
-            frame = _encode_frame(Announcement(epoch, lpm, desc), mode)
+            frame = Announcement(epoch, lpm, desc, mode).encode()
             try:
                 with _blocking(group, "announcing the transfer", timeout, store=True):
                     group.announce(frame)
@@ -301,7 +298,8 @@ class KVTransfer:
                 if raw is None:
                     continue
                 try:
-                    frame, mode = _decode_frame(raw)
+                    frame = Announcement.decode(raw)
+                    mode = frame.mode
                 except DescriptorError as e:
                     group.fail(None)  # its payload cannot be sized: the stream is lost
                     raise TransferError(f"peer {group.peer_id!r} announced a malformed "
@@ -401,32 +399,6 @@ def _run_messages(desc: TransferDescriptor,
             for head in range(desc.block_shape[1]):
                 for span in spans:
                     yield layer, k, head, span
-
-
-def _encode_frame(announcement: Announcement, mode: str) -> bytes:
-    """The announcement frame: Announcement's fields plus the payload mode, FRAME_VERSION."""
-    return msgpack.packb({"v": FRAME_VERSION, "epoch": announcement.epoch,
-                          "layers_per_message": announcement.layers_per_message, "mode": mode,
-                          "descriptor": announcement.descriptor.encode()}, use_bin_type=True)
-
-
-def _decode_frame(raw: bytes) -> tuple[Announcement, str]:
-    """Parse `_encode_frame()` output into (announcement, mode); DescriptorError if malformed."""
-    try:
-        obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except (ValueError, TypeError, msgpack.UnpackException) as e:
-        raise DescriptorError(f"announcement is not valid msgpack: {e}") from e
-    version = obj.get("v") if isinstance(obj, dict) else None
-    if version != FRAME_VERSION:
-        raise DescriptorError(f"announcement frame version {version!r} is not {FRAME_VERSION}; "
-                              "are both workers the same build?")
-    mode = obj.pop("mode", None)
-    if mode not in (MODE_PACKED, MODE_RUNS):
-        raise DescriptorError(f"announcement has an unknown payload mode {mode!r}")
-    # The remaining fields are exactly an Announcement's: reuse its validation.
-    inner = Announcement.decode(msgpack.packb({**obj, "v": ANNOUNCEMENT_VERSION},
-                                              use_bin_type=True))
-    return Announcement(inner.epoch, inner.layers_per_message, inner.descriptor, len(raw)), mode
 
 
 def _refusal(kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor,

@@ -131,8 +131,9 @@ def test_announcement_round_trip_and_errors():
     with pytest.raises(DescriptorError, match="announcement version 9"):
         Announcement.decode(msgpack.packb({"v": 9}))
     with pytest.raises(DescriptorError, match="bad epoch or layers_per_message"):
-        Announcement.decode(msgpack.packb({"v": 1, "epoch": -1, "layers_per_message": 1}))
+        Announcement.decode(msgpack.packb({"v": 2, "epoch": -1, "layers_per_message": 1}))
     with pytest.raises(DescriptorError, match="bytes expected"):
-        Announcement.decode(msgpack.packb({"v": 1, "epoch": 0, "layers_per_message": 1}))
+        Announcement.decode(msgpack.packb({"v": 2, "epoch": 0, "layers_per_message": 1,
+                                           "mode": "packed"}))
     with pytest.raises(DescriptorError, match="not valid msgpack"):
         Announcement.decode(b"\xc1")

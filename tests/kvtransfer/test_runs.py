@@ -14,16 +14,9 @@ import pytest
 import torch
 
 from kvtransfer import GroupRegistry, KVTransfer, TransferRejected
-from kvtransfer.announcement import Announcement
+from kvtransfer.announcement import ANNOUNCEMENT_VERSION, MODE_PACKED, MODE_RUNS, Announcement
 from kvtransfer.errors import DescriptorError
 from kvtransfer.packing import is_head_major, runs, wire_order
-from kvtransfer.transfer import (
-    FRAME_VERSION,
-    MODE_PACKED,
-    MODE_RUNS,
-    _decode_frame,
-    _encode_frame,
-)
 from tests.kvtransfer.peer import BLOCK_SHAPE, LAYERS, SenderProcess, make_cache, make_descriptor
 from tests.kvtransfer.test_transfer import assert_exact
 
@@ -85,16 +78,16 @@ def test_head_major_detection():
 def test_frame_carries_the_mode():
     desc = make_descriptor("f", src=[1], dst=[2])
     for mode in (MODE_PACKED, MODE_RUNS):
-        raw = _encode_frame(Announcement(3, 2, desc), mode)
-        ann, got = _decode_frame(raw)
-        assert (ann.epoch, ann.layers_per_message, ann.descriptor, ann.nbytes, got) == (
+        raw = Announcement(3, 2, desc, mode).encode()
+        ann = Announcement.decode(raw)
+        assert (ann.epoch, ann.layers_per_message, ann.descriptor, ann.nbytes, ann.mode) == (
             3, 2, desc, len(raw), mode)
-    obj = msgpack.unpackb(_encode_frame(Announcement(0, 1, desc), MODE_RUNS))
-    assert obj["v"] == FRAME_VERSION
+    obj = msgpack.unpackb(Announcement(0, 1, desc, MODE_RUNS).encode())
+    assert obj["v"] == ANNOUNCEMENT_VERSION
     with pytest.raises(DescriptorError, match="unknown payload mode"):
-        _decode_frame(msgpack.packb({**obj, "mode": "bogus"}))
-    with pytest.raises(DescriptorError, match="version"):
-        _decode_frame(Announcement(0, 1, desc).encode())  # an old-build frame is refused
+        Announcement.decode(msgpack.packb({**obj, "mode": "bogus"}))
+    with pytest.raises(DescriptorError, match="version"):  # an old-build frame is refused
+        Announcement.decode(msgpack.packb({**obj, "v": 1}))
 
 
 # ---- two processes -----------------------------------------------------------------------------
