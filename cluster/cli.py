@@ -12,16 +12,52 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster.local import LocalOptions
+
+
+def local_options(manifest) -> LocalOptions:
+    """LocalOptions of a validated deploy.manifest.Manifest (single-machine serving)."""
+    from cluster.local import LocalOptions
+
+    spec = manifest.spec
+    engine = spec.engine.model_dump(exclude_none=True)
+    extra = {k: v for k, v in engine.items() if k not in ("block_size", "chunk_size",
+                                                           "kv_cache_memory_gb")}
+    extra["dtype"] = spec.model.dtype
+    if spec.prefill.resources != spec.decode.resources:
+        raise ValueError("baton serve runs every worker with the same resources; use the "
+                         "same spec.prefill.resources and spec.decode.resources")
+    return LocalOptions(
+        model=spec.model.path, prefill=spec.prefill.replicas, decode=spec.decode.replicas,
+        host=spec.router.host, port=spec.router.port, policy=spec.router.policy,
+        block_size=spec.engine.block_size, chunk_size=spec.engine.chunk_size,
+        kv_cache_memory_gb=spec.engine.kv_cache_memory_gb,
+        local_prefill_tokens=spec.router.local_prefill_tokens,
+        resources=dict(spec.prefill.resources), engine_extra=extra,
+        transfer=spec.transfer.model_dump())
 
 
 def _serve(args: argparse.Namespace) -> int:
     from cluster.local import LocalCluster, LocalOptions
 
-    options = LocalOptions(model=args.model, prefill=args.prefill, decode=args.decode,
-                           host=args.host, port=args.port, policy=args.policy,
-                           block_size=args.block_size, chunk_size=args.chunk_size,
-                           kv_cache_memory_gb=args.kv_cache_memory_gb, threads=args.threads,
-                           local_prefill_tokens=args.local_prefill_tokens)
+    if args.file:
+        from deploy.manifest import ManifestError, load_manifest
+
+        try:
+            options = local_options(load_manifest(args.file))
+        except (ManifestError, ValueError) as exc:
+            print(f"error: {args.file}:\n{exc}", file=sys.stderr)
+            return 2
+    else:
+        options = LocalOptions(model=args.model, prefill=args.prefill, decode=args.decode,
+                               host=args.host, port=args.port, policy=args.policy,
+                               block_size=args.block_size, chunk_size=args.chunk_size,
+                               kv_cache_memory_gb=args.kv_cache_memory_gb,
+                               threads=args.threads,
+                               local_prefill_tokens=args.local_prefill_tokens)
     stop = threading.Event()
     cluster = LocalCluster(options)
     try:
@@ -116,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start a local Ray cluster and the gRPC server")
+    serve.add_argument("-f", "--file", help="a Baton manifest (deploy/examples/local.yaml); "
+                                            "its values replace the flags below")
     serve.add_argument("--model", default="smollm2-135m-instruct")
     serve.add_argument("--prefill", type=int, default=1, help="prefill workers")
     serve.add_argument("--decode", type=int, default=1, help="decode workers")

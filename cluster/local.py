@@ -23,6 +23,7 @@ class LocalOptions:
     threads: int = 1
     local_prefill_tokens: int = 0  # conditional disaggregation threshold (0: always transfer)
     resources: dict | None = None  # per worker; None: {"GPU": 1} if CUDA is visible else CPU
+    transfer: dict = field(default_factory=dict)  # TransferOptions fields
     engine_extra: dict = field(default_factory=dict)
 
 
@@ -65,7 +66,8 @@ class LocalCluster:
                   "chunk_size": o.chunk_size, "block_size": o.block_size, **o.engine_extra}
         self._controller = start_controller(ClusterSpec(
             engine=engine, num_prefill=o.prefill, num_decode=o.decode,
-            resources=o.resources or default_resources(), torch_threads=o.threads))
+            resources=o.resources or default_resources(), transfer=dict(o.transfer),
+            torch_threads=o.threads))
         self._router = RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE).remote(
             self._controller, {"model": o.model, "host": o.host, "port": o.port,
                                "policy": o.policy,

@@ -1,0 +1,176 @@
+"""The Baton cluster manifest (YAML), validated by pydantic models.
+
+Unknown fields are errors; every error names the field path, the bad value and what is
+allowed (ManifestError). Cross-field checks: prefill and decode use the same block size and
+hash seed (the router hashes prompts with them); resources must be placeable on the Ray
+cluster (check_resources, given what the cluster has).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used; the message lists every problem, one per line."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    path: str = Field("smollm2-135m-instruct",
+                      description="model alias, Hugging Face directory or .gguf file")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+
+
+class EngineSpec(_Strict):
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
+    chunk_size: int = Field(1024, ge=1, description="most prefill tokens per request per step")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="all tokens in one step")
+    max_num_seqs: int = Field(128, ge=1, description="most running requests per worker")
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV capacity in blocks "
+                                      "(default: from kv_cache_memory_gb)")
+    kv_cache_memory_gb: float = Field(1.0, gt=0, description="KV budget when num_kv_blocks "
+                                      "is not set")
+    max_model_len: int | None = Field(None, ge=2, description="longest prompt + output")
+    enable_prefix_caching: bool = Field(True, description="reuse cached full blocks")
+    hash_seed: str = Field("baton", min_length=1, description="seed of the block hash chain")
+
+    @model_validator(mode="after")
+    def _chunk_fits_budget(self) -> EngineSpec:
+        if self.chunk_size > self.max_num_batched_tokens:
+            raise ValueError(f"chunk_size {self.chunk_size} exceeds max_num_batched_tokens "
+                             f"{self.max_num_batched_tokens}")
+        return self
+
+
+class PoolSpec(_Strict):
+    replicas: int = Field(1, ge=1, le=256, description="number of workers in the pool")
+    resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1},
+                                        description="Ray resources of each worker's bundle, "
+                                                    "e.g. {CPU: 1} or {GPU: 1}")
+    engine: EngineSpec | None = Field(None, description="engine options for this pool only "
+                                      "(overrides spec.engine)")
+
+    @model_validator(mode="after")
+    def _positive_resources(self) -> PoolSpec:
+        bad = {k: v for k, v in self.resources.items() if v <= 0}
+        if bad or not self.resources:
+            raise ValueError(f"resources must name at least one resource with an amount > 0, "
+                             f"got {dict(self.resources)}")
+        return self
+
+
+class RouterSpec(_Strict):
+    policy: Literal["cache_aware", "round_robin", "least_loaded", "random"] = Field(
+        "cache_aware", description="prefill worker choice")
+    host: str = Field("127.0.0.1", description="gRPC listen address")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
+    local_prefill_tokens: int = Field(0, ge=0, description="conditional disaggregation "
+                                      "threshold (0: always transfer)")
+
+
+class TransferSpec(_Strict):
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on CUDA")
+    lease_seconds: float = Field(30.0, gt=0, description="lease on reserved and held blocks")
+    timeout_seconds: float = Field(10.0, gt=0, description="bound on every transfer wait")
+
+
+class ClusterSpecModel(_Strict):
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    prefill: PoolSpec = Field(default_factory=PoolSpec)
+    decode: PoolSpec = Field(default_factory=PoolSpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    transfer: TransferSpec = Field(default_factory=TransferSpec)
+
+    def engine_for(self, role: Literal["prefill", "decode"]) -> EngineSpec:
+        pool = self.prefill if role == "prefill" else self.decode
+        return pool.engine or self.engine
+
+    @model_validator(mode="after")
+    def _same_hashing(self) -> ClusterSpecModel:
+        p, d = self.engine_for("prefill"), self.engine_for("decode")
+        for name in ("block_size", "hash_seed"):
+            if getattr(p, name) != getattr(d, name):
+                raise ValueError(f"prefill and decode must use the same {name} (the router "
+                                 f"hashes prompts with it): prefill has {getattr(p, name)!r}, "
+                                 f"decode has {getattr(d, name)!r}")
+        return self
+
+
+class Metadata(_Strict):
+    name: str = Field(..., min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                      description="cluster name (DNS label)")
+
+
+class Manifest(_Strict):
+    """apiVersion baton/v1, kind Cluster."""
+
+    apiVersion: Literal["baton/v1"] = Field(..., description="manifest schema version")  # noqa: N815
+    kind: Literal["Cluster"] = Field(..., description="what the manifest describes")
+    metadata: Metadata
+    spec: ClusterSpecModel = Field(default_factory=ClusterSpecModel)
+
+
+def _format(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "(manifest)"
+        value = e.get("input")
+        shown = "missing" if e["type"] == "missing" else repr(value)
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown field (value {shown}); remove it or check spelling")
+        else:
+            lines.append(f"{path}: {shown} is invalid: {e['msg']}")
+    return "\n".join(lines)
+
+
+def parse_manifest(data: dict | str) -> Manifest:
+    """Validate a manifest (a dict, or YAML text); raises ManifestError."""
+    if isinstance(data, str):
+        try:
+            data = yaml.safe_load(data)
+        except yaml.YAMLError as exc:
+            raise ManifestError(f"not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ManifestError(f"a manifest is a mapping, got {type(data).__name__}")
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as exc:
+        raise ManifestError(_format(exc)) from None
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read and validate a manifest file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ManifestError(f"{path}: no such manifest file")
+    return parse_manifest(path.read_text())
+
+
+def check_resources(manifest: Manifest, cluster: dict[str, float]) -> None:
+    """Raise ManifestError if the pools can never be placed on a cluster with these total
+    resources (e.g. ray.cluster_resources())."""
+    need: dict[str, float] = {}
+    problems = []
+    for role in ("prefill", "decode"):
+        pool = getattr(manifest.spec, role)
+        for name, amount in pool.resources.items():
+            if cluster.get(name, 0) < amount:
+                problems.append(f"spec.{role}.resources.{name}: {amount} per worker, but the "
+                                f"Ray cluster has {cluster.get(name, 0)} in total")
+            need[name] = need.get(name, 0) + amount * pool.replicas
+    for name, amount in need.items():
+        if cluster.get(name, 0) < amount and not any(name in p for p in problems):
+            problems.append(f"spec.prefill/decode: {amount} {name} needed for all replicas, "
+                            f"the Ray cluster has {cluster.get(name, 0)}")
+    if problems:
+        raise ManifestError("\n".join(problems))

@@ -1,0 +1,85 @@
+"""Manifest validation: the examples parse; each bad manifest gets its specific error naming
+the field path, the bad value and what is allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.cli import local_options
+from deploy.manifest import ManifestError, check_resources, load_manifest, parse_manifest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
+BASE = yaml.safe_load((EXAMPLES / "local.yaml").read_text())
+
+
+def with_change(path: str, value) -> dict:
+    """BASE with the value at a dotted path replaced (or a new key added)."""
+    data = yaml.safe_load(yaml.safe_dump(BASE))
+    *parents, leaf = path.split(".")
+    node = data
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+    return data
+
+
+@pytest.mark.parametrize("name", ["local", "cpu-multi", "gpu"])
+def test_examples_are_valid(name):
+    manifest = load_manifest(EXAMPLES / f"{name}.yaml")
+    assert manifest.metadata.name == name
+
+
+def test_local_example_is_the_serve_default():
+    options = local_options(load_manifest(EXAMPLES / "local.yaml"))
+    assert (options.model, options.prefill, options.decode, options.port) == (
+        "smollm2-135m-instruct", 1, 1, 50051)
+    assert options.engine_extra["num_kv_blocks"] == 2048
+
+
+@pytest.mark.parametrize(("path", "value", "expected"), [
+    ("spec.prefill.replicas", 0, r"spec.prefill.replicas: 0 is invalid: .*greater than or equal"),
+    ("spec.decode.replicas", -2, r"spec.decode.replicas: -2 is invalid"),
+    ("spec.prefill.replicas", "two", r"spec.prefill.replicas: 'two' is invalid: .*integer"),
+    ("spec.engine.block_size", "big", r"spec.engine.block_size: 'big' is invalid"),
+    ("spec.engine.blocksize", 16, r"spec.engine.blocksize: unknown field"),
+    ("spec.extra", {}, r"spec.extra: unknown field"),
+    ("spec.router.policy", "fastest", r"spec.router.policy: 'fastest' is invalid: .*cache_aware"),
+    ("spec.router.port", 70000, r"spec.router.port: 70000 is invalid"),
+    ("spec.transfer.backend", "nixl", r"spec.transfer.backend: 'nixl' is invalid: .*gloo"),
+    ("spec.model.dtype", "int4", r"spec.model.dtype: 'int4' is invalid"),
+    ("spec.decode.resources", {"CPU": 0}, r"amount > 0"),
+    ("spec.decode.engine", {"block_size": 32}, r"same block_size .*prefill has 16, decode has 32"),
+    ("spec.prefill.engine", {"hash_seed": "x"}, r"same hash_seed"),
+    ("spec.engine.chunk_size", 4096, r"chunk_size 4096 exceeds max_num_batched_tokens 1024"),
+    ("apiVersion", "baton/v2", r"apiVersion: 'baton/v2' is invalid: .*baton/v1"),
+    ("kind", "Deployment", r"kind: 'Deployment' is invalid"),
+    ("metadata.name", "Bad_Name", r"metadata.name: 'Bad_Name' is invalid"),
+])
+def test_bad_manifests_name_field_value_and_rule(path, value, expected):
+    with pytest.raises(ManifestError, match=expected):
+        parse_manifest(with_change(path, value))
+
+
+def test_missing_and_malformed_documents():
+    with pytest.raises(ManifestError, match="metadata: missing is invalid"):
+        parse_manifest({"apiVersion": "baton/v1", "kind": "Cluster"})
+    with pytest.raises(ManifestError, match="not valid YAML"):
+        parse_manifest("spec: [unclosed")
+    with pytest.raises(ManifestError, match="a manifest is a mapping"):
+        parse_manifest("- a\n- b\n")
+    with pytest.raises(ManifestError, match="no such manifest file"):
+        load_manifest("/nonexistent/baton.yaml")
+
+
+def test_impossible_resources():
+    gpu = load_manifest(EXAMPLES / "gpu.yaml")
+    with pytest.raises(ManifestError, match=r"spec.prefill.resources.GPU: 1.0 per worker, but "
+                                            r"the Ray cluster has 0 in total"):
+        check_resources(gpu, {"CPU": 16})
+    with pytest.raises(ManifestError, match="4.0 GPU needed for all replicas, the Ray cluster "
+                                            "has 2"):
+        check_resources(gpu, {"CPU": 16, "GPU": 2})
+    check_resources(gpu, {"CPU": 16, "GPU": 4})  # fits
