@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -20,24 +21,35 @@ from router.server import start_server
 from tests.engine.test_engine_vs_hf import random_prompts
 
 
+@contextmanager
+def serving(prefill_options: dict, decode_options: dict, max_model_len: int | None = None):
+    """An in-process prefill + decode pair behind a Router and the real gRPC server; yields
+    (stub, channel, (prefill, decode)) and tears everything down."""
+    p, d = PrefillWorker("p0", prefill_options), DecodeWorker("d0", decode_options)
+    d.connect_prefill("p0", p.connect_decode("d0", d), p)
+    router = Router({"p0": p}, {"d0": d}, block_size=prefill_options["block_size"],
+                    hash_seed="baton")
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    srv, port = asyncio.run_coroutine_threadsafe(
+        start_server(router, port=0, max_model_len=max_model_len), loop).result(30)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield pb_grpc.InferenceStub(channel), channel, (p, d)
+    finally:
+        channel.close()
+        asyncio.run_coroutine_threadsafe(srv.stop(1), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        p.shutdown()
+        d.shutdown()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     options = dict(model=tiny_llama, skip_tokenizer_init=True, block_size=4,
                    num_kv_blocks=256, chunk_size=16, max_model_len=200)
-    p, d = PrefillWorker("p0", options), DecodeWorker("d0", options)
-    d.connect_prefill("p0", p.connect_decode("d0", d), p)
-    router = Router({"p0": p}, {"d0": d}, block_size=4, hash_seed="baton")
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    srv, port = asyncio.run_coroutine_threadsafe(
-        start_server(router, port=0, max_model_len=200), loop).result(30)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield pb_grpc.InferenceStub(channel), channel, options, (p, d)
-    channel.close()
-    asyncio.run_coroutine_threadsafe(srv.stop(1), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    p.shutdown()
-    d.shutdown()
+    with serving(options, options, max_model_len=200) as (stub, channel, workers):
+        yield stub, channel, options, workers
 
 
 def generate(stub, ids, **sampling) -> list:
@@ -143,24 +155,13 @@ def test_admission_refusal_is_resource_exhausted(tiny_llama):
     # The decode worker has 16 blocks (64 tokens): a 100-token prompt cannot be reserved.
     options = dict(model=tiny_llama, skip_tokenizer_init=True, block_size=4, chunk_size=16,
                    max_model_len=200)
-    p = PrefillWorker("p0", dict(options, num_kv_blocks=256))
-    d = DecodeWorker("d0", dict(options, num_kv_blocks=16))
-    d.connect_prefill("p0", p.connect_decode("d0", d), p)
-    router = Router({"p0": p}, {"d0": d}, block_size=4, hash_seed="baton")
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    srv, port = asyncio.run_coroutine_threadsafe(start_server(router, port=0), loop).result(30)
-    try:
-        stub = pb_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    with serving(dict(options, num_kv_blocks=256), dict(options, num_kv_blocks=16)) as (
+            stub, _, (p, d)):
         with pytest.raises(grpc.RpcError) as err:
             generate(stub, [5] * 100, max_tokens=2)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "KV blocks" in err.value.details()
-        assert generate(stub, [5] * 20, max_tokens=2, ignore_eos=True)[-1].finish_reason == "length"
+        assert generate(stub, [5] * 20, max_tokens=2, ignore_eos=True)[-1].finish_reason == (
+            "length")
         d.check_integrity()
         p.check_integrity()
-    finally:
-        asyncio.run_coroutine_threadsafe(srv.stop(1), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        p.shutdown()
-        d.shutdown()

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -177,3 +178,16 @@ def _proc_state(pid: int) -> str:
     """One-letter scheduler state of `pid` from /proc (Linux)."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@contextmanager
+def joined_receiver(sender: SenderProcess, timeout: float = 5.0):
+    """The decode side of a pair with `sender`: (registry, KVTransfer), closed afterwards."""
+    from kvtransfer import GroupRegistry, KVTransfer
+
+    registry = GroupRegistry("cpu", timeout=timeout)
+    registry.join("prefill-0", sender.host("decode-0"))
+    try:
+        yield registry, KVTransfer(registry)
+    finally:
+        registry.close()

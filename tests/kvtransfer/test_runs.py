@@ -17,7 +17,14 @@ from kvtransfer import GroupRegistry, KVTransfer, TransferRejected
 from kvtransfer.announcement import ANNOUNCEMENT_VERSION, MODE_PACKED, MODE_RUNS, Announcement
 from kvtransfer.errors import DescriptorError
 from kvtransfer.packing import is_head_major, runs, wire_order
-from tests.kvtransfer.peer import BLOCK_SHAPE, LAYERS, SenderProcess, make_cache, make_descriptor
+from tests.kvtransfer.peer import (
+    BLOCK_SHAPE,
+    LAYERS,
+    SenderProcess,
+    joined_receiver,
+    make_cache,
+    make_descriptor,
+)
 from tests.kvtransfer.test_transfer import assert_exact
 
 SENDER_BLOCKS, RECEIVER_BLOCKS = 24, 20
@@ -36,10 +43,8 @@ def sender() -> Iterator[SenderProcess]:
 
 @pytest.fixture(scope="module")
 def receiver(sender) -> Iterator[tuple[GroupRegistry, KVTransfer]]:
-    registry = GroupRegistry("cpu", timeout=5.0)
-    registry.join("prefill-0", sender.host("decode-0"))
-    yield registry, KVTransfer(registry)
-    registry.close()
+    with joined_receiver(sender) as pair:
+        yield pair
 
 
 def transfer(sender, receiver, desc, kv, accept=None):

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from kvtransfer import GroupRegistry, KVTransfer
-from tests.kvtransfer.peer import LAYERS, SenderProcess, make_cache, make_descriptor
+from tests.kvtransfer.peer import (
+    LAYERS,
+    SenderProcess,
+    joined_receiver,
+    make_cache,
+    make_descriptor,
+)
 
 SENDER_BLOCKS, RECEIVER_BLOCKS = 24, 20
 MESSAGE_BYTES = 4096  # small on purpose: 4 blocks x 2 layers fill one message
@@ -23,10 +29,8 @@ def sender() -> Iterator[SenderProcess]:
 
 @pytest.fixture(scope="module")
 def receiver(sender) -> Iterator[tuple[GroupRegistry, KVTransfer]]:
-    registry = GroupRegistry("cpu", timeout=5.0)
-    registry.join("prefill-0", sender.host("decode-0"))
-    yield registry, KVTransfer(registry)
-    registry.close()
+    with joined_receiver(sender) as pair:
+        yield pair
 
 
 def transfer(sender, receiver, desc, kv):
