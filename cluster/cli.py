@@ -3,6 +3,8 @@
     baton serve [--model M] [--prefill N] [--decode N] [--host H] [--port P]
     baton generate "prompt" [--max-tokens N] [--temperature T] [--address H:P]
     baton chat [--system TEXT] [--address H:P]
+    baton deploy apply -f MANIFEST | scale prefill=N decode=M | status [--json] | down
+                 [--address RAY_ADDRESS]
 """
 
 from __future__ import annotations
@@ -12,32 +14,6 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from cluster.local import LocalOptions
-
-
-def local_options(manifest) -> LocalOptions:
-    """LocalOptions of a validated deploy.manifest.Manifest (single-machine serving)."""
-    from cluster.local import LocalOptions
-
-    spec = manifest.spec
-    engine = spec.engine.model_dump(exclude_none=True)
-    extra = {k: v for k, v in engine.items() if k not in ("block_size", "chunk_size",
-                                                           "kv_cache_memory_gb")}
-    extra["dtype"] = spec.model.dtype
-    if spec.prefill.resources != spec.decode.resources:
-        raise ValueError("baton serve runs every worker with the same resources; use the "
-                         "same spec.prefill.resources and spec.decode.resources")
-    return LocalOptions(
-        model=spec.model.path, prefill=spec.prefill.replicas, decode=spec.decode.replicas,
-        host=spec.router.host, port=spec.router.port, policy=spec.router.policy,
-        block_size=spec.engine.block_size, chunk_size=spec.engine.chunk_size,
-        kv_cache_memory_gb=spec.engine.kv_cache_memory_gb,
-        local_prefill_tokens=spec.router.local_prefill_tokens,
-        resources=dict(spec.prefill.resources), engine_extra=extra,
-        transfer=spec.transfer.model_dump())
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -47,24 +23,31 @@ def _serve(args: argparse.Namespace) -> int:
         from deploy.manifest import ManifestError, load_manifest
 
         try:
-            options = local_options(load_manifest(args.file))
-        except (ManifestError, ValueError) as exc:
+            manifest = load_manifest(args.file)
+        except ManifestError as exc:
             print(f"error: {args.file}:\n{exc}", file=sys.stderr)
             return 2
     else:
-        options = LocalOptions(model=args.model, prefill=args.prefill, decode=args.decode,
-                               host=args.host, port=args.port, policy=args.policy,
-                               block_size=args.block_size, chunk_size=args.chunk_size,
-                               kv_cache_memory_gb=args.kv_cache_memory_gb,
-                               threads=args.threads,
-                               local_prefill_tokens=args.local_prefill_tokens)
+        from deploy.manifest import ManifestError
+
+        try:
+            manifest = LocalOptions(
+                model=args.model, prefill=args.prefill, decode=args.decode, host=args.host,
+                port=args.port, policy=args.policy, block_size=args.block_size,
+                chunk_size=args.chunk_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                threads=args.threads, local_prefill_tokens=args.local_prefill_tokens,
+            ).manifest()
+        except ManifestError as exc:
+            print(f"error: bad flags:\n{exc}", file=sys.stderr)
+            return 2
     stop = threading.Event()
-    cluster = LocalCluster(options)
+    cluster = LocalCluster(manifest)
     try:
         cluster.start(log=lambda m: print(m, flush=True))
         for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
             signal.signal(sig, lambda *_: stop.set())
-        print(f"Baton is serving {args.model} on {cluster.address} (gRPC baton.v1.Inference)."
+        print(f"Baton is serving {manifest.spec.model.path} on {cluster.address} "
+              "(gRPC baton.v1.Inference)."
               f"\nTry:  baton generate \"Hello\" --address {cluster.address}\n"
               "Ctrl-C stops everything.", flush=True)
         while not stop.wait(0.5):
@@ -72,7 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
         print("\nshutting down ...", flush=True)
     finally:
         cluster.close()
-    print("stopped: server, workers, controller and placement group removed", flush=True)
+    print("stopped: server, workers, controller and placement groups removed", flush=True)
     return 0
 
 
@@ -152,22 +135,25 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start a local Ray cluster and the gRPC server")
-    serve.add_argument("-f", "--file", help="a Baton manifest (deploy/examples/local.yaml); "
-                                            "its values replace the flags below")
-    serve.add_argument("--model", default="smollm2-135m-instruct")
-    serve.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    serve.add_argument("--decode", type=int, default=1, help="decode workers")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=50051)
-    serve.add_argument("--policy", default="cache_aware",
-                       help="cache_aware | round_robin | least_loaded | random")
-    serve.add_argument("--block-size", type=int, default=16)
-    serve.add_argument("--chunk-size", type=int, default=1024)
-    serve.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    serve.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    serve.add_argument("--local-prefill-tokens", type=int, default=0,
+    serve.add_argument("-f", "--file", help="a Baton manifest; without it, "
+                       "deploy/examples/local.yaml with the flags below applied")
+    serve.add_argument("--model", help="model alias, HF directory or .gguf "
+                                       "(default smollm2-135m-instruct)")
+    serve.add_argument("--prefill", type=int, help="prefill workers (default 1)")
+    serve.add_argument("--decode", type=int, help="decode workers (default 1)")
+    serve.add_argument("--host", help="gRPC listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="gRPC port (default 50051; 0: any free)")
+    serve.add_argument("--policy", choices=["cache_aware", "round_robin", "least_loaded",
+                                            "random"], help="prefill choice (cache_aware)")
+    serve.add_argument("--block-size", type=int, help="tokens per KV block (16)")
+    serve.add_argument("--chunk-size", type=int, help="prefill chunk in tokens (512)")
+    serve.add_argument("--kv-cache-memory-gb", type=float,
+                       help="KV budget per worker (default: 2048 blocks)")
+    serve.add_argument("--threads", type=int, help="torch threads per worker (1)")
+    serve.add_argument("--local-prefill-tokens", type=int,
                        help="prefill on the decode worker (no KV transfer) when its uncached "
-                            "tail is at most this many tokens; 0 always disaggregates")
+                            "tail is at most this many tokens; 0 (default) always "
+                            "disaggregates")
     serve.set_defaults(run=_serve)
     for name, fn, text in (("generate", _generate, "stream one completion"),
                            ("chat", _chat, "interactive chat")):
@@ -183,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--temperature", type=float, default=0.0)
         p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
         p.set_defaults(run=fn)
+    from deploy.commands import add_parser as add_deploy_parser
+
+    add_deploy_parser(sub)
     args = parser.parse_args(argv)
     return args.run(args)
 

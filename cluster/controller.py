@@ -1,43 +1,44 @@
-"""The Baton controller: a named Ray actor that places, starts and pairs the worker actors.
+"""The Baton controller: a named, detached Ray actor that reconciles the cluster to a manifest.
 
-Each worker runs in its own placement-group bundle ({"CPU": n} on CPU, {"GPU": 1} on GPU
-clusters). Every prefill worker is paired with every decode worker (a 2-rank group each);
-KV moves over those groups, never through Ray's object store. Control calls are Ray calls.
+apply(manifest) creates the workers and the router that are missing, replaces workers whose
+template (engine options, transfer options, resources, threads) changed, and scales each pool
+to its replicas; applying the same manifest again changes nothing. Each worker runs in its own
+one-bundle placement group ({"CPU": n} or {"GPU": 1}); every prefill worker is paired with
+every decode worker of the same KV key (a 2-rank group each), so KV moves over those groups,
+never through Ray's object store.
+
+A leaving worker is drained: the router stops giving it new requests (set_workers returns only
+after that holds), its running requests finish, then it is unpaired and removed. New workers
+are paired and announced before old ones leave, so a changed manifest never leaves a pool
+empty. Worker and router actors are owned by this actor: killing it removes them all.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.ray_peer import RayPeer
+from cluster.templates import ROLES, WorkerTemplate, router_options, worker_templates
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "baton"
 CONTROLLER_NAME = "baton-controller"
 ACTOR_CONCURRENCY = 64  # control calls (a long prefill included) run side by side
+PLACEMENT_TIMEOUT_S = 120.0  # a worker's bundle must be placeable within this
+DRAIN_POLL_S = 0.5
 
 
-@dataclass(frozen=True)
-class ClusterSpec:
-    """What to run: engine options shared by all workers, pool sizes, per-worker resources."""
-
-    engine: dict = field(default_factory=dict)
-    num_prefill: int = 1
-    num_decode: int = 1
-    resources: dict = field(default_factory=lambda: {"CPU": 1})
-    transfer: dict = field(default_factory=dict)
-    torch_threads: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("num_prefill", "num_decode"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+class NoCluster(RuntimeError):
+    """No Baton controller runs on this Ray cluster."""
 
 
 def _worker_class(role: str):
@@ -66,122 +67,385 @@ def _worker_class(role: str):
                       max_task_retries=0)(Actor)
 
 
+@dataclass
+class Worker:
+    """One worker actor as the controller tracks it."""
+
+    worker_id: str
+    template: WorkerTemplate
+    handle: Any
+    pg: Any
+    incarnation: str = ""
+    draining: bool = False  # takes no new requests; removed once its requests finished
+    healthy: bool = True
+
+    @property
+    def role(self) -> str:
+        return self.template.role
+
+
 class Controller:
-    """Creates, pairs and tracks the workers of one cluster spec."""
+    """Reconciles the workers and the router of one Baton cluster to a manifest."""
 
-    def __init__(self, spec: dict) -> None:
-        self.spec = ClusterSpec(**spec)
-        self.pg = None
-        self.handles: dict[str, object] = {}
-        self.roles: dict[str, str] = {}
-        self.incarnations: dict[str, str] = {}
-        self.healthy: dict[str, bool] = {}
-        self.generation = 0  # bumps whenever a worker comes back as a new incarnation
+    def __init__(self) -> None:
+        self.manifest: dict | None = None  # the last applied manifest, as a dict
+        self.generation = 0  # bumps whenever an applied manifest's spec differs
+        self.restarts = 0  # workers Ray restarted as a new incarnation
+        self.workers_by_id: dict[str, Worker] = {}
+        self.router = None
+        self.router_key: tuple | None = None  # what the router's server was started with
+        self.router_address: str | None = None
+        self._pairs: set[tuple[str, str]] = set()  # (prefill id, decode id) with a group
+        self._next_index = dict.fromkeys(ROLES, 0)
+        self._apply_lock = threading.Lock()  # one reconcile at a time
+        self._state_lock = threading.Lock()  # workers_by_id changes
+        self._events: list[str] = []
 
-    def start(self) -> list[dict]:
-        """Start every worker in its bundle, wait until they are up, pair them."""
-        spec = self.spec
-        ids = ([("prefill", f"prefill-{i}") for i in range(spec.num_prefill)]
-               + [("decode", f"decode-{i}") for i in range(spec.num_decode)])
-        self.pg = placement_group([dict(spec.resources) for _ in ids], strategy="PACK")
-        ray.get(self.pg.ready(), timeout=120)
-        resources = {k: v for k, v in spec.resources.items() if k not in ("CPU", "GPU")}
-        for bundle, (role, worker_id) in enumerate(ids):
-            actor = _worker_class(role).options(
-                name=worker_id, namespace=NAMESPACE, num_cpus=spec.resources.get("CPU", 0),
-                num_gpus=spec.resources.get("GPU", 0), resources=resources or None,
+    # ---- progress ----------------------------------------------------------------------
+    def _log(self, message: str) -> None:
+        logger.info(message)
+        self._events.append(message)
+
+    def events(self, since: int = 0) -> list[str]:
+        """Progress lines of reconciles, from index `since` on (callers keep the count)."""
+        return self._events[since:]
+
+    def num_events(self) -> int:
+        return len(self._events)
+
+    # ---- reconcile ---------------------------------------------------------------------
+    def apply(self, manifest: dict) -> dict:
+        """Reconcile to the manifest; returns {"generation", "changed", "changes"}."""
+        from deploy.manifest import ManifestError, check_resources, parse_manifest
+
+        with self._apply_lock:
+            m = parse_manifest(manifest)
+            if self.manifest is not None and self.manifest["metadata"]["name"] != m.metadata.name:
+                raise ManifestError(
+                    f"metadata.name: {m.metadata.name!r} is invalid: this Ray cluster runs "
+                    f"Baton cluster {self.manifest['metadata']['name']!r}; run `baton deploy "
+                    "down` first or apply under that name")
+            check_resources(m, ray.cluster_resources())
+            data = m.model_dump(mode="json")
+            if self.manifest is None or data["spec"] != self.manifest["spec"]:
+                self.generation += 1
+            self.manifest = data
+            changes = self._reconcile(m)
+            self._log(f"generation {self.generation}: "
+                      + ("; ".join(changes) if changes else "no change"))
+            return {"generation": self.generation, "changed": bool(changes),
+                    "changes": changes}
+
+    def scale(self, replicas: dict[str, int]) -> dict:
+        """Apply the current manifest with new replica counts, e.g. {"decode": 2}."""
+        if self.manifest is None:
+            raise NoCluster("no manifest applied yet; run `baton deploy apply -f MANIFEST`")
+        bad = set(replicas) - set(ROLES)
+        if bad:
+            raise ValueError(f"unknown pool {sorted(bad)}: choose prefill or decode")
+        manifest = {**self.manifest, "spec": {**self.manifest["spec"]}}
+        for role, n in replicas.items():
+            manifest["spec"][role] = {**manifest["spec"][role], "replicas": n}
+        return self.apply(manifest)
+
+    def _reconcile(self, m) -> list[str]:
+        templates = worker_templates(m)
+        changes: list[str] = []
+        added: list[Worker] = []
+        leaving: list[Worker] = []
+        for role in ROLES:
+            want = getattr(m.spec, role).replicas
+            current = self._active(role)
+            keep = [w for w in current if w.template.key == templates[role].key]
+            outdated = [w for w in current if w.template.key != templates[role].key]
+            start = max(0, want - len(keep))
+            stop = len(outdated) + max(0, len(keep) - want)
+            replaced = min(start, len(outdated))
+            for count, verb in ((replaced, "replace"), (start - replaced, "add"),
+                                (stop - replaced, "remove")):
+                if count:
+                    changes.append(f"{verb} {count} {role} worker(s)"
+                                   + (" (options changed)" if verb == "replace" else ""))
+            added += self._start_workers(templates[role], start)
+            leaving += outdated + keep[want:]
+        for worker in added:
+            self._pair_with_peers(worker)
+        options = router_options(m)
+        started = self._ensure_router(options)
+        if started:
+            changes.append(f"{started} router")
+        for worker in leaving:
+            worker.draining = True
+        self._publish()  # new workers in, leaving ones out (the router then drains them)
+        if leaving:
+            self._drain(leaving, m.spec.drain_timeout_seconds)
+            for worker in leaving:
+                self._remove(worker)
+        return changes
+
+    def _active(self, role: str) -> list[Worker]:
+        return [w for w in self.workers_by_id.values() if w.role == role and not w.draining]
+
+    def _start_workers(self, template: WorkerTemplate, count: int) -> list[Worker]:
+        """Place and start `count` workers of a template; waits until each answers."""
+        if count <= 0:
+            return []
+        started = []
+        for _ in range(count):
+            worker_id = f"{template.role}-{self._next_index[template.role]}"
+            self._next_index[template.role] += 1
+            self._log(f"starting {worker_id} with resources {template.resources}")
+            pg = placement_group([dict(template.resources)], strategy="PACK",
+                                 name=f"baton-{worker_id}")
+            ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+            if not ready:
+                remove_placement_group(pg)
+                for w in started:
+                    self._remove(w)
+                raise RuntimeError(
+                    f"{worker_id}: no node could give {template.resources} within "
+                    f"{PLACEMENT_TIMEOUT_S:.0f} s (free: {ray.available_resources()}); "
+                    "add nodes or lower the replicas or resources")
+            r = template.resources
+            handle = _worker_class(template.role).options(
+                name=worker_id, namespace=NAMESPACE, num_cpus=r.get("CPU", 0),
+                num_gpus=r.get("GPU", 0),
+                resources={k: v for k, v in r.items() if k not in ("CPU", "GPU")} or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=bundle),
-            ).remote(worker_id, spec.engine, spec.transfer, spec.torch_threads)
-            self.handles[worker_id] = actor
-            self.roles[worker_id] = role
-        for worker_id, inc in zip(self.handles, ray.get(
-                [h.ping.remote() for h in self.handles.values()], timeout=300), strict=True):
-            self.incarnations[worker_id] = inc
-            self.healthy[worker_id] = True
-        for p in self.worker_ids("prefill"):
-            for d in self.worker_ids("decode"):
-                self._pair(p, d)
-        return self.workers()
+                    pg, placement_group_bundle_index=0),
+            ).remote(worker_id, template.engine, template.transfer, template.threads)
+            started.append(Worker(worker_id, template, handle, pg))
+        incarnations = ray.get([w.handle.ping.remote() for w in started], timeout=600)
+        for worker, incarnation in zip(started, incarnations, strict=True):
+            worker.incarnation = incarnation
+            with self._state_lock:
+                self.workers_by_id[worker.worker_id] = worker
+            self._log(f"{worker.worker_id} is up")
+        return started
 
-    def check_health(self, timeout: float = 10.0) -> dict:
-        """Ping every worker; re-pair any that Ray restarted. Returns
-        {"generation", "healthy": {id: bool}, "restarted": [ids]} for the router."""
-        restarted = []
-        for worker_id, handle in self.handles.items():
-            try:
-                inc = ray.get(handle.ping.remote(), timeout=timeout)
-            except Exception:  # noqa: BLE001 - dead, restarting or hung
-                self.healthy[worker_id] = False
+    def _pair_with_peers(self, worker: Worker) -> None:
+        """Pair a new worker with every non-draining peer of the other role it can read KV
+        from (pairs that exist already are skipped)."""
+        other = "decode" if worker.role == "prefill" else "prefill"
+        for peer in self._active(other):
+            if peer.template.kv_key != worker.template.kv_key:
                 continue
-            self.healthy[worker_id] = True
-            if inc != self.incarnations[worker_id]:
-                self.incarnations[worker_id] = inc
-                restarted.append(worker_id)
-        for worker_id in restarted:
-            logger.warning("worker %s was restarted; pairing it again", worker_id)
-            self._repair(worker_id)
-        if restarted:
-            self.generation += 1
-        return {"generation": self.generation, "healthy": dict(self.healthy),
-                "restarted": restarted}
+            p, d = (worker, peer) if worker.role == "prefill" else (peer, worker)
+            if (p.worker_id, d.worker_id) not in self._pairs:
+                self._pair(p, d)
 
-    def _repair(self, worker_id: str) -> None:
-        """Rebuild every pair group of a restarted worker (its peers drop the old one)."""
-        if self.roles[worker_id] == "prefill":
-            for d in self.worker_ids("decode"):
-                ray.get(self.handles[d].disconnect_prefill.remote(worker_id), timeout=30)
-                self._pair(worker_id, d)
+    def _pair(self, p: Worker, d: Worker) -> None:
+        address = ray.get(p.handle.connect_decode.remote(d.worker_id, RayPeer(d.handle)),
+                          timeout=60)
+        ray.get(d.handle.connect_prefill.remote(p.worker_id, address, RayPeer(p.handle)),
+                timeout=60)
+        self._pairs.add((p.worker_id, d.worker_id))
+
+    def _unpair(self, p: Worker, d: Worker) -> None:
+        self._pairs.discard((p.worker_id, d.worker_id))
+        for call in (d.handle.disconnect_prefill.remote(p.worker_id),
+                     p.handle.disconnect_decode.remote(d.worker_id)):
+            try:
+                ray.get(call, timeout=30)
+            except Exception as exc:  # noqa: BLE001 - a dead peer has nothing to tear down
+                logger.warning("unpairing %s and %s: %s", p.worker_id, d.worker_id, exc)
+
+    def _ensure_router(self, options: dict) -> str | None:
+        """Start the router actor, or restart it when what its server was started with
+        changed; a new policy is set in place. Returns "start", "restart" or None."""
+        from cluster.router_actor import ROUTER_NAME, RouterActor
+
+        key = tuple(options[k] for k in ("model", "skip_tokenizer", "host", "port"))
+        if self.router is not None and key == self.router_key:
+            ray.get(self.router.configure.remote(options["policy"],
+                                                 options["local_prefill_tokens"]), timeout=30)
+            return None
+        verb = "restart" if self.router is not None else "start"
+        if self.router is not None:
+            self._log(f"restarting the router ({self.router_address} -> "
+                      f"{options['host']}:{options['port']})")
+            self._stop_router()
+        me = ray.get_runtime_context().current_actor
+        self.router = RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE).remote(
+            me, options)
+        port = ray.get(self.router.start.remote(), timeout=300)
+        self.router_key = key
+        self.router_address = f"{options['host']}:{port}"
+        self._log(f"router serving gRPC on {self.router_address}")
+        return verb
+
+    def _publish(self) -> None:
+        """Tell the router which workers take new requests; returns once it holds."""
+        if self.router is None:
+            return
+        pools = {role: {w.worker_id: w.handle for w in self._active(role)} for role in ROLES}
+        engine = self.manifest["spec"]["engine"]
+        pool_engine = self.manifest["spec"]["prefill"].get("engine") or engine
+        max_model_len = None
+        if pools["decode"]:
+            decode = next(w for w in self._active("decode"))
+            max_model_len = ray.get(decode.handle.info.remote(), timeout=60).get("max_model_len")
+        ray.get(self.router.set_workers.remote(
+            pools["prefill"], pools["decode"], pool_engine["block_size"],
+            pool_engine["hash_seed"], max_model_len), timeout=60)
+
+    def _drain(self, leaving: list[Worker], timeout_s: float) -> None:
+        """Wait until no request runs on any leaving worker (the router's view and the
+        worker's own: queued, running, held for a transfer, waiting for KV)."""
+        deadline = time.monotonic() + timeout_s
+        last_report = 0.0
+        ids = ", ".join(w.worker_id for w in leaving)
+        self._log(f"draining {ids}")
+        while True:
+            routed = ray.get(self.router.active_counts.remote(), timeout=30)
+            busy = {}
+            for w in leaving:
+                try:
+                    s = ray.get(w.handle.stats.remote(), timeout=30)
+                except Exception:  # noqa: BLE001 - a dead worker has nothing left to finish
+                    continue
+                n = max(routed.get(w.worker_id, 0),
+                        s["num_requests"] + s.get("num_held", 0) + s.get("num_waiting_for_kv", 0))
+                if n:
+                    busy[w.worker_id] = n
+            if not busy:
+                self._log(f"drained {ids}")
+                return
+            now = time.monotonic()
+            if now > deadline:
+                self._log(f"drain timed out after {timeout_s:.0f} s with requests still "
+                          f"running: {busy}; removing anyway")
+                return
+            if now - last_report > 2.0:
+                last_report = now
+                self._log("waiting for " + ", ".join(f"{w}: {n} request(s)"
+                                                     for w, n in busy.items()))
+            time.sleep(DRAIN_POLL_S)
+
+    def _remove(self, worker: Worker) -> None:
+        """Unpair, stop and kill a worker and free its bundle."""
+        for p_id, d_id in list(self._pairs):
+            if worker.worker_id in (p_id, d_id):
+                self._unpair(self.workers_by_id.get(p_id, worker),
+                             self.workers_by_id.get(d_id, worker))
+        try:
+            ray.get(worker.handle.shutdown.remote(), timeout=20)
+        except Exception:  # noqa: BLE001 - killed below either way
+            pass
+        ray.kill(worker.handle)
+        remove_placement_group(worker.pg)
+        with self._state_lock:
+            self.workers_by_id.pop(worker.worker_id, None)
+        self._log(f"removed {worker.worker_id}")
+
+    # ---- health ------------------------------------------------------------------------
+    def check_health(self, timeout: float = 10.0) -> dict:
+        """Ping every worker; re-pair any that Ray restarted. Returns {"restarts",
+        "healthy": {id: bool}, "restarted": [ids]} for the router."""
+        with self._state_lock:
+            workers = list(self.workers_by_id.values())
+        refs = [w.handle.ping.remote() for w in workers]
+        restarted = []
+        for worker, ref in zip(workers, refs, strict=True):
+            try:
+                incarnation = ray.get(ref, timeout=timeout)
+            except Exception:  # noqa: BLE001 - dead, restarting or hung
+                worker.healthy = False
+                continue
+            worker.healthy = True
+            if incarnation != worker.incarnation:
+                restarted.append(worker)
+        if restarted and self._apply_lock.acquire(blocking=False):  # else: next poll
+            try:
+                for worker in restarted:
+                    logger.warning("worker %s was restarted; pairing it again", worker.worker_id)
+                    for pair in [pr for pr in self._pairs if worker.worker_id in pr]:
+                        p, d = (self.workers_by_id[i] for i in pair)
+                        self._unpair(p, d)
+                        self._pair(p, d)
+                    worker.incarnation = ray.get(worker.handle.ping.remote(), timeout=timeout)
+                self.restarts += len(restarted)
+            finally:
+                self._apply_lock.release()
         else:
-            for p in self.worker_ids("prefill"):
-                ray.get(self.handles[p].disconnect_decode.remote(worker_id), timeout=30)
-                self._pair(p, worker_id)
+            restarted = []
+        return {"restarts": self.restarts, "healthy": {w.worker_id: w.healthy for w in workers},
+                "restarted": [w.worker_id for w in restarted]}
 
-    def _pair(self, prefill_id: str, decode_id: str) -> None:
-        p, d = self.handles[prefill_id], self.handles[decode_id]
-        address = ray.get(p.connect_decode.remote(decode_id, RayPeer(d)), timeout=60)
-        ray.get(d.connect_prefill.remote(prefill_id, address, RayPeer(p)), timeout=60)
-
+    # ---- queries -----------------------------------------------------------------------
     def worker_ids(self, role: str | None = None) -> list[str]:
-        return [w for w, r in self.roles.items() if role is None or r == role]
+        return [w for w, rec in self.workers_by_id.items() if role is None or rec.role == role]
 
     def handle(self, worker_id: str):
-        return self.handles[worker_id]
+        return self.workers_by_id[worker_id].handle
 
     def workers(self) -> list[dict]:
-        """Every worker with its role, health and load."""
+        """Every worker with its role, state, health and stats (load, KV usage, hits)."""
+        with self._state_lock:
+            workers = list(self.workers_by_id.values())
+        refs = [w.handle.stats.remote() for w in workers]
         out = []
-        for worker_id, handle in self.handles.items():
+        for w, ref in zip(workers, refs, strict=True):
             try:
-                stats = ray.get(handle.stats.remote(), timeout=10)
-                healthy = True
+                stats, healthy = ray.get(ref, timeout=10), True
             except Exception as exc:  # noqa: BLE001 - reported as unhealthy
                 stats, healthy = {"error": str(exc)}, False
-            out.append({**stats, "worker_id": worker_id, "role": self.roles[worker_id],
-                        "healthy": healthy})
+            queries = stats.get("cache_queries", 0)
+            out.append({**stats, "worker_id": w.worker_id, "role": w.role, "healthy": healthy,
+                        "state": "draining" if w.draining else "active",
+                        "cache_hit_rate": stats.get("cache_hits", 0) / queries if queries
+                        else 0.0})
         return out
 
-    def spec_dict(self) -> dict:
-        return asdict(self.spec)
+    def status(self) -> dict:
+        """The cluster as `baton deploy status` shows it."""
+        router = None
+        if self.router is not None:
+            try:
+                router = ray.get(self.router.stats.remote(), timeout=10)
+            except Exception as exc:  # noqa: BLE001 - shown as such
+                router = {"error": str(exc)}
+            router["address"] = self.router_address
+        workers = self.workers()
+        counts = {role: sum(1 for w in workers if w["role"] == role
+                            and w["state"] == "active") for role in ROLES}
+        return {"name": self.manifest["metadata"]["name"] if self.manifest else None,
+                "generation": self.generation, "replicas": counts, "router": router,
+                "workers": workers, "manifest": self.manifest}
+
+    def get_manifest(self) -> dict | None:
+        return self.manifest
+
+    # ---- teardown ----------------------------------------------------------------------
+    def _stop_router(self) -> None:
+        try:
+            ray.get(self.router.stop.remote(), timeout=30)
+        except Exception as exc:  # noqa: BLE001 - killed below either way
+            logger.warning("stopping the router: %s", exc)
+        ray.kill(self.router)
+        self.router = None
+        self.router_key = self.router_address = None
 
     def shutdown(self) -> None:
-        for handle in self.handles.values():
-            try:
-                ray.get(handle.shutdown.remote(), timeout=20)
-            except Exception:  # noqa: BLE001 - killed below either way
-                pass
-            ray.kill(handle)
-        self.handles.clear()
-        self.roles.clear()
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+        """Stop the router and remove every worker and its bundle (no drain)."""
+        with self._apply_lock:
+            if self.router is not None:
+                self._stop_router()
+                self._log("router stopped")
+            for worker in list(self.workers_by_id.values()):
+                self._remove(worker)
+            self.manifest = None
 
 
-def start_controller(spec: ClusterSpec):
-    """Create (or fetch) the named controller actor and start the cluster; returns its handle."""
-    actor = ray.remote(Controller).options(
-        name=CONTROLLER_NAME, namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
-        max_concurrency=8).remote(asdict(spec))
-    ray.get(actor.start.remote(), timeout=600)
-    return actor
+def controller_handle(create: bool = False):
+    """The cluster's controller actor (detached: it outlives the `baton deploy` command that
+    made it). Raises NoCluster when there is none and create is False."""
+    try:
+        return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        if not create:
+            raise NoCluster("no Baton cluster runs here (no controller actor "
+                            f"{CONTROLLER_NAME!r} in namespace {NAMESPACE!r})") from None
+    return ray.remote(Controller).options(
+        name=CONTROLLER_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+        num_cpus=0, max_concurrency=16).remote()

@@ -1,30 +1,67 @@
-"""LocalCluster: Ray started in this process, the controller with its worker actors, and the
-router actor serving gRPC — what `baton serve` and the demo run."""
+"""LocalCluster: Ray started in this process and a Baton cluster applied to it from a manifest
+(the controller with its worker actors and the router actor serving gRPC) — what `baton
+serve` and the demo run. `baton deploy` does the same on a Ray cluster that already runs."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from deploy.manifest import Manifest, load_manifest, parse_manifest
+
+LOCAL_MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "examples" / "local.yaml"
 
 
 @dataclass
 class LocalOptions:
-    """What `baton serve` takes on the command line."""
+    """`baton serve` flags; None keeps the value of deploy/examples/local.yaml."""
 
-    model: str = "smollm2-135m-instruct"
-    prefill: int = 1
-    decode: int = 1
-    host: str = "127.0.0.1"
-    port: int = 50051
-    policy: str = "cache_aware"
-    block_size: int = 16
-    chunk_size: int = 1024
-    kv_cache_memory_gb: float = 1.0
-    threads: int = 1
-    local_prefill_tokens: int = 0  # conditional disaggregation threshold (0: always transfer)
-    resources: dict | None = None  # per worker; None: {"GPU": 1} if CUDA is visible else CPU
-    transfer: dict = field(default_factory=dict)  # TransferOptions fields
-    engine_extra: dict = field(default_factory=dict)
+    model: str | None = None
+    prefill: int | None = None
+    decode: int | None = None
+    host: str | None = None
+    port: int | None = None
+    policy: str | None = None
+    block_size: int | None = None
+    chunk_size: int | None = None
+    kv_cache_memory_gb: float | None = None  # replaces the example's num_kv_blocks
+    threads: int | None = None  # torch threads per worker
+    local_prefill_tokens: int | None = None  # conditional disaggregation threshold
+    resources: dict | None = None  # per worker; None: {"GPU": 1} if CUDA is visible
+    transfer: dict = field(default_factory=dict)  # TransferSpec fields
+    engine_extra: dict = field(default_factory=dict)  # EngineSpec fields, skip_tokenizer_init
+
+    def manifest(self) -> Manifest:
+        """local.yaml with these options applied (validated)."""
+        data = load_manifest(LOCAL_MANIFEST).model_dump(mode="json")
+        spec = data["spec"]
+        engine, extra = spec["engine"], dict(self.engine_extra)
+        for key in ("skip_tokenizer_init", "dtype"):
+            if key in extra:
+                spec["model"][key] = extra.pop(key)
+        if self.kv_cache_memory_gb is not None:
+            engine["kv_cache_memory_gb"] = self.kv_cache_memory_gb
+            engine["num_kv_blocks"] = None
+        values = {("model", "path"): self.model, ("prefill", "replicas"): self.prefill,
+                  ("decode", "replicas"): self.decode, ("router", "host"): self.host,
+                  ("router", "port"): self.port, ("router", "policy"): self.policy,
+                  ("router", "local_prefill_tokens"): self.local_prefill_tokens,
+                  ("engine", "block_size"): self.block_size,
+                  ("engine", "chunk_size"): self.chunk_size}
+        for (section, key), value in values.items():
+            if value is not None:
+                spec[section][key] = value
+        engine.update(extra)
+        engine["max_num_batched_tokens"] = max(engine["max_num_batched_tokens"],
+                                               engine["chunk_size"])
+        spec["transfer"].update(self.transfer)
+        resources = self.resources or default_resources()
+        for role in ("prefill", "decode"):
+            spec[role]["resources"] = dict(resources)
+            if self.threads is not None:
+                spec[role]["threads"] = self.threads
+        return parse_manifest(data)
 
 
 def default_resources() -> dict:
@@ -36,58 +73,45 @@ def default_resources() -> dict:
 
 class LocalCluster:
     """start() brings everything up; close() undoes it (router, workers, controller,
-    placement group, Ray)."""
+    placement groups, Ray)."""
 
-    def __init__(self, options: LocalOptions) -> None:
-        self.options = options
+    def __init__(self, options: LocalOptions | Manifest) -> None:
+        self.manifest = options if isinstance(options, Manifest) else options.manifest()
+        self.address: str | None = None
         self.port: int | None = None
-        self._router = None
         self._controller = None
-
-    @property
-    def address(self) -> str:
-        return f"{self.options.host}:{self.port}"
 
     def start(self, log=print) -> LocalCluster:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         import ray
 
-        from cluster.controller import NAMESPACE, ClusterSpec, start_controller
-        from cluster.router_actor import ROUTER_NAME, RouterActor
+        from cluster.controller import NAMESPACE, controller_handle
         from engine.model_resolver import resolve_model
 
-        o = self.options
-        log(f"resolving {o.model} ...")
-        resolve_model(o.model)  # a GGUF is converted once, before the workers load it
-        ray.init(num_cpus=max(8, o.prefill + o.decode + 2), include_dashboard=False,
+        spec = self.manifest.spec
+        log(f"resolving {spec.model.path} ...")
+        resolve_model(spec.model.path)  # a GGUF is converted once, before workers load it
+        need = sum(getattr(spec, r).replicas * getattr(spec, r).resources.get("CPU", 0)
+                   for r in ("prefill", "decode"))
+        ray.init(num_cpus=max(8, int(need) + 2), include_dashboard=False,
                  namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
-        log(f"starting {o.prefill} prefill + {o.decode} decode workers on Ray ...")
-        engine = {"model": o.model, "kv_cache_memory_gb": o.kv_cache_memory_gb,
-                  "chunk_size": o.chunk_size, "block_size": o.block_size, **o.engine_extra}
-        self._controller = start_controller(ClusterSpec(
-            engine=engine, num_prefill=o.prefill, num_decode=o.decode,
-            resources=o.resources or default_resources(), transfer=dict(o.transfer),
-            torch_threads=o.threads))
-        self._router = RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE).remote(
-            self._controller, {"model": o.model, "host": o.host, "port": o.port,
-                               "policy": o.policy,
-                               "local_prefill_tokens": o.local_prefill_tokens,
-                               "skip_tokenizer": bool(o.engine_extra.get(
-                                   "skip_tokenizer_init"))})
-        self.port = ray.get(self._router.start.remote(), timeout=120)
+        log(f"starting {spec.prefill.replicas} prefill + {spec.decode.replicas} decode "
+            "workers on Ray ...")
+        self._controller = controller_handle(create=True)
+        ray.get(self._controller.apply.remote(self.manifest.model_dump(mode="json")),
+                timeout=900)
+        status = ray.get(self._controller.status.remote(), timeout=60)
+        self.address = status["router"]["address"]
+        self.port = int(self.address.rsplit(":", 1)[1])
         return self
 
     def close(self) -> None:
         import ray
 
-        if self._router is not None:
-            try:
-                ray.get(self._router.stop.remote(), timeout=30)
-            finally:
-                ray.kill(self._router)
-                self._router = None
         if self._controller is not None:
-            ray.get(self._controller.shutdown.remote(), timeout=120)
-            ray.kill(self._controller)
-            self._controller = None
+            try:
+                ray.get(self._controller.shutdown.remote(), timeout=120)
+            finally:
+                ray.kill(self._controller)
+                self._controller = None
         ray.shutdown()

@@ -1,8 +1,10 @@
 """RouterActor: the Router and its gRPC server (grpc.aio) inside an async Ray actor.
 
-The server runs on the actor's event loop; blocking Router calls run in threads. A task polls
-the controller's health check so that restarted workers are re-paired and the router forgets
-their lost caches.
+The controller creates it, tells it which workers take new requests (set_workers) and asks
+it which workers still run requests (active_counts) before a leaving worker is removed. The
+server runs on the actor's event loop; blocking Router calls run in threads. A task polls
+the controller's health check so that the router forgets restarted workers' lost caches and
+skips unhealthy ones.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ ROUTER_NAME = "baton-router"
 
 @ray.remote(num_cpus=0)
 class RouterActor:
-    """Routes gRPC requests over the workers of one controller."""
+    """Routes gRPC requests over the workers the controller assigns."""
 
     def __init__(self, controller, options: dict) -> None:
         self.controller = controller
@@ -29,30 +31,42 @@ class RouterActor:
         self._watch_task = None
 
     async def start(self) -> int:
-        """Build the Router from the controller's workers and start serving; returns the port."""
-        from cluster.ray_peer import RayPeer
+        """Start serving with no workers yet (requests get UNAVAILABLE until set_workers);
+        returns the bound port."""
         from engine.model_resolver import resolve_model
         from engine.tokenizer import load_tokenizer
         from router.router import Router
         from router.server import start_server
 
         o = self.options
-        workers = await self.controller.workers.remote()
-        peers = {}
-        for w in workers:
-            peers[w["worker_id"]] = RayPeer(await self.controller.handle.remote(w["worker_id"]))
-        roles = {w["worker_id"]: w["role"] for w in workers}
-        info = await asyncio.to_thread(next(iter(peers.values())).info)
-        self.router = Router({i: p for i, p in peers.items() if roles[i] == "prefill"},
-                             {i: p for i, p in peers.items() if roles[i] == "decode"},
-                             block_size=info["block_size"], hash_seed=info["hash_seed"],
+        self.router = Router({}, {}, block_size=o["block_size"], hash_seed=o["hash_seed"],
                              policy=o["policy"], local_prefill_tokens=o["local_prefill_tokens"])
         tokenizer = None if o.get("skip_tokenizer") else await asyncio.to_thread(
             load_tokenizer, resolve_model(o["model"]))
-        self.server, port = await start_server(self.router, o["host"], o["port"], tokenizer,
-                                               info.get("max_model_len"))
+        self.server, port = await start_server(self.router, o["host"], o["port"], tokenizer)
         self._watch_task = asyncio.create_task(self._watch(o.get("health_period_s", 2.0)))
         return port
+
+    async def set_workers(self, prefill: dict, decode: dict, block_size: int, hash_seed: str,
+                          max_model_len: int | None) -> None:
+        """New requests go to these workers ({worker id: actor handle}) from now on."""
+        from cluster.ray_peer import RayPeer
+
+        await asyncio.to_thread(
+            self.router.set_workers, {w: RayPeer(h) for w, h in prefill.items()},
+            {w: RayPeer(h) for w, h in decode.items()}, block_size=block_size,
+            hash_seed=hash_seed, max_model_len=max_model_len)
+
+    async def configure(self, policy: str, local_prefill_tokens: int) -> None:
+        await asyncio.to_thread(self.router.configure, policy, local_prefill_tokens)
+
+    async def active_counts(self) -> dict[str, int]:
+        return await asyncio.to_thread(self.router.active_counts)
+
+    async def stats(self) -> dict:
+        return {"hit_rate": self.router.hit_rate(), "policy": self.router.policy_name,
+                "prompt_tokens": self.router.num_prompt_tokens,
+                "cached_tokens": self.router.num_cached_tokens}
 
     async def _watch(self, period_s: float) -> None:
         while True:

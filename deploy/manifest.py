@@ -28,6 +28,8 @@ class ModelSpec(_Strict):
                       description="model alias, Hugging Face directory or .gguf file")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    skip_tokenizer_init: bool = Field(False, description="load no tokenizer: clients send "
+                                      "prompt_token_ids and get token ids back")
 
 
 class EngineSpec(_Strict):
@@ -58,6 +60,8 @@ class PoolSpec(_Strict):
                                                     "e.g. {CPU: 1} or {GPU: 1}")
     engine: EngineSpec | None = Field(None, description="engine options for this pool only "
                                       "(overrides spec.engine)")
+    threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per worker "
+                         "(CPU); match resources.CPU")
 
     @model_validator(mode="after")
     def _positive_resources(self) -> PoolSpec:
@@ -90,6 +94,8 @@ class ClusterSpecModel(_Strict):
     decode: PoolSpec = Field(default_factory=PoolSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
     transfer: TransferSpec = Field(default_factory=TransferSpec)
+    drain_timeout_seconds: float = Field(600.0, gt=0, description="scale-down: how long a "
+                                         "leaving worker may take to finish its requests")
 
     def engine_for(self, role: Literal["prefill", "decode"]) -> EngineSpec:
         pool = self.prefill if role == "prefill" else self.decode
@@ -165,12 +171,12 @@ def check_resources(manifest: Manifest, cluster: dict[str, float]) -> None:
         pool = getattr(manifest.spec, role)
         for name, amount in pool.resources.items():
             if cluster.get(name, 0) < amount:
-                problems.append(f"spec.{role}.resources.{name}: {amount} per worker, but the "
-                                f"Ray cluster has {cluster.get(name, 0)} in total")
+                problems.append(f"spec.{role}.resources.{name}: {amount:g} per worker, but "
+                                f"the Ray cluster has {cluster.get(name, 0):g} in total")
             need[name] = need.get(name, 0) + amount * pool.replicas
     for name, amount in need.items():
         if cluster.get(name, 0) < amount and not any(name in p for p in problems):
-            problems.append(f"spec.prefill/decode: {amount} {name} needed for all replicas, "
-                            f"the Ray cluster has {cluster.get(name, 0)}")
+            problems.append(f"spec.prefill/decode: {amount:g} {name} needed for all replicas, "
+                            f"the Ray cluster has {cluster.get(name, 0):g}")
     if problems:
         raise ManifestError("\n".join(problems))

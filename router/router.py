@@ -32,46 +32,92 @@ class Router:
 
     def __init__(self, prefill: dict[str, Any], decode: dict[str, Any], *, block_size: int,
                  hash_seed: str, policy: str | Policy = "cache_aware",
-                 timeout: float = 600.0, local_prefill_tokens: int = 0) -> None:
+                 timeout: float = 600.0, local_prefill_tokens: int = 0,
+                 max_model_len: int | None = None) -> None:
         self.prefill = dict(prefill)
         self.decode = dict(decode)
         self.block_size = block_size
         self.hash_seed = hash_seed
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.policy_name = policy if isinstance(policy, str) else type(policy).__name__
         self.timeout = timeout
         # Conditional disaggregation: when the chosen decode worker's uncached tail is at
         # most this many tokens, it prefills locally and no KV moves (0 = always transfer).
         self.local_prefill_tokens = local_prefill_tokens
+        self.max_model_len = max_model_len  # longer prompts are refused (None: no limit)
         self.index = KVIndex()
         self.load = LoadTracker()
         self._lock = threading.Lock()  # index updates: events must apply in emission order
         for worker_id in [*self.prefill, *self.decode]:
             self.index.add_worker(worker_id)
+        self._pick_lock = threading.Lock()  # pools, choices and _active change together
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
-        # request id -> (prefill id or None when prefilled locally, decode id)
-        self._active: dict[str, tuple[str | None, str]] = {}
+        # request id -> ((prefill id, worker) or None when prefilled locally, (decode id, worker))
+        self._active: dict[str, tuple[tuple[str, Any] | None, tuple[str, Any]]] = {}
         self._healthy: dict[str, bool] = {}  # from the controller; unknown = healthy
+
+    def set_workers(self, prefill: dict[str, Any], decode: dict[str, Any], *,
+                    block_size: int | None = None, hash_seed: str | None = None,
+                    max_model_len: int | None = None) -> None:
+        """Replace the pools new requests are routed to. A worker left out takes no new
+        request once this returns; requests already on it finish (see active_counts)."""
+        with self._lock, self._pick_lock:
+            old = {*self.prefill, *self.decode}
+            new = {*prefill, *decode}
+            for worker_id in old - new:
+                self.index.remove_worker(worker_id)
+                self.load.forget(worker_id)
+                self._healthy.pop(worker_id, None)
+            if block_size is not None and (block_size, hash_seed) != (self.block_size,
+                                                                      self.hash_seed):
+                for worker_id in old & new:  # its hashes were computed the old way
+                    self.index.remove_worker(worker_id)
+                    self.index.add_worker(worker_id)
+                self.block_size, self.hash_seed = block_size, hash_seed
+            for worker_id in new - old:
+                self.index.add_worker(worker_id)
+            self.prefill, self.decode = dict(prefill), dict(decode)
+            if max_model_len is not None:
+                self.max_model_len = max_model_len
+
+    def configure(self, policy: str, local_prefill_tokens: int) -> None:
+        """Change the prefill policy and the conditional-disaggregation threshold in place."""
+        if policy != self.policy_name:
+            self.policy, self.policy_name = make_policy(policy), policy
+        self.local_prefill_tokens = local_prefill_tokens
+
+    def active_counts(self) -> dict[str, int]:
+        """Running requests per worker id (prefill and decode side both count)."""
+        counts: dict[str, int] = {}
+        with self._pick_lock:
+            for prefill, (decode_id, _) in self._active.values():
+                for worker_id in ([prefill[0]] if prefill else []) + [decode_id]:
+                    counts[worker_id] = counts.get(worker_id, 0) + 1
+        return counts
 
     def update_membership(self, health: dict) -> None:
         """Apply the controller's check_health(): restarted workers start with an empty cache,
         unhealthy ones get no new requests."""
         with self._lock:
+            known = {*self.prefill, *self.decode}
             for worker_id in health.get("restarted", []):
-                self.index.remove_worker(worker_id)
-                self.index.add_worker(worker_id)
-                self.load.forget(worker_id)
-            self._healthy.update(health.get("healthy", {}))
+                if worker_id in known:
+                    self.index.remove_worker(worker_id)
+                    self.index.add_worker(worker_id)
+                    self.load.forget(worker_id)
+            self._healthy.update({w: ok for w, ok in health.get("healthy", {}).items()
+                                  if w in known})
 
     def abort(self, request_id: str) -> bool:
         """Abort a running request on its decode worker (which tells the prefill worker)."""
         workers = self._active.get(request_id)
         if workers is None:
             return False
-        prefill_id, decode_id = workers
-        self.decode[decode_id].abort(request_id)
-        if prefill_id is not None:
-            self.prefill[prefill_id].abort(request_id)
+        prefill, (_, decode) = workers
+        decode.abort(request_id)
+        if prefill is not None:
+            prefill[1].abort(request_id)
         return True
 
     def status(self) -> list[dict]:
@@ -103,57 +149,69 @@ class Router:
                                     cache_salt)
         n = len(prompt_token_ids)
         self.refresh_index()
+        with self._pick_lock:  # a worker set_workers removed is never picked after it returns
+            prefill_pool, decode_pool = dict(self.prefill), dict(self.decode)
         healthy = lambda w: self._healthy.get(w, True)  # noqa: E731
-        loads = [WorkerLoad(w, self.load.queued(w), healthy=healthy(w)) for w in self.prefill]
+        loads = [WorkerLoad(w, self.load.queued(w), healthy=healthy(w)) for w in prefill_pool]
         choice = choose_prefill(self.policy, hashes, self.block_size, loads, self.index,
                                 num_prompt_tokens=n)
         decode_loads = [DecodeLoad(w, (s := d.stats())["free_blocks"], s["num_requests"])
                         if healthy(w) else DecodeLoad(w, 0, 0, healthy=False)
-                        for w, d in self.decode.items()]
+                        for w, d in decode_pool.items()]
         decode_choice = choose_decode(hashes, n, self.block_size, decode_loads, self.index)
-        local_tail = n - decode_choice.hit_blocks * self.block_size
-        if local_tail <= self.local_prefill_tokens:
+        prefill = (choice.worker_id, prefill_pool[choice.worker_id])
+        decode = (decode_choice.worker_id, decode_pool[decode_choice.worker_id])
+        local = n - decode_choice.hit_blocks * self.block_size <= self.local_prefill_tokens
+        with self._pick_lock:
+            stale = choice.worker_id not in self.prefill or decode[0] not in self.decode
+            if not stale:
+                self._active[request_id] = (None if local else prefill, decode)
+        if stale:  # the pools changed while choosing: choose again among the new ones
+            yield from self.generate(request_id, prompt_token_ids, params, cache_salt)
+            return
+        if local:
             yield from self._generate_local(request_id, prompt_token_ids, params, cache_salt,
-                                            decode_choice.worker_id)
+                                            decode)
             return
         uncached = n - choice.cached_tokens
         self.load.dispatched(choice.worker_id, uncached)  # load counts from dispatch
-        self._active[request_id] = (choice.worker_id, decode_choice.worker_id)
         prefilled = False
         try:
             for out in generate_disaggregated(
-                    self.prefill[choice.worker_id], self.decode[decode_choice.worker_id],
-                    request_id, prompt_token_ids, params, prefill_id=choice.worker_id,
-                    decode_id=decode_choice.worker_id, cache_salt=cache_salt,
+                    prefill[1], decode[1], request_id, prompt_token_ids, params,
+                    prefill_id=prefill[0], decode_id=decode[0], cache_salt=cache_salt,
                     timeout=self.timeout):
                 if not prefilled:
                     prefilled = True
                     self.load.prefilled(choice.worker_id, uncached)
                     self._count(n, out["num_cached_tokens"])
                 if out["finished"]:
-                    out.update(prefill_worker=choice.worker_id,
-                               decode_worker=decode_choice.worker_id, prompt_tokens=n)
+                    out.update(prefill_worker=prefill[0], decode_worker=decode[0],
+                               prompt_tokens=n)
                 yield out
         finally:
-            self._active.pop(request_id, None)
+            self._finish(request_id)
             if not prefilled:
                 self.load.prefilled(choice.worker_id, uncached)
 
     def _generate_local(self, request_id: str, prompt_token_ids: list[int], params: dict,
-                        cache_salt: str | None, decode_id: str) -> Iterator[dict]:
-        self._active[request_id] = (None, decode_id)
+                        cache_salt: str | None, decode: tuple[str, Any]) -> Iterator[dict]:
         counted = False
         try:
-            for out in generate_local(self.decode[decode_id], request_id, prompt_token_ids,
+            for out in generate_local(decode[1], request_id, prompt_token_ids,
                                       params, cache_salt=cache_salt, timeout=self.timeout):
                 if not counted:
                     counted = True
                     self._count(len(prompt_token_ids), out["num_cached_tokens"])
                 if out["finished"]:
-                    out.update(prefill_worker=decode_id, decode_worker=decode_id,
+                    out.update(prefill_worker=decode[0], decode_worker=decode[0],
                                prompt_tokens=len(prompt_token_ids))
                 yield out
         finally:
+            self._finish(request_id)
+
+    def _finish(self, request_id: str) -> None:
+        with self._pick_lock:
             self._active.pop(request_id, None)
 
     def _count(self, prompt_tokens: int, cached_tokens: int) -> None:

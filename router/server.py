@@ -46,10 +46,9 @@ def sampling_dict(msg: pb.SamplingParams) -> dict:
 class InferenceServicer(pb_grpc.InferenceServicer):
     """Implements baton.v1.Inference with a Router (blocking calls run in threads)."""
 
-    def __init__(self, router: Router, tokenizer=None, max_model_len: int | None = None):
+    def __init__(self, router: Router, tokenizer=None):
         self.router = router
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")
@@ -77,10 +76,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             SamplingParams(**params)  # validate before any worker is touched
             if not ids:
                 raise InvalidRequestError("prompt is empty")
-            if self.max_model_len is not None and len(ids) >= self.max_model_len:
+            limit = self.router.max_model_len
+            if limit is not None and len(ids) >= limit:
                 await context.abort(grpc.StatusCode.OUT_OF_RANGE,
-                                    f"prompt has {len(ids)} tokens; max_model_len is "
-                                    f"{self.max_model_len}")
+                                    f"prompt has {len(ids)} tokens; max_model_len is {limit}")
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         stream = self.router.generate(request_id, ids, params, request.cache_salt or None)
@@ -136,11 +135,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
 
 async def start_server(router: Router, host: str = "127.0.0.1", port: int = 50051,
-                       tokenizer=None, max_model_len: int | None = None) -> tuple[object, int]:
+                       tokenizer=None) -> tuple[object, int]:
     """Start the aio server; returns (server, bound port). Port 0 picks a free one."""
     server = grpc.aio.server()
     pb_grpc.add_InferenceServicer_to_server(
-        InferenceServicer(router, tokenizer, max_model_len), server)
+        InferenceServicer(router, tokenizer), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -208,5 +208,5 @@ def test_check_resources_passes_on_what_the_raycluster_provides(cluster, manifes
     assert total == {"CPU": 36.0, "GPU": 4.0}
     check_resources(manifest, total)
     # One GPU pod less and the manifest no longer fits.
-    with pytest.raises(ManifestError, match="4.0 GPU needed"):
+    with pytest.raises(ManifestError, match="4 GPU needed for all replicas, the Ray cluster has 3"):
         check_resources(manifest, {**total, "GPU": total["GPU"] - 1})

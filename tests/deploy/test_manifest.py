@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.cli import local_options
+from cluster.local import LocalOptions
 from deploy.manifest import ManifestError, check_resources, load_manifest, parse_manifest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
@@ -33,10 +33,12 @@ def test_examples_are_valid(name):
 
 
 def test_local_example_is_the_serve_default():
-    options = local_options(load_manifest(EXAMPLES / "local.yaml"))
-    assert (options.model, options.prefill, options.decode, options.port) == (
-        "smollm2-135m-instruct", 1, 1, 50051)
-    assert options.engine_extra["num_kv_blocks"] == 2048
+    assert LocalOptions(resources={"CPU": 1}).manifest() == load_manifest(EXAMPLES / "local.yaml")
+    flagged = LocalOptions(resources={"CPU": 1}, decode=3, chunk_size=4096,
+                           kv_cache_memory_gb=0.5).manifest().spec
+    assert (flagged.decode.replicas, flagged.engine.chunk_size,
+            flagged.engine.max_num_batched_tokens, flagged.engine.num_kv_blocks,
+            flagged.engine.kv_cache_memory_gb) == (3, 4096, 4096, None, 0.5)
 
 
 @pytest.mark.parametrize(("path", "value", "expected"), [
@@ -76,10 +78,10 @@ def test_missing_and_malformed_documents():
 
 def test_impossible_resources():
     gpu = load_manifest(EXAMPLES / "gpu.yaml")
-    with pytest.raises(ManifestError, match=r"spec.prefill.resources.GPU: 1.0 per worker, but "
+    with pytest.raises(ManifestError, match=r"spec.prefill.resources.GPU: 1 per worker, but "
                                             r"the Ray cluster has 0 in total"):
         check_resources(gpu, {"CPU": 16})
-    with pytest.raises(ManifestError, match="4.0 GPU needed for all replicas, the Ray cluster "
+    with pytest.raises(ManifestError, match="4 GPU needed for all replicas, the Ray cluster "
                                             "has 2"):
         check_resources(gpu, {"CPU": 16, "GPU": 2})
     check_resources(gpu, {"CPU": 16, "GPU": 4})  # fits

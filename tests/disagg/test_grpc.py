@@ -28,11 +28,11 @@ def serving(prefill_options: dict, decode_options: dict, max_model_len: int | No
     p, d = PrefillWorker("p0", prefill_options), DecodeWorker("d0", decode_options)
     d.connect_prefill("p0", p.connect_decode("d0", d), p)
     router = Router({"p0": p}, {"d0": d}, block_size=prefill_options["block_size"],
-                    hash_seed="baton")
+                    hash_seed="baton", max_model_len=max_model_len)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     srv, port = asyncio.run_coroutine_threadsafe(
-        start_server(router, port=0, max_model_len=max_model_len), loop).result(30)
+        start_server(router, port=0), loop).result(30)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield pb_grpc.InferenceStub(channel), channel, (p, d)

@@ -1,0 +1,63 @@
+"""What each worker of a manifest runs with, and which workers may exchange KV.
+
+The controller compares a running worker's template key with the manifest's: a worker whose
+engine options, transfer options, resources or threads changed is replaced.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deploy.manifest import Manifest
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class WorkerTemplate:
+    role: str
+    engine: dict  # EngineConfig keyword arguments (model and dtype included)
+    transfer: dict  # TransferOptions fields
+    resources: dict  # the worker's placement-group bundle, e.g. {"CPU": 1} or {"GPU": 1}
+    threads: int  # torch intra-op threads
+
+    @property
+    def key(self) -> str:
+        """Equal keys: a running worker already is what the manifest asks for."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @property
+    def kv_key(self) -> str:
+        """Workers are paired only with peers whose KV blocks they can read: same model,
+        dtype, block size, hash seed and transfer backend."""
+        e = self.engine
+        return json.dumps([e["model"], e["dtype"], e["block_size"], e["hash_seed"],
+                           self.transfer["backend"]])
+
+
+def worker_templates(manifest: Manifest) -> dict[str, WorkerTemplate]:
+    """The template of each role's workers."""
+    spec = manifest.spec
+    out = {}
+    for role in ROLES:
+        pool = getattr(spec, role)
+        engine = {"model": spec.model.path, "dtype": spec.model.dtype,
+                  "skip_tokenizer_init": spec.model.skip_tokenizer_init,
+                  **spec.engine_for(role).model_dump(exclude_none=True)}
+        out[role] = WorkerTemplate(role, engine, spec.transfer.model_dump(),
+                                   dict(pool.resources), pool.threads)
+    return out
+
+
+def router_options(manifest: Manifest) -> dict:
+    """What the router actor runs with (block size and hash seed: the pools', which the
+    manifest guarantees are the same)."""
+    spec = manifest.spec
+    engine = spec.engine_for("prefill")
+    return {"model": spec.model.path, "skip_tokenizer": spec.model.skip_tokenizer_init,
+            "host": spec.router.host, "port": spec.router.port, "policy": spec.router.policy,
+            "local_prefill_tokens": spec.router.local_prefill_tokens,
+            "block_size": engine.block_size, "hash_seed": engine.hash_seed}

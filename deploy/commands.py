@@ -1,0 +1,224 @@
+"""`baton deploy apply | scale | status | down`: reconcile a running Ray cluster to a manifest.
+
+Every command connects to Ray at --address (default: $RAY_ADDRESS, else "auto": the cluster
+`ray start` left on this machine) and talks only to the controller actor, which does the
+work and outlives the command. Exit codes: 0 done, 1 failed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+WAIT_S = 1800.0  # the longest apply: worker start-up plus drains
+
+
+def add_parser(sub) -> None:
+    """Register `deploy` and its commands on the `baton` sub-parsers."""
+    deploy = sub.add_parser("deploy", help="apply, scale, inspect or remove a Baton cluster "
+                                           "on a running Ray cluster")
+    commands = deploy.add_subparsers(dest="deploy_command", required=True)
+    apply = commands.add_parser("apply", help="reconcile the cluster to a manifest "
+                                              "(idempotent)")
+    apply.add_argument("-f", "--file", required=True, help="the Baton manifest (YAML)")
+    apply.set_defaults(run=_apply)
+    scale = commands.add_parser("scale", help="change pool sizes: prefill=N decode=M")
+    scale.add_argument("pools", nargs="+", metavar="POOL=N",
+                       help="prefill=N and/or decode=M (N >= 1)")
+    scale.set_defaults(run=_scale)
+    status = commands.add_parser("status", help="workers, health, load, KV usage, hit rate")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.set_defaults(run=_status)
+    down = commands.add_parser("down", help="remove every Baton actor and free its resources")
+    down.set_defaults(run=_down)
+    for p in (apply, scale, status, down):
+        p.add_argument("--address", default=None,
+                       help="Ray cluster address (default: $RAY_ADDRESS, else auto)")
+
+
+def _connect(address: str | None) -> None:
+    import ray
+
+    from cluster.controller import NAMESPACE
+
+    if ray.is_initialized():  # an in-process caller that is already connected
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
+                 configure_logging=False)
+    except (ConnectionError, RuntimeError) as exc:
+        raise SystemExit(_fail(f"cannot connect to a Ray cluster at {address!r}: {exc}\n"
+                               "start one with `ray start --head` or pass --address", 1)) from None
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The exception an actor raised, out of Ray's wrapper."""
+    return getattr(exc, "cause", None) or exc
+
+
+def _follow(controller, ref) -> dict:
+    """Print the controller's progress lines until `ref` (an apply or scale) is done."""
+    import ray
+
+    shown = ray.get(controller.num_events.remote())
+    start = time.monotonic()
+    while True:
+        ready, _ = ray.wait([ref], timeout=0.5)
+        for line in ray.get(controller.events.remote(shown)):
+            shown += 1
+            print(f"[{time.monotonic() - start:6.1f}s] {line}", flush=True)
+        if ready:
+            return ray.get(ref)
+        if time.monotonic() - start > WAIT_S:
+            raise TimeoutError(f"still reconciling after {WAIT_S:.0f} s; "
+                               "`baton deploy status` shows where it is")
+
+
+def _reconcile(args: argparse.Namespace, call) -> int:
+    """Run an apply or scale on the controller, show progress and the outcome."""
+    from deploy.manifest import ManifestError
+
+    try:
+        controller, ref = call()
+        result = _follow(controller, ref)
+    except KeyboardInterrupt:
+        print("\ninterrupted: the controller finishes this reconcile on its own; "
+              "`baton deploy status` shows it", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - shown as one line, never a traceback
+        cause = _cause(exc)
+        return _fail(str(cause), 2 if isinstance(cause, ManifestError | ValueError) else 1)
+    what = "; ".join(result["changes"]) if result["changed"] else "no change"
+    print(f"generation {result['generation']}: {what}")
+    return 0
+
+
+def _apply(args: argparse.Namespace) -> int:
+    from deploy.manifest import ManifestError, check_resources, load_manifest
+
+    try:
+        manifest = load_manifest(args.file)
+    except ManifestError as exc:
+        return _fail(f"{args.file}:\n{exc}", 2)
+    _connect(args.address)
+    import ray
+
+    from cluster.controller import controller_handle
+
+    try:
+        check_resources(manifest, ray.cluster_resources())
+    except ManifestError as exc:
+        return _fail(f"{args.file}:\n{exc}", 2)
+
+    def call():
+        controller = controller_handle(create=True)
+        return controller, controller.apply.remote(manifest.model_dump(mode="json"))
+
+    return _reconcile(args, call)
+
+
+def parse_pools(pools: list[str]) -> dict[str, int]:
+    """["prefill=2", "decode=3"] -> {"prefill": 2, "decode": 3}; ValueError on bad input."""
+    out = {}
+    for item in pools:
+        role, sep, count = item.partition("=")
+        if not sep or role not in ("prefill", "decode"):
+            raise ValueError(f"{item!r}: expected prefill=N or decode=N")
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"{item!r}: N must be an integer >= 1")
+        out[role] = int(count)
+    return out
+
+
+def _scale(args: argparse.Namespace) -> int:
+    try:
+        replicas = parse_pools(args.pools)
+    except ValueError as exc:
+        return _fail(str(exc), 2)
+    _connect(args.address)
+    from cluster.controller import NoCluster, controller_handle
+
+    try:
+        controller = controller_handle()
+    except NoCluster as exc:
+        return _fail(str(exc), 1)
+    return _reconcile(args, lambda: (controller, controller.scale.remote(replicas)))
+
+
+def _status(args: argparse.Namespace) -> int:
+    _connect(args.address)
+    import ray
+
+    from cluster.controller import NoCluster, controller_handle
+
+    try:
+        status = ray.get(controller_handle().status.remote(), timeout=60)
+    except NoCluster as exc:
+        return _fail(str(exc), 1)
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return 0
+    print(format_status(status))
+    return 0
+
+
+def format_status(status: dict) -> str:
+    """The human-readable table of `baton deploy status`."""
+    router = status.get("router") or {}
+    replicas = status["replicas"]
+    lines = [f"cluster {status['name']}  generation {status['generation']}  "
+             f"prefill {replicas['prefill']}  decode {replicas['decode']}",
+             f"router {router.get('address', '-')}  policy {router.get('policy', '-')}  "
+             f"hit rate {router.get('hit_rate', 0.0):.2f}", "",
+             f"{'WORKER':<12}{'ROLE':<9}{'STATE':<10}{'HEALTHY':<9}{'REQUESTS':>9}"
+             f"{'KV USAGE':>10}{'HIT RATE':>10}"]
+    for w in sorted(status["workers"], key=lambda w: (w["role"] != "prefill", w["worker_id"])):
+        lines.append(f"{w['worker_id']:<12}{w['role']:<9}{w['state']:<10}"
+                     f"{'yes' if w['healthy'] else 'NO':<9}{w.get('num_requests', 0):>9}"
+                     f"{w.get('kv_usage', 0.0):>10.1%}{w.get('cache_hit_rate', 0.0):>10.2f}")
+    return "\n".join(lines)
+
+
+def _down(args: argparse.Namespace) -> int:
+    _connect(args.address)
+    import ray
+
+    from cluster.controller import NAMESPACE, NoCluster, controller_handle
+
+    try:
+        controller = controller_handle()
+    except NoCluster:
+        print("no Baton cluster runs here; nothing to remove")
+        return 0
+    workers = len(ray.get(controller.worker_ids.remote(), timeout=60))
+    print(f"removing the router and {workers} worker(s) ...", flush=True)
+    try:
+        ray.get(controller.shutdown.remote(), timeout=300)
+    finally:
+        ray.kill(controller)
+    deadline = time.monotonic() + 60
+    while (left := baton_actors()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        return _fail(f"still running in namespace {NAMESPACE!r}: {left}", 1)
+    print("removed: router, workers, controller and their placement groups")
+    return 0
+
+
+def baton_actors() -> list[str]:
+    """Names of the live named actors in Baton's namespace."""
+    import ray
+
+    from cluster.controller import NAMESPACE
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == NAMESPACE)

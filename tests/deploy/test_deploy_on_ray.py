@@ -1,0 +1,192 @@
+"""`baton deploy` against a running local Ray cluster, each command a separate process (as a
+user runs it): apply 1+1, apply again (no change), scale to 2+2 and back to 1+1 while a stream
+of requests runs, a changed engine option replaces the workers, `down` leaves no Baton actor.
+Every request completes with the offline engine's tokens; none fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import yaml
+
+from cluster.controller import NAMESPACE
+from deploy.commands import baton_actors
+from engine import LLM, SamplingParams
+from router.proto import inference_pb2 as pb
+from router.proto import inference_pb2_grpc as pb_grpc
+from tests.cluster.manifests import tiny_manifest
+from tests.engine.test_engine_vs_hf import random_prompts
+
+ray = pytest.importorskip("ray")
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=8, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
+             configure_logging=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def baton(address: str, *args: str) -> subprocess.CompletedProcess:
+    """Run `baton deploy ARGS --address ADDRESS` in a new process."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    return subprocess.run([sys.executable, "-m", "cluster.cli", "deploy", *args,
+                           "--address", address], capture_output=True, text=True, env=env,
+                          timeout=600, check=False)
+
+
+def status(address: str) -> dict:
+    out = baton(address, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def pools(st: dict) -> dict[str, list[str]]:
+    """Active worker ids by role; also checks every worker is healthy."""
+    assert all(w["healthy"] for w in st["workers"]), st["workers"]
+    return {role: sorted(w["worker_id"] for w in st["workers"]
+                         if w["role"] == role and w["state"] == "active")
+            for role in ("prefill", "decode")}
+
+
+class RequestStream:
+    """Threads sending greedy requests back to back until stopped; records every outcome."""
+
+    def __init__(self, address: str, prompts: list[list[int]], threads: int = 3) -> None:
+        self.stub = pb_grpc.InferenceStub(grpc.insecure_channel(address))
+        self.prompts = prompts
+        self.results: list[tuple[int, list[int], str, str, str]] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(threads)]
+
+    def __enter__(self) -> RequestStream:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+
+    def _run(self, offset: int) -> None:
+        i = offset
+        while not self._stop.is_set():
+            k = i % len(self.prompts)
+            i += len(self._threads)
+            request = pb.GenerateRequest(
+                prompt_token_ids=pb.TokenIds(ids=self.prompts[k]),
+                sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                           ignore_eos=True))
+            try:
+                replies = list(self.stub.Generate(request, timeout=120))
+            except grpc.RpcError as err:
+                self.errors.append(f"{err.code().name}: {err.details()}")
+                continue
+            last = replies[-1]
+            self.results.append((k, [t for r in replies for t in r.token_ids],
+                                 last.finish_reason, last.usage.prefill_worker,
+                                 last.usage.decode_worker))
+
+    def wait_for(self, count: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.results) < count and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(self.results) >= count, (len(self.results), self.errors)
+
+
+def test_apply_scale_under_load_change_options_and_down(ray_address, tiny_llama, tmp_path):
+    manifest = tiny_manifest(tiny_llama, name="deploy-test")
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+
+    first = baton(ray_address, "apply", "-f", str(path))
+    assert first.returncode == 0, first.stderr
+    assert "generation 1: add 1 prefill worker(s); add 1 decode worker(s); start router" \
+        in first.stdout
+    assert "prefill-0 is up" in first.stdout  # progress lines
+    st = status(ray_address)
+    assert (st["name"], st["generation"], pools(st)) == (
+        "deploy-test", 1, {"prefill": ["prefill-0"], "decode": ["decode-0"]})
+
+    again = baton(ray_address, "apply", "-f", str(path))
+    assert again.returncode == 0, again.stderr
+    assert "generation 1: no change" in again.stdout
+    assert pools(status(ray_address)) == {"prefill": ["prefill-0"], "decode": ["decode-0"]}
+
+    # fresh prompts: no cached prefix pulls them to the old workers (cache-aware routing sends
+    # a new prompt family to the emptier cache, so the new workers get traffic)
+    prompts = random_prompts([9 + (7 * i) % 45 for i in range(96)], seed=901)
+    expected = [o.token_ids for o in LLM(tiny_llama, block_size=4, chunk_size=16,
+                                         num_kv_blocks=256, skip_tokenizer_init=True).generate(
+        prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))]
+    with RequestStream(st["router"]["address"], prompts) as stream:
+        stream.wait_for(3)
+        up = baton(ray_address, "scale", "prefill=2", "decode=2")
+        assert up.returncode == 0, up.stderr
+        assert "generation 2: add 1 prefill worker(s); add 1 decode worker(s)" in up.stdout
+        st = status(ray_address)
+        assert (st["generation"], st["replicas"], pools(st)) == (
+            2, {"prefill": 2, "decode": 2},
+            {"prefill": ["prefill-0", "prefill-1"], "decode": ["decode-0", "decode-1"]})
+        served = len(stream.results)
+        stream.wait_for(served + 12)
+        down = baton(ray_address, "scale", "prefill=1", "decode=1")
+        assert down.returncode == 0, down.stderr
+        assert "draining prefill-1, decode-1" in down.stdout and "drained" in down.stdout
+        st = status(ray_address)
+        assert (st["generation"], pools(st)) == (
+            3, {"prefill": ["prefill-0"], "decode": ["decode-0"]})
+        stream.wait_for(len(stream.results) + 3)
+
+        changed = tiny_manifest(tiny_llama, name="deploy-test", max_num_seqs=64)
+        path.write_text(yaml.safe_dump(changed))
+        replaced = baton(ray_address, "apply", "-f", str(path))
+        assert replaced.returncode == 0, replaced.stderr
+        assert ("generation 4: replace 1 prefill worker(s) (options changed); replace 1 "
+                "decode worker(s) (options changed)") in replaced.stdout
+        assert pools(status(ray_address)) == {"prefill": ["prefill-2"], "decode": ["decode-2"]}
+        stream.wait_for(len(stream.results) + 3)
+
+    assert stream.errors == []
+    for k, tokens, finish, _, _ in stream.results:
+        assert (tokens, finish) == (expected[k], "length")
+    used = {(p, d) for _, _, _, p, d in stream.results}
+    for worker in ("prefill-1", "decode-1", "prefill-2", "decode-2"):
+        assert any(worker in pair for pair in used), (worker, used)
+
+    removed = baton(ray_address, "down")
+    assert removed.returncode == 0, removed.stderr
+    assert baton_actors() == []
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU") != 8 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU") == 8  # every bundle was freed
+    nothing = baton(ray_address, "status")
+    assert nothing.returncode == 1 and "no Baton cluster runs here" in nothing.stderr
+
+
+def test_apply_refuses_bad_manifests_before_touching_the_cluster(ray_address, tiny_llama,
+                                                                 tmp_path):
+    impossible = tiny_manifest(tiny_llama)
+    impossible["spec"]["decode"]["resources"] = {"GPU": 1}
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump(impossible))
+    out = baton(ray_address, "apply", "-f", str(path))
+    assert out.returncode == 2
+    assert "spec.decode.resources.GPU: 1 per worker, but the Ray cluster has 0" in out.stderr
+    assert "Traceback" not in out.stderr
+    scale = baton(ray_address, "scale", "prefill=0")
+    assert scale.returncode == 2 and "'prefill=0': N must be an integer >= 1" in scale.stderr
+    assert baton_actors() == []
