@@ -35,6 +35,7 @@ CONTROLLER_NAME = "baton-controller"
 ACTOR_CONCURRENCY = 64  # control calls (a long prefill included) run side by side
 PLACEMENT_TIMEOUT_S = 120.0  # a worker's bundle must be placeable within this
 DRAIN_POLL_S = 0.5
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
 
 
 class NoCluster(RuntimeError):
@@ -266,8 +267,10 @@ class Controller:
                       f"{options['host']}:{options['port']})")
             self._stop_router()
         me = ray.get_runtime_context().current_actor
-        self.router = RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE).remote(
-            me, options)
+        # On the head node: the address clients (and a KubeRay Service) reach is stable.
+        self.router = RouterActor.options(
+            name=ROUTER_NAME, namespace=NAMESPACE,
+            resources={HEAD_NODE_RESOURCE: 0.001}).remote(me, options)
         port = ray.get(self.router.start.remote(), timeout=300)
         self.router_key = key
         self.router_address = f"{options['host']}:{port}"

@@ -68,7 +68,8 @@ def _sender_main(conn: Any, cfg: dict[str, Any]) -> None:
                                 head_major=cfg["head_major"])
               for dtype in DTYPES}
     transfer = KVTransfer(registry, message_bytes=cfg["message_bytes"],
-                          pipeline=cfg["pipeline"], max_runs=cfg["max_runs"])
+                          pipeline=cfg["pipeline"], max_runs=cfg["max_runs"],
+                          min_run_bytes=cfg["min_run_bytes"])
     conn.send(("ready", os.getpid()))
     while True:
         cmd, *args = conn.recv()
@@ -97,13 +98,15 @@ class SenderProcess:
 
     def __init__(self, *, seed: int = 1, num_blocks: int = 32, timeout: float = 5.0,
                  message_bytes: int = 32 << 20, pipeline: bool = True,
-                 device: str = "cpu", head_major: bool = False, max_runs: int = 8) -> None:
+                 device: str = "cpu", head_major: bool = False, max_runs: int = 8,
+                 min_run_bytes: int = 0) -> None:
+        # min_run_bytes 0: test caches are tiny (128 B regions per block), so any run qualifies.
         self.seed, self.num_blocks = seed, num_blocks
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         cfg = {"seed": seed, "num_blocks": num_blocks, "timeout": timeout,
                "message_bytes": message_bytes, "pipeline": pipeline, "device": device,
-               "head_major": head_major, "max_runs": max_runs}
+               "head_major": head_major, "max_runs": max_runs, "min_run_bytes": min_run_bytes}
         self.proc = ctx.Process(target=_sender_main, args=(child, cfg), daemon=True)
         self.proc.start()
         self._ready = False

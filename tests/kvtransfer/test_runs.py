@@ -31,6 +31,7 @@ SENDER_BLOCKS, RECEIVER_BLOCKS = 24, 20
 MESSAGE_BYTES = 4096
 BLOCK_SIZE, KV_HEADS, HEAD_DIM = BLOCK_SHAPE
 LAYER_BLOCK_BYTES = 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4  # fp32
+REGION_BYTES = BLOCK_SIZE * HEAD_DIM * 4  # one block of one head's K or V, fp32
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +199,7 @@ def test_too_many_runs_fall_back_to_packed(sender, receiver):
 def test_sender_mode_choice():
     registry = GroupRegistry("cpu", timeout=5.0)
     try:
-        tx = KVTransfer(registry)
+        tx = KVTransfer(registry, min_run_bytes=0)
         hm, plain = make_cache(24, 0, head_major=True), make_cache(24, 0)
         one_run = make_descriptor("m", src=[1, 2, 3], dst=[4, 5, 6])
         assert tx._mode(hm, one_run) == MODE_RUNS
@@ -210,5 +211,65 @@ def test_sender_mode_choice():
         assert tx._mode(hm, nine) == MODE_PACKED
         with pytest.raises(ValueError):
             KVTransfer(registry, max_runs=-1)
+        with pytest.raises(ValueError):
+            KVTransfer(registry, min_run_bytes=-1)
     finally:
         registry.close()
+
+
+def test_small_regions_go_packed():
+    registry = GroupRegistry("cpu", timeout=5.0)
+    try:
+        hm = make_cache(24, 0, head_major=True)
+        one_run = make_descriptor("m", src=[1, 2, 3], dst=[4, 5, 6])  # 3 x 128 B regions
+        assert KVTransfer(registry)._mode(hm, one_run) == MODE_PACKED  # default floor: 256 KiB
+        assert KVTransfer(registry, min_run_bytes=REGION_BYTES * 3)._mode(hm, one_run) == MODE_RUNS
+        assert KVTransfer(registry, min_run_bytes=REGION_BYTES * 3 + 1)._mode(
+            hm, one_run) == MODE_PACKED
+        # The floor is on the average region: runs of 4 and 2 blocks average 3 blocks.
+        two_runs = make_descriptor("m2", src=[0, 1, 2, 3, 10, 11], dst=[0, 1, 2, 3, 8, 9])
+        assert KVTransfer(registry, min_run_bytes=REGION_BYTES * 3)._mode(
+            hm, two_runs) == MODE_RUNS
+        assert KVTransfer(registry, min_run_bytes=REGION_BYTES * 3 + 1)._mode(
+            hm, two_runs) == MODE_PACKED
+    finally:
+        registry.close()
+
+
+# ---- the region floor, two processes: same sender cache, mode picked per transfer ------------
+FLOOR_BLOCKS = 8  # min_run_bytes of the sender below, in blocks per region
+
+
+@pytest.fixture(scope="module")
+def floor_pair() -> Iterator[tuple[SenderProcess, tuple[GroupRegistry, KVTransfer]]]:
+    proc = SenderProcess(seed=22, num_blocks=SENDER_BLOCKS, message_bytes=MESSAGE_BYTES,
+                         head_major=True, min_run_bytes=FLOOR_BLOCKS * REGION_BYTES)
+    try:
+        with joined_receiver(proc) as pair:
+            yield proc, pair
+    finally:
+        proc.close()
+
+
+@pytest.mark.parametrize("case, src, dst, layers, messages", [
+    # 4 blocks: regions under the floor -> packed; 2048 B per layer, 2 layers per message
+    ("small-consecutive", list(range(4)), list(range(6, 10)), (0, LAYERS), 2),
+    # 12 blocks, one run -> zero-copy, one message per (layer, k/v, head)
+    ("large-consecutive", list(range(2, 14)), list(range(5, 17)), (0, LAYERS), LAYERS * 4),
+    # runs of 10 + 4 blocks average 7 < 8 -> packed; 14 x 512 B per layer: 1 layer per message
+    ("mixed-small", [*range(10), 20, 21, 22, 23], [*range(6, 16), 0, 1, 2, 3], (1, 4), 3),
+    # runs of 12 + 6 blocks average 9 -> zero-copy, 2 messages per (layer, k/v, head)
+    ("mixed-large", [*range(12), *range(16, 22)], [*range(8, 20), *range(6)], (1, 3), 2 * 4 * 2),
+    # scattered ids -> packed whatever the size; 9 blocks: 1 layer per message
+    ("scattered", [23, 1, 17, 4, 9, 12, 0, 20, 6], [3, 19, 0, 11, 7, 15, 5, 9, 13], (0, LAYERS),
+     LAYERS),
+])
+def test_mode_by_region_size_lands_exactly(floor_pair, case, src, dst, layers, messages):
+    sender, receiver = floor_pair
+    kv = make_cache(RECEIVER_BLOCKS, seed=40, head_major=True)
+    before = [t.clone() for t in kv]
+    desc = make_descriptor(f"floor-{case}", src=src, dst=dst, layers=layers)
+    _, stats, sent = transfer(sender, receiver, desc, kv)
+    assert_exact(kv, before, sender.cache(), desc)
+    assert sent["num_messages"] == stats.num_messages == messages
+    assert sent["payload_bytes"] == stats.payload_bytes == desc.payload_bytes
