@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.block_hash import hash_prompt_blocks
@@ -51,6 +52,8 @@ class Router:
         for worker_id in [*self.prefill, *self.decode]:
             self.index.add_worker(worker_id)
         self._pick_lock = threading.Lock()  # pools, choices and _active change together
+        # Workers are asked side by side (each call may be a network round trip).
+        self._calls = ThreadPoolExecutor(max_workers=16, thread_name_prefix="router-call")
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         # request id -> ((prefill id, worker) or None when prefilled locally, (decode id, worker))
@@ -139,8 +142,10 @@ class Router:
     def refresh_index(self) -> None:
         """Apply every worker's KV events published since the last refresh."""
         with self._lock:
-            for worker_id, worker in [*self.prefill.items(), *self.decode.items()]:
-                self.index.apply(worker_id, worker.kv_events())
+            workers = [*self.prefill.items(), *self.decode.items()]
+            events = self._calls.map(lambda w: w[1].kv_events(), workers)
+            for (worker_id, _), worker_events in zip(workers, events, strict=True):
+                self.index.apply(worker_id, worker_events)  # per worker, in emission order
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: dict,
                  cache_salt: str | None = None) -> Iterator[dict]:
@@ -155,9 +160,11 @@ class Router:
         loads = [WorkerLoad(w, self.load.queued(w), healthy=healthy(w)) for w in prefill_pool]
         choice = choose_prefill(self.policy, hashes, self.block_size, loads, self.index,
                                 num_prompt_tokens=n)
-        decode_loads = [DecodeLoad(w, (s := d.stats())["free_blocks"], s["num_requests"])
-                        if healthy(w) else DecodeLoad(w, 0, 0, healthy=False)
-                        for w, d in decode_pool.items()]
+        stats = self._calls.map(lambda d: d[1].stats() if healthy(d[0]) else None,
+                                decode_pool.items())
+        decode_loads = [DecodeLoad(w, s["free_blocks"], s["num_requests"]) if s is not None
+                        else DecodeLoad(w, 0, 0, healthy=False)
+                        for w, s in zip(decode_pool, stats, strict=True)]
         decode_choice = choose_decode(hashes, n, self.block_size, decode_loads, self.index)
         prefill = (choice.worker_id, prefill_pool[choice.worker_id])
         decode = (decode_choice.worker_id, decode_pool[decode_choice.worker_id])
