@@ -10,7 +10,8 @@ like the engine's) through KVTransfer, in two cases:
     send, unpack);
   - consecutive: ids 0..n-1 on both sides, as a fresh engine allocates a new prompt's blocks:
     one run, the zero-copy path (each (layer, k/v, head) region sent from and received into the
-    cache directly);
+    cache directly) once those regions reach kvtransfer's 256 KiB floor (1k tokens here),
+    packed below it;
 and compares each with one `send` of a contiguous tensor of the same byte size over the same
 gloo group, between the same two processes, in the same run. Times run from the sender's call
 until the receiver reports completion over the same pipe; within a case the variants run
@@ -207,7 +208,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 log(f" case {case}")
                 desc = descriptor(tokens, src, dst)
                 row: dict[str, Any] = {"tokens": tokens, "case": case, "blocks": n,
-                                       "bytes": desc.payload_bytes}
+                                       "bytes": desc.payload_bytes,
+                                       "mode": KVTransfer(registry).payload_mode(kv, desc)}
                 row.update(measure(registry, receiver, kv, flat, desc, args.repeats))
                 rows.append(row)
             kv, flat = [], None
@@ -221,7 +223,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def report(rows: list[dict[str, Any]]) -> None:
     names = [*VARIANTS, "plain"]
-    print(f"{'tokens':>7} {'ids':>12} {'MB':>8} "
+    print(f"{'tokens':>7} {'ids':>12} {'mode':>7} {'MB':>8} "
           + " ".join(f"{n + ' GB/s':>30}" for n in names) + f" {'ratio':>6} {'per round':>11}")
     for row in rows:
         gbps = {n: row["bytes"] / statistics.median(row[n]) / 1e9 for n in names}
@@ -229,12 +231,13 @@ def report(rows: list[dict[str, Any]]) -> None:
         row["gb_per_s"] = gbps
         row["ratio"] = gbps["kvtransfer"] / gbps["plain"]
         row["round_ratios"] = paired
-        print(f"{row['tokens']:>7} {row['case']:>12} {row['bytes'] / 1e6:>8.1f} "
+        print(f"{row['tokens']:>7} {row['case']:>12} {row['mode']:>7} {row['bytes'] / 1e6:>8.1f} "
               + " ".join(f"{gbps[n]:>30.2f}" for n in names) + f" {row['ratio']:>6.2f}"
               + f" {min(paired):>5.2f}-{max(paired):.2f}")
     print("ratio = kvtransfer (default) / plain GB/s; per round = range of plain / kvtransfer "
-          "seconds within each round; ids: scattered = packed path (gather + scatter), "
-          "consecutive = one run, zero-copy path; GB/s = bytes / median seconds (1e9 bytes); "
+          "seconds within each round; mode: the default variant's payload mode (packed = gather, "
+          "send, scatter; runs = zero-copy, for consecutive ids whose regions are >= 256 KiB); "
+          "GB/s = bytes / median seconds (1e9 bytes); "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
 

@@ -174,7 +174,7 @@ class KVTransfer:
         check_cache(kv_cache, desc, desc.src_block_ids, "sender")
         timeout = self.registry.timeout if timeout is None else timeout
         lpm = layers_per_message(desc, self.message_bytes)
-        mode = self._mode(kv_cache, desc)
+        mode = self.payload_mode(kv_cache, desc)
         with group.session(timeout):
             start = time.perf_counter()
             with _blocking(group, "reading the pair epoch", timeout, store=True):
@@ -197,9 +197,10 @@ class KVTransfer:
         return TransferStats(desc.request_id, desc.num_blocks, desc.num_layers, num_messages,
                              payload, len(frame), seconds)
 
-    def _mode(self, kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor) -> str:
-        """MODE_RUNS if desc's blocks form 1..max_runs runs whose regions average at least
-        min_run_bytes, and this cache is head-major; else MODE_PACKED."""
+    def payload_mode(self, kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor) -> str:
+        """The mode send() uses for desc from kv_cache: MODE_RUNS if desc's blocks form
+        1..max_runs runs whose regions average at least min_run_bytes, and the cache is
+        head-major; else MODE_PACKED."""
         if not (self.max_runs and desc.num_blocks and is_head_major(kv_cache, desc.layers)):
             return MODE_PACKED
         num_runs = len(runs(*wire_order(desc)))

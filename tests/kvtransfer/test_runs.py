@@ -202,13 +202,13 @@ def test_sender_mode_choice():
         tx = KVTransfer(registry, min_run_bytes=0)
         hm, plain = make_cache(24, 0, head_major=True), make_cache(24, 0)
         one_run = make_descriptor("m", src=[1, 2, 3], dst=[4, 5, 6])
-        assert tx._mode(hm, one_run) == MODE_RUNS
-        assert tx._mode(plain, one_run) == MODE_PACKED  # sender not head-major
-        assert KVTransfer(registry, max_runs=0)._mode(hm, one_run) == MODE_PACKED
+        assert tx.payload_mode(hm, one_run) == MODE_RUNS
+        assert tx.payload_mode(plain, one_run) == MODE_PACKED  # sender not head-major
+        assert KVTransfer(registry, max_runs=0).payload_mode(hm, one_run) == MODE_PACKED
         eight = make_descriptor("m8", src=list(range(0, 16, 2)), dst=list(range(0, 16, 2)))
-        assert tx._mode(hm, eight) == MODE_RUNS
+        assert tx.payload_mode(hm, eight) == MODE_RUNS
         nine = make_descriptor("m9", src=list(range(0, 18, 2)), dst=list(range(0, 18, 2)))
-        assert tx._mode(hm, nine) == MODE_PACKED
+        assert tx.payload_mode(hm, nine) == MODE_PACKED
         with pytest.raises(ValueError):
             KVTransfer(registry, max_runs=-1)
         with pytest.raises(ValueError):
@@ -222,15 +222,16 @@ def test_small_regions_go_packed():
     try:
         hm = make_cache(24, 0, head_major=True)
         one_run = make_descriptor("m", src=[1, 2, 3], dst=[4, 5, 6])  # 3 x 128 B regions
-        assert KVTransfer(registry)._mode(hm, one_run) == MODE_PACKED  # default floor: 256 KiB
-        assert KVTransfer(registry, min_run_bytes=REGION_BYTES * 3)._mode(hm, one_run) == MODE_RUNS
-        assert KVTransfer(registry, min_run_bytes=REGION_BYTES * 3 + 1)._mode(
+        assert KVTransfer(registry).payload_mode(hm, one_run) == MODE_PACKED  # floor: 256 KiB
+        assert KVTransfer(registry, min_run_bytes=REGION_BYTES * 3).payload_mode(
+            hm, one_run) == MODE_RUNS
+        assert KVTransfer(registry, min_run_bytes=REGION_BYTES * 3 + 1).payload_mode(
             hm, one_run) == MODE_PACKED
         # The floor is on the average region: runs of 4 and 2 blocks average 3 blocks.
         two_runs = make_descriptor("m2", src=[0, 1, 2, 3, 10, 11], dst=[0, 1, 2, 3, 8, 9])
-        assert KVTransfer(registry, min_run_bytes=REGION_BYTES * 3)._mode(
+        assert KVTransfer(registry, min_run_bytes=REGION_BYTES * 3).payload_mode(
             hm, two_runs) == MODE_RUNS
-        assert KVTransfer(registry, min_run_bytes=REGION_BYTES * 3 + 1)._mode(
+        assert KVTransfer(registry, min_run_bytes=REGION_BYTES * 3 + 1).payload_mode(
             hm, two_runs) == MODE_PACKED
     finally:
         registry.close()
