@@ -18,8 +18,9 @@ Protocol for one transfer (sender = host side, rank 0; receiver = joined side, r
        receiver receives each straight into its cache; any other receiver (or a draining one)
        receives into SCRATCH_WINDOW scratch chunks and copies (correct, slower).
      The run cap and the region floor bound the message count and keep messages large: each
-     message costs gloo/NCCL a fixed ~0.05-0.1 ms (2-CPU box), so more scattered ids or small
-     regions go packed, where one gather + scatter is cheaper than many small sends.
+     message has a fixed cost (gloo: ~45 us of CPU per side on the 2-CPU box, about what
+     copying 350 KiB costs), so more scattered ids or small regions go packed, where one
+     gather + scatter is cheaper than many small sends.
 Any failure after (1) tears the group down and advances the pair's epoch (kvtransfer.pair).
 Deadlines: `timeout` bounds each blocking step (a store call, the group rendezvous, each
 message), so a dead or hung peer fails a transfer within about `timeout` of its last progress.
@@ -67,8 +68,9 @@ TAG = 0  # NCCL ignores tags: the protocol relies on per-pair message order only
 ANNOUNCE_SLICE_S = 0.25  # longest single blocking wait for an announcement
 MAX_RUNS = 8  # default cap on runs for the zero-copy mode (0 disables it)
 # Default floor on the average run-mode message: below it, the fixed cost per message exceeds
-# what zero-copy saves (measured on the 2-CPU box: packed wins at 128 KiB regions, a tie at
-# 256 KiB, runs win from ~1 MiB). SmolLM2 regions are 4 KiB per block, 256 KiB at 1k tokens.
+# what zero-copy saves (2-CPU box, SmolLM2 shapes, ratio to a plain send: 128 KiB regions
+# packed 0.57 vs runs 0.49; 256 KiB runs 0.65 vs 0.56; 512 KiB runs 0.73 vs 0.57). SmolLM2
+# regions are 4 KiB per block, so 256 KiB at 1k tokens.
 MIN_RUN_BYTES = 256 << 10
 # Run-mode messages in flight (1 without pipelining). A gloo send waits for its receive to be
 # posted, so receives must be posted ahead; posting all of them at once beat a window of 64 by
