@@ -370,14 +370,14 @@ class KVTransfer:
         window = (RUN_WINDOW if direct else SCRATCH_WINDOW) if self.pipeline else 1
         chunk = max(n for _, _, _, (_, _, n) in messages) * block_bytes if messages else 0
         scratch = None if direct else self._staging(group).raw(0, window * chunk)
-        # Direct: the cache's own regions, in message order.
-        regions = list(run_slices(kv_cache, desc, runs(*wire_order(desc)), 1)) if direct else []
+        # Direct: the cache's own regions, taken in message order as receives are posted.
+        regions = run_slices(kv_cache, desc, runs(*wire_order(desc)), 1) if direct else None
         posted: deque[tuple[torch.Tensor, Any]] = deque()  # (buffer, recv work), message order
         payload = 0
 
         def post(i: int) -> None:
-            if scratch is None:
-                buf = regions[i]
+            if regions is not None:
+                buf = next(regions)  # post(i) runs for i = 0, 1, 2, ... in order
             else:
                 _, _, _, (_, _, n) = messages[i]
                 offset = (i % window) * chunk
