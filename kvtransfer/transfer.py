@@ -136,7 +136,9 @@ def _blocking(group: PeerGroup, what: str, timeout: float, *, store: bool) -> It
 
 def _wait(work: Any, timeout: float) -> None:
     # work.wait(timeout) blocks the CPU thread and raises once the deadline passes, for gloo and
-    # NCCL alike; on CUDA it also orders the current stream after the operation.
+    # NCCL alike; on CUDA it also orders the current stream after the operation. Wait for works
+    # in the order they were posted: with gloo (torch 2.13, TCP), waiting for a later send or
+    # receive before an earlier one hangs until the deadline.
     if not work.wait(timedelta(seconds=timeout)):
         raise RuntimeError("backend operation did not complete")
 
