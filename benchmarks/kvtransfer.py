@@ -21,7 +21,10 @@ The baseline is the floor, not a peer: its receive is posted before the clock st
 moves one contiguous buffer, while KVTransfer also announces the transfer through the pair
 store and moves blocks from and to where they lie. On a shared 2-CPU box the figures swing by
 tens of percent between runs, so the ratio column also gives the range of the per-round ratios
-(plain seconds / kvtransfer seconds of the same round), which load drift affects less.
+(plain seconds / kvtransfer seconds of the same round), which load drift affects less, and
+the ratio of CPU seconds (both processes, all threads: plain / kvtransfer). When the CPUs are
+the bottleneck the time ratio follows the CPU ratio: the packed path's gather and scatter are
+two memory copies more than a socket send and receive, which no overlap on 2 CPUs can hide.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import sys
 import time
@@ -50,6 +54,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, all threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def make_cache(num_blocks: int, random: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -93,14 +103,16 @@ def receiver_main(conn: Any, address: dict[str, Any], threads: int) -> None:
         elif cmd == "recv":
             rx = KVTransfer(registry, **args[0])
             conn.send(("ready",))
+            start = cpu_seconds()
             desc, _ = rx.recv("prefill", kv, wait=120.0)
-            conn.send(("done",))  # the timed part ends here, before the check below
+            conn.send(("done", cpu_seconds() - start))  # the timed part ends here
             conn.send(("digest", digest(kv, list(desc.dst_block_ids))))
         elif cmd == "plain":
+            start = cpu_seconds()
             work = registry.get("prefill").pg.recv([flat[: args[0]]], 0, 0)
             conn.send(("ready",))
             work.wait()
-            conn.send(("done", None))
+            conn.send(("done", cpu_seconds() - start))
         elif cmd == "free":
             kv, flat = [], torch.empty(0, dtype=torch.uint8)
             conn.send(("ok",))
@@ -143,49 +155,56 @@ def descriptor(tokens: int, src: list[int], dst: list[int]) -> TransferDescripto
 
 
 def time_kvtransfer(registry: GroupRegistry, receiver: Receiver, kv: list[torch.Tensor],
-                    desc: TransferDescriptor, options: dict[str, Any]) -> float:
-    """Seconds for one KVTransfer, from send() until the receiver reports it applied."""
+                    desc: TransferDescriptor, options: dict[str, Any]) -> tuple[float, float]:
+    """(seconds, CPU seconds of both processes) for one KVTransfer, from send() until the
+    receiver reports it applied."""
     tx = KVTransfer(registry, **options)
     receiver.call("recv", options, expect="ready")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     tx.send("decode", kv, desc)
-    receiver.expect("done")
-    elapsed = time.perf_counter() - start
+    receiver_cpu = receiver.expect("done")
+    elapsed, cpu = time.perf_counter() - start, cpu_seconds() - cpu + receiver_cpu
     got = receiver.expect("digest")
     want = digest(kv, list(desc.src_block_ids))
     if got != want:
         raise RuntimeError(f"receiver's blocks differ from the sender's: {got} != {want}")
-    return elapsed
+    return elapsed, cpu
 
 
 def time_plain(registry: GroupRegistry, receiver: Receiver, flat: torch.Tensor,
-               nbytes: int) -> float:
-    """Seconds for one send of `nbytes` contiguous bytes over the same gloo group."""
+               nbytes: int) -> tuple[float, float]:
+    """(seconds, CPU seconds of both processes) for one send of `nbytes` contiguous bytes over
+    the same gloo group."""
     pg = registry.get("decode").pg
     receiver.call("plain", nbytes, expect="ready")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     pg.send([flat[:nbytes]], 1, 0).wait()
-    receiver.expect("done")
-    return time.perf_counter() - start
+    receiver_cpu = receiver.expect("done")
+    return time.perf_counter() - start, cpu_seconds() - cpu + receiver_cpu
 
 
 def measure(registry: GroupRegistry, receiver: Receiver, kv: list[torch.Tensor],
-            flat: torch.Tensor, desc: TransferDescriptor, repeats: int) -> dict[str, list[float]]:
-    """Seconds per run of every variant and of the plain send, `repeats` rounds each.
+            flat: torch.Tensor, desc: TransferDescriptor, repeats: int,
+            ) -> dict[str, list[float]]:
+    """Seconds per run of every variant and of the plain send, `repeats` rounds each, and
+    under "cpu <name>" the CPU seconds (both processes) of those runs.
 
     Round-robin over the variants, so that load changes hit them all alike; the first round
     is a warm-up (group, staging buffers) and is not recorded.
     """
-    times: dict[str, list[float]] = {name: [] for name in [*VARIANTS, "plain"]}
+    names = [*VARIANTS, "plain"]
+    times: dict[str, list[float]] = {key: [] for name in names
+                                     for key in (name, f"cpu {name}")}
     for i in range(repeats + 1):
         log(f"  round {i}/{repeats}")
-        for name, options in VARIANTS.items():
-            elapsed = time_kvtransfer(registry, receiver, kv, desc, options)
+        for name in names:
+            if name == "plain":
+                elapsed, cpu = time_plain(registry, receiver, flat, desc.payload_bytes)
+            else:
+                elapsed, cpu = time_kvtransfer(registry, receiver, kv, desc, VARIANTS[name])
             if i:
                 times[name].append(elapsed)
-        elapsed = time_plain(registry, receiver, flat, desc.payload_bytes)
-        if i:
-            times["plain"].append(elapsed)
+                times[f"cpu {name}"].append(cpu)
     return times
 
 
@@ -224,18 +243,22 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 def report(rows: list[dict[str, Any]]) -> None:
     names = [*VARIANTS, "plain"]
     print(f"{'tokens':>7} {'ids':>12} {'mode':>7} {'MB':>8} "
-          + " ".join(f"{n + ' GB/s':>30}" for n in names) + f" {'ratio':>6} {'per round':>11}")
+          + " ".join(f"{n + ' GB/s':>30}" for n in names) + f" {'ratio':>6} {'per round':>11}"
+          + f" {'cpu ratio':>9}")
     for row in rows:
         gbps = {n: row["bytes"] / statistics.median(row[n]) / 1e9 for n in names}
         paired = [p / t for p, t in zip(row["plain"], row["kvtransfer"], strict=True)]
         row["gb_per_s"] = gbps
         row["ratio"] = gbps["kvtransfer"] / gbps["plain"]
         row["round_ratios"] = paired
+        row["cpu_ratio"] = (statistics.median(row["cpu plain"])
+                            / statistics.median(row["cpu kvtransfer"]))
         print(f"{row['tokens']:>7} {row['case']:>12} {row['mode']:>7} {row['bytes'] / 1e6:>8.1f} "
               + " ".join(f"{gbps[n]:>30.2f}" for n in names) + f" {row['ratio']:>6.2f}"
-              + f" {min(paired):>5.2f}-{max(paired):.2f}")
+              + f" {min(paired):>5.2f}-{max(paired):.2f} {row['cpu_ratio']:>9.2f}")
     print("ratio = kvtransfer (default) / plain GB/s; per round = range of plain / kvtransfer "
-          "seconds within each round; mode: the default variant's payload mode (packed = gather, "
+          "seconds within each round; cpu ratio = plain / kvtransfer CPU seconds (both processes, "
+          "medians); mode: the default variant's payload mode (packed = gather, "
           "send, scatter; runs = zero-copy, for consecutive ids whose regions are >= 256 KiB); "
           "GB/s = bytes / median seconds (1e9 bytes); "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
