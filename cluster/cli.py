@@ -18,9 +18,10 @@ import time
 
 def _serve(args: argparse.Namespace) -> int:
     from cluster.local import LocalCluster, LocalOptions
+    from deploy.manifest import ManifestError
 
     if args.file:
-        from deploy.manifest import ManifestError, load_manifest
+        from deploy.manifest import load_manifest
 
         try:
             manifest = load_manifest(args.file)
@@ -28,8 +29,6 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"error: {args.file}:\n{exc}", file=sys.stderr)
             return 2
     else:
-        from deploy.manifest import ManifestError
-
         try:
             manifest = LocalOptions(
                 model=args.model, prefill=args.prefill, decode=args.decode, host=args.host,
@@ -43,7 +42,11 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     cluster = LocalCluster(manifest)
     try:
-        cluster.start(log=lambda m: print(m, flush=True))
+        try:
+            cluster.start(log=lambda m: print(m, flush=True))
+        except ManifestError as exc:
+            print(f"error: {args.file or 'flags'}:\n{exc}", file=sys.stderr)
+            return 2
         for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
             signal.signal(sig, lambda *_: stop.set())
         print(f"Baton is serving {manifest.spec.model.path} on {cluster.address} "
@@ -173,7 +176,15 @@ def main(argv: list[str] | None = None) -> int:
 
     add_deploy_parser(sub)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line, never a traceback
+        from cluster.controller import short_error
+
+        print(f"error: {short_error(exc)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

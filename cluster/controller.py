@@ -101,6 +101,7 @@ class Controller:
         self._apply_lock = threading.Lock()  # one reconcile at a time
         self._state_lock = threading.Lock()  # workers_by_id changes
         self._events: list[str] = []
+        self._stopping = threading.Event()  # `down`: cut a running drain short
 
     # ---- progress ----------------------------------------------------------------------
     def _log(self, message: str) -> None:
@@ -117,106 +118,156 @@ class Controller:
     # ---- reconcile ---------------------------------------------------------------------
     def apply(self, manifest: dict) -> dict:
         """Reconcile to the manifest; returns {"generation", "changed", "changes"}."""
-        from deploy.manifest import ManifestError, check_resources, parse_manifest
-
         with self._apply_lock:
-            m = parse_manifest(manifest)
-            if self.manifest is not None and self.manifest["metadata"]["name"] != m.metadata.name:
-                raise ManifestError(
-                    f"metadata.name: {m.metadata.name!r} is invalid: this Ray cluster runs "
-                    f"Baton cluster {self.manifest['metadata']['name']!r}; run `baton deploy "
-                    "down` first or apply under that name")
-            check_resources(m, ray.cluster_resources())
-            data = m.model_dump(mode="json")
-            if self.manifest is None or data["spec"] != self.manifest["spec"]:
-                self.generation += 1
-            self.manifest = data
-            changes = self._reconcile(m)
-            self._log(f"generation {self.generation}: "
-                      + ("; ".join(changes) if changes else "no change"))
-            return {"generation": self.generation, "changed": bool(changes),
-                    "changes": changes}
+            return self._apply(manifest)
 
     def scale(self, replicas: dict[str, int]) -> dict:
         """Apply the current manifest with new replica counts, e.g. {"decode": 2}."""
-        if self.manifest is None:
-            raise NoCluster("no manifest applied yet; run `baton deploy apply -f MANIFEST`")
         bad = set(replicas) - set(ROLES)
         if bad:
             raise ValueError(f"unknown pool {sorted(bad)}: choose prefill or decode")
-        manifest = {**self.manifest, "spec": {**self.manifest["spec"]}}
-        for role, n in replicas.items():
-            manifest["spec"][role] = {**manifest["spec"][role], "replicas": n}
-        return self.apply(manifest)
+        with self._apply_lock:  # read and change the manifest under the lock
+            if self.manifest is None:
+                raise NoCluster("no manifest applied yet; run `baton deploy apply -f MANIFEST`")
+            manifest = {**self.manifest, "spec": {**self.manifest["spec"]}}
+            for role, n in replicas.items():
+                manifest["spec"][role] = {**manifest["spec"][role], "replicas": n}
+            return self._apply(manifest)
+
+    def _apply(self, manifest: dict) -> dict:
+        from deploy.manifest import ManifestError, check_resources, parse_manifest
+
+        m = parse_manifest(manifest)
+        if self.manifest is not None and self.manifest["metadata"]["name"] != m.metadata.name:
+            raise ManifestError(
+                f"metadata.name: {m.metadata.name!r} is invalid: this Ray cluster runs "
+                f"Baton cluster {self.manifest['metadata']['name']!r}; run `baton deploy "
+                "down` first or apply under that name")
+        check_resources(m, ray.cluster_resources(), node_resources())
+        data = m.model_dump(mode="json")
+        spec_changed = self.manifest is None or data["spec"] != self.manifest["spec"]
+        generation = self.generation + spec_changed
+        changes = self._reconcile(m)
+        if spec_changed and not changes:
+            changes = ["settings updated (no worker changed)"]
+        # Recorded only once the cluster matches: a failed apply can simply be retried.
+        self.manifest, self.generation = data, generation
+        self._log(f"generation {generation}: " + ("; ".join(changes) if changes
+                                                   else "no change"))
+        return {"generation": generation, "changed": bool(changes), "changes": changes}
 
     def _reconcile(self, m) -> list[str]:
+        """Bring the workers and the router to the manifest. New workers start beside the
+        old ones when the free resources allow it (surge); otherwise workers are replaced one
+        at a time, or all at once when the KV format changes, while requests wait at the
+        router for the new ones (spec.router.wait_for_workers_seconds)."""
         templates = worker_templates(m)
+        leftovers = [w for w in self.workers_by_id.values() if w.draining]
+        if leftovers:  # an earlier reconcile failed while draining these
+            self._retire(leftovers, m)
         changes: list[str] = []
-        added: list[Worker] = []
-        leaving: list[Worker] = []
+        start: dict[str, int] = {}
+        outdated: dict[str, list[Worker]] = {}
+        surplus: dict[str, list[Worker]] = {}
         for role in ROLES:
             want = getattr(m.spec, role).replicas
             current = self._active(role)
             keep = [w for w in current if w.template.key == templates[role].key]
-            outdated = [w for w in current if w.template.key != templates[role].key]
-            start = max(0, want - len(keep))
-            stop = len(outdated) + max(0, len(keep) - want)
-            replaced = min(start, len(outdated))
-            for count, verb in ((replaced, "replace"), (start - replaced, "add"),
-                                (stop - replaced, "remove")):
+            outdated[role] = [w for w in current if w.template.key != templates[role].key]
+            surplus[role] = keep[want:]  # the newest go first
+            start[role] = max(0, want - len(keep))
+            replaced = min(start[role], len(outdated[role]))
+            removed = len(outdated[role]) + len(surplus[role]) - replaced
+            for count, verb in ((replaced, "replace"), (start[role] - replaced, "add"),
+                                (removed, "remove")):
                 if count:
                     changes.append(f"{verb} {count} {role} worker(s)"
                                    + (" (options changed)" if verb == "replace" else ""))
-            added += self._start_workers(templates[role], start)
-            leaving += outdated + keep[want:]
-        for worker in added:
-            self._pair_with_peers(worker)
-        options = router_options(m)
-        started = self._ensure_router(options)
+        need: dict[str, float] = {}
+        for role in ROLES:
+            for name, amount in templates[role].resources.items():
+                need[name] = need.get(name, 0.0) + amount * start[role]
+        free = ray.available_resources()
+        surge = all(free.get(name, 0.0) >= amount for name, amount in need.items())
+        kv_change = any(w.template.kv_key != templates[role].kv_key
+                        for role in ROLES for w in outdated[role])
+        leaving = [w for role in ROLES for w in outdated[role] + surplus[role]]
+        if surge or self.router is None:
+            for role in ROLES:
+                self._start_workers(templates[role], start[role])
+            self._ensure_pairs()
+            started = self._ensure_router(router_options(m))
+            self._retire(leaving, m)  # publishes the new workers as the old ones leave
+        elif kv_change:
+            started = self._ensure_router(router_options(m))
+            self._log(f"not enough free resources ({free}) to start the new workers beside "
+                      "the old ones, and the KV format changes: replacing every worker at "
+                      "once; requests wait at the router meanwhile")
+            self._retire(leaving, m)
+            for role in ROLES:
+                self._start_workers(templates[role], start[role])
+            self._ensure_pairs()
+            self._publish(m)
+        else:
+            started = self._ensure_router(router_options(m))
+            self._log(f"not enough free resources ({free}) to start the new workers beside "
+                      "the old ones: replacing one worker at a time")
+            replace = {role: outdated[role][:start[role]] for role in ROLES}
+            self._retire([w for role in ROLES
+                          for w in outdated[role][start[role]:] + surplus[role]], m)
+            for role in ROLES:
+                for old in replace[role]:
+                    self._retire([old], m)
+                    self._start_workers(templates[role], 1)
+                    self._ensure_pairs()
+                    self._publish(m)
+                self._start_workers(templates[role], start[role] - len(replace[role]))
+            self._ensure_pairs()
+            self._publish(m)
         if started:
             changes.append(f"{started} router")
-        for worker in leaving:
-            worker.draining = True
-        self._publish()  # new workers in, leaving ones out (the router then drains them)
-        if leaving:
-            self._drain(leaving, m.spec.drain_timeout_seconds)
-            for worker in leaving:
-                self._remove(worker)
         return changes
 
     def _active(self, role: str) -> list[Worker]:
         return [w for w in self.workers_by_id.values() if w.role == role and not w.draining]
 
     def _start_workers(self, template: WorkerTemplate, count: int) -> list[Worker]:
-        """Place and start `count` workers of a template; waits until each answers."""
+        """Place and start `count` workers of a template; waits until each answers. On any
+        failure the ones started here are removed again and RuntimeError says why."""
+        started: list[Worker] = []
         if count <= 0:
-            return []
-        started = []
-        for _ in range(count):
-            worker_id = f"{template.role}-{self._next_index[template.role]}"
-            self._next_index[template.role] += 1
-            self._log(f"starting {worker_id} with resources {template.resources}")
-            pg = placement_group([dict(template.resources)], strategy="PACK",
-                                 name=f"baton-{worker_id}")
-            ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
-            if not ready:
-                remove_placement_group(pg)
-                for w in started:
-                    self._remove(w)
-                raise RuntimeError(
-                    f"{worker_id}: no node could give {template.resources} within "
-                    f"{PLACEMENT_TIMEOUT_S:.0f} s (free: {ray.available_resources()}); "
-                    "add nodes or lower the replicas or resources")
-            r = template.resources
-            handle = _worker_class(template.role).options(
-                name=worker_id, namespace=NAMESPACE, num_cpus=r.get("CPU", 0),
-                num_gpus=r.get("GPU", 0),
-                resources={k: v for k, v in r.items() if k not in ("CPU", "GPU")} or None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=0),
-            ).remote(worker_id, template.engine, template.transfer, template.threads)
-            started.append(Worker(worker_id, template, handle, pg))
-        incarnations = ray.get([w.handle.ping.remote() for w in started], timeout=600)
+            return started
+        try:
+            for _ in range(count):
+                worker_id = f"{template.role}-{self._next_index[template.role]}"
+                self._next_index[template.role] += 1
+                self._log(f"starting {worker_id} with resources {template.resources}")
+                pg = placement_group([dict(template.resources)], strategy="PACK",
+                                     name=f"baton-{worker_id}")
+                worker = Worker(worker_id, template, None, pg)
+                started.append(worker)
+                ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+                if not ready:
+                    raise RuntimeError(
+                        f"{worker_id}: no node could give {template.resources} within "
+                        f"{PLACEMENT_TIMEOUT_S:.0f} s (free: {ray.available_resources()}); "
+                        "add nodes or lower the replicas or resources")
+                r = template.resources
+                worker.handle = _worker_class(template.role).options(
+                    name=worker_id, namespace=NAMESPACE, num_cpus=r.get("CPU", 0),
+                    num_gpus=r.get("GPU", 0),
+                    resources={k: v for k, v in r.items() if k not in ("CPU", "GPU")} or None,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        pg, placement_group_bundle_index=0),
+                ).remote(worker_id, template.engine, template.transfer, template.threads)
+            incarnations = ray.get([w.handle.ping.remote() for w in started], timeout=600)
+        except Exception as exc:
+            for worker in started:
+                if worker.handle is not None:
+                    ray.kill(worker.handle)
+                remove_placement_group(worker.pg)
+            raise RuntimeError(f"starting {template.role} worker(s) failed: "
+                               f"{short_error(exc)}") from None
         for worker, incarnation in zip(started, incarnations, strict=True):
             worker.incarnation = incarnation
             with self._state_lock:
@@ -224,16 +275,14 @@ class Controller:
             self._log(f"{worker.worker_id} is up")
         return started
 
-    def _pair_with_peers(self, worker: Worker) -> None:
-        """Pair a new worker with every non-draining peer of the other role it can read KV
-        from (pairs that exist already are skipped)."""
-        other = "decode" if worker.role == "prefill" else "prefill"
-        for peer in self._active(other):
-            if peer.template.kv_key != worker.template.kv_key:
-                continue
-            p, d = (worker, peer) if worker.role == "prefill" else (peer, worker)
-            if (p.worker_id, d.worker_id) not in self._pairs:
-                self._pair(p, d)
+    def _ensure_pairs(self) -> None:
+        """Pair every active prefill worker with every active decode worker of the same KV
+        key that it is not paired with yet (also mends what a failed apply left)."""
+        for p in self._active("prefill"):
+            for d in self._active("decode"):
+                if (p.template.kv_key == d.template.kv_key
+                        and (p.worker_id, d.worker_id) not in self._pairs):
+                    self._pair(p, d)
 
     def _pair(self, p: Worker, d: Worker) -> None:
         address = ray.get(p.handle.connect_decode.remote(d.worker_id, RayPeer(d.handle)),
@@ -251,6 +300,19 @@ class Controller:
             except Exception as exc:  # noqa: BLE001 - a dead peer has nothing to tear down
                 logger.warning("unpairing %s and %s: %s", p.worker_id, d.worker_id, exc)
 
+    def _retire(self, workers: list[Worker], m) -> None:
+        """Take workers out of the router's pools, wait for their requests, remove them."""
+        for worker in workers:
+            worker.draining = True
+        self._publish(m)
+        if not workers:
+            return
+        try:
+            self._drain(workers, m.spec.drain_timeout_seconds)
+        finally:
+            for worker in workers:
+                self._remove(worker)
+
     def _ensure_router(self, options: dict) -> str | None:
         """Start the router actor, or restart it when what its server was started with
         changed; a new policy is set in place. Returns "start", "restart" or None."""
@@ -258,13 +320,19 @@ class Controller:
 
         key = tuple(options[k] for k in ("model", "skip_tokenizer", "host", "port"))
         if self.router is not None and key == self.router_key:
-            ray.get(self.router.configure.remote(options["policy"],
-                                                 options["local_prefill_tokens"]), timeout=30)
-            return None
+            try:
+                ray.get(self.router.configure.remote(
+                    options["policy"], options["local_prefill_tokens"],
+                    options["wait_for_workers_s"]), timeout=30)
+                return None
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                self._log(f"the router does not answer ({short_error(exc)}); starting a new one")
+                key = None  # restart it below
         verb = "restart" if self.router is not None else "start"
         if self.router is not None:
-            self._log(f"restarting the router ({self.router_address} -> "
-                      f"{options['host']}:{options['port']})")
+            if key is not None:
+                self._log(f"restarting the router ({self.router_address} -> "
+                          f"{options['host']}:{options['port']})")
             self._stop_router()
         me = ray.get_runtime_context().current_actor
         # On the head node: the address clients (and a KubeRay Service) reach is stable.
@@ -272,25 +340,24 @@ class Controller:
             name=ROUTER_NAME, namespace=NAMESPACE,
             resources={HEAD_NODE_RESOURCE: 0.001}).remote(me, options)
         port = ray.get(self.router.start.remote(), timeout=300)
-        self.router_key = key
+        self.router_key = tuple(options[k] for k in ("model", "skip_tokenizer", "host", "port"))
         self.router_address = f"{options['host']}:{port}"
         self._log(f"router serving gRPC on {self.router_address}")
         return verb
 
-    def _publish(self) -> None:
+    def _publish(self, m) -> None:
         """Tell the router which workers take new requests; returns once it holds."""
         if self.router is None:
             return
         pools = {role: {w.worker_id: w.handle for w in self._active(role)} for role in ROLES}
-        engine = self.manifest["spec"]["engine"]
-        pool_engine = self.manifest["spec"]["prefill"].get("engine") or engine
+        pool_engine = m.spec.engine_for("prefill")
         max_model_len = None
         if pools["decode"]:
             decode = next(w for w in self._active("decode"))
             max_model_len = ray.get(decode.handle.info.remote(), timeout=60).get("max_model_len")
         ray.get(self.router.set_workers.remote(
-            pools["prefill"], pools["decode"], pool_engine["block_size"],
-            pool_engine["hash_seed"], max_model_len), timeout=60)
+            pools["prefill"], pools["decode"], pool_engine.block_size,
+            pool_engine.hash_seed, max_model_len), timeout=60)
 
     def _drain(self, leaving: list[Worker], timeout_s: float) -> None:
         """Wait until no request runs on any leaving worker (the router's view and the
@@ -313,6 +380,9 @@ class Controller:
                     busy[w.worker_id] = n
             if not busy:
                 self._log(f"drained {ids}")
+                return
+            if self._stopping.is_set():
+                self._log(f"down requested: not waiting for {busy}")
                 return
             now = time.monotonic()
             if now > deadline:
@@ -358,7 +428,7 @@ class Controller:
             worker.healthy = True
             if incarnation != worker.incarnation:
                 restarted.append(worker)
-        if restarted and self._apply_lock.acquire(blocking=False):  # else: next poll
+        if restarted and self._apply_lock.acquire(blocking=False):
             try:
                 for worker in restarted:
                     logger.warning("worker %s was restarted; pairing it again", worker.worker_id)
@@ -371,6 +441,8 @@ class Controller:
             finally:
                 self._apply_lock.release()
         else:
+            for worker in restarted:  # an apply runs: re-paired by a later check, no requests
+                worker.healthy = False
             restarted = []
         return {"restarts": self.restarts, "healthy": {w.worker_id: w.healthy for w in workers},
                 "restarted": [w.worker_id for w in restarted]}
@@ -431,6 +503,7 @@ class Controller:
 
     def shutdown(self) -> None:
         """Stop the router and remove every worker and its bundle (no drain)."""
+        self._stopping.set()  # a running apply stops draining; then it gives up the lock
         with self._apply_lock:
             if self.router is not None:
                 self._stop_router()
@@ -438,6 +511,20 @@ class Controller:
             for worker in list(self.workers_by_id.values()):
                 self._remove(worker)
             self.manifest = None
+
+
+def short_error(exc: BaseException) -> str:
+    """One line for an exception, out of Ray's wrappers (no remote traceback)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(exc).__name__
+
+
+def node_resources() -> list[dict[str, float]]:
+    """The total resources of every live node."""
+    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
 
 
 def controller_handle(create: bool = False):

@@ -85,7 +85,8 @@ class LocalCluster:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         import ray
 
-        from cluster.controller import NAMESPACE, controller_handle
+        from cluster.controller import NAMESPACE, controller_handle, node_resources
+        from deploy.manifest import check_resources
         from engine.model_resolver import resolve_model
 
         spec = self.manifest.spec
@@ -93,8 +94,10 @@ class LocalCluster:
         resolve_model(spec.model.path)  # a GGUF is converted once, before workers load it
         need = sum(getattr(spec, r).replicas * getattr(spec, r).resources.get("CPU", 0)
                    for r in ("prefill", "decode"))
-        ray.init(num_cpus=max(8, int(need) + 2), include_dashboard=False,
+        # address="local": always a new in-process cluster, even where RAY_ADDRESS is set
+        ray.init(address="local", num_cpus=max(8, int(need) + 2), include_dashboard=False,
                  namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
+        check_resources(self.manifest, ray.cluster_resources(), node_resources())
         log(f"starting {spec.prefill.replicas} prefill + {spec.decode.replicas} decode "
             "workers on Ray ...")
         self._controller = controller_handle(create=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
@@ -29,6 +30,7 @@ class RouterActor:
         self.server = None
         self.router = None
         self._watch_task = None
+        self._control_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="control")
 
     async def start(self) -> int:
         """Start serving with no workers yet (requests get UNAVAILABLE until set_workers);
@@ -40,7 +42,8 @@ class RouterActor:
 
         o = self.options
         self.router = Router({}, {}, block_size=o["block_size"], hash_seed=o["hash_seed"],
-                             policy=o["policy"], local_prefill_tokens=o["local_prefill_tokens"])
+                             policy=o["policy"], local_prefill_tokens=o["local_prefill_tokens"],
+                             wait_for_workers_s=o["wait_for_workers_s"])
         tokenizer = None if o.get("skip_tokenizer") else await asyncio.to_thread(
             load_tokenizer, resolve_model(o["model"]))
         self.server, port = await start_server(self.router, o["host"], o["port"], tokenizer)
@@ -52,16 +55,23 @@ class RouterActor:
         """New requests go to these workers ({worker id: actor handle}) from now on."""
         from cluster.ray_peer import RayPeer
 
-        await asyncio.to_thread(
+        await self._control(
             self.router.set_workers, {w: RayPeer(h) for w, h in prefill.items()},
             {w: RayPeer(h) for w, h in decode.items()}, block_size=block_size,
             hash_seed=hash_seed, max_model_len=max_model_len)
 
-    async def configure(self, policy: str, local_prefill_tokens: int) -> None:
-        await asyncio.to_thread(self.router.configure, policy, local_prefill_tokens)
+    async def configure(self, policy: str, local_prefill_tokens: int,
+                        wait_for_workers_s: float) -> None:
+        await self._control(self.router.configure, policy, local_prefill_tokens,
+                            wait_for_workers_s)
 
     async def active_counts(self) -> dict[str, int]:
-        return await asyncio.to_thread(self.router.active_counts)
+        return await self._control(self.router.active_counts)
+
+    async def _control(self, fn, *args, **kwargs):
+        """Control calls run on their own threads: never behind blocked request streams."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._control_pool, lambda: fn(*args, **kwargs))
 
     async def stats(self) -> dict:
         return {"hit_rate": self.router.hit_rate(), "policy": self.router.policy_name,
@@ -76,7 +86,7 @@ class RouterActor:
             except Exception as exc:  # noqa: BLE001 - keep serving; try again next period
                 logger.warning("health check failed: %s", exc)
                 continue
-            self.router.update_membership(health)
+            await self._control(self.router.update_membership, health)
 
     async def stop(self) -> None:
         if self._watch_task is not None:

@@ -60,4 +60,5 @@ def router_options(manifest: Manifest) -> dict:
     return {"model": spec.model.path, "skip_tokenizer": spec.model.skip_tokenizer_init,
             "host": spec.router.host, "port": spec.router.port, "policy": spec.router.policy,
             "local_prefill_tokens": spec.router.local_prefill_tokens,
+            "wait_for_workers_s": spec.router.wait_for_workers_seconds,
             "block_size": engine.block_size, "hash_seed": engine.hash_seed}

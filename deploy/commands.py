@@ -50,7 +50,7 @@ def _connect(address: str | None) -> None:
     try:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
                  configure_logging=False)
-    except (ConnectionError, RuntimeError) as exc:
+    except (ConnectionError, RuntimeError, ValueError) as exc:
         raise SystemExit(_fail(f"cannot connect to a Ray cluster at {address!r}: {exc}\n"
                                "start one with `ray start --head` or pass --address", 1)) from None
 
@@ -65,11 +65,11 @@ def _cause(exc: BaseException) -> BaseException:
     return getattr(exc, "cause", None) or exc
 
 
-def _follow(controller, ref) -> dict:
-    """Print the controller's progress lines until `ref` (an apply or scale) is done."""
+def _follow(controller, ref, shown: int) -> dict:
+    """Print the controller's progress lines (from index `shown` on) until `ref` (an apply
+    or scale) is done."""
     import ray
 
-    shown = ray.get(controller.num_events.remote())
     start = time.monotonic()
     while True:
         ready, _ = ray.wait([ref], timeout=0.5)
@@ -83,13 +83,16 @@ def _follow(controller, ref) -> dict:
                                "`baton deploy status` shows where it is")
 
 
-def _reconcile(args: argparse.Namespace, call) -> int:
-    """Run an apply or scale on the controller, show progress and the outcome."""
+def _reconcile(controller, submit) -> int:
+    """Run an apply or scale (submit(): its object ref) on the controller, show progress and
+    the outcome."""
+    import ray
+
     from deploy.manifest import ManifestError
 
     try:
-        controller, ref = call()
-        result = _follow(controller, ref)
+        shown = ray.get(controller.num_events.remote(), timeout=60)
+        result = _follow(controller, submit(), shown)
     except KeyboardInterrupt:
         print("\ninterrupted: the controller finishes this reconcile on its own; "
               "`baton deploy status` shows it", file=sys.stderr)
@@ -112,18 +115,16 @@ def _apply(args: argparse.Namespace) -> int:
     _connect(args.address)
     import ray
 
-    from cluster.controller import controller_handle
+    from cluster.controller import controller_handle, node_resources
 
     try:
-        check_resources(manifest, ray.cluster_resources())
+        check_resources(manifest, ray.cluster_resources(), node_resources())
     except ManifestError as exc:
         return _fail(f"{args.file}:\n{exc}", 2)
 
-    def call():
-        controller = controller_handle(create=True)
-        return controller, controller.apply.remote(manifest.model_dump(mode="json"))
-
-    return _reconcile(args, call)
+    controller = controller_handle(create=True)
+    return _reconcile(controller,
+                      lambda: controller.apply.remote(manifest.model_dump(mode="json")))
 
 
 def parse_pools(pools: list[str]) -> dict[str, int]:
@@ -151,19 +152,21 @@ def _scale(args: argparse.Namespace) -> int:
         controller = controller_handle()
     except NoCluster as exc:
         return _fail(str(exc), 1)
-    return _reconcile(args, lambda: (controller, controller.scale.remote(replicas)))
+    return _reconcile(controller, lambda: controller.scale.remote(replicas))
 
 
 def _status(args: argparse.Namespace) -> int:
     _connect(args.address)
     import ray
 
-    from cluster.controller import NoCluster, controller_handle
+    from cluster.controller import NoCluster, controller_handle, short_error
 
     try:
-        status = ray.get(controller_handle().status.remote(), timeout=60)
+        status = ray.get(controller_handle().status.remote(), timeout=120)
     except NoCluster as exc:
         return _fail(str(exc), 1)
+    except Exception as exc:  # noqa: BLE001 - a dead or hung controller: one line
+        return _fail(f"the controller does not answer: {short_error(exc)}", 1)
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True))
         return 0
@@ -192,17 +195,20 @@ def _down(args: argparse.Namespace) -> int:
     _connect(args.address)
     import ray
 
-    from cluster.controller import NAMESPACE, NoCluster, controller_handle
+    from cluster.controller import NAMESPACE, NoCluster, controller_handle, short_error
 
     try:
         controller = controller_handle()
     except NoCluster:
         print("no Baton cluster runs here; nothing to remove")
         return 0
-    workers = len(ray.get(controller.worker_ids.remote(), timeout=60))
-    print(f"removing the router and {workers} worker(s) ...", flush=True)
+
+    print("removing the router and every worker ...", flush=True)
     try:
         ray.get(controller.shutdown.remote(), timeout=300)
+    except Exception as exc:  # noqa: BLE001 - killing the controller removes what it owns
+        print(f"the controller did not finish in time ({short_error(exc)}); killing it, "
+              "which removes every actor and placement group it owns", file=sys.stderr)
     finally:
         ray.kill(controller)
     deadline = time.monotonic() + 60

@@ -20,7 +20,8 @@ class ManifestError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: YAML's true is not a replica count and "16" is not a block size
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelSpec(_Strict):
@@ -79,6 +80,9 @@ class RouterSpec(_Strict):
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
     local_prefill_tokens: int = Field(0, ge=0, description="conditional disaggregation "
                                       "threshold (0: always transfer)")
+    wait_for_workers_seconds: float = Field(
+        120.0, ge=0, description="with no healthy worker in a pool (one being replaced or "
+        "restarted), how long a request waits for one before UNAVAILABLE")
 
 
 class TransferSpec(_Strict):
@@ -88,12 +92,15 @@ class TransferSpec(_Strict):
 
 
 class ClusterSpecModel(_Strict):
-    model: ModelSpec = Field(default_factory=ModelSpec)
-    engine: EngineSpec = Field(default_factory=EngineSpec)
-    prefill: PoolSpec = Field(default_factory=PoolSpec)
-    decode: PoolSpec = Field(default_factory=PoolSpec)
-    router: RouterSpec = Field(default_factory=RouterSpec)
-    transfer: TransferSpec = Field(default_factory=TransferSpec)
+    model: ModelSpec = Field(default_factory=ModelSpec, description="what every worker serves")
+    engine: EngineSpec = Field(default_factory=EngineSpec,
+                               description="engine options of both pools")
+    prefill: PoolSpec = Field(default_factory=PoolSpec, description="the prefill pool")
+    decode: PoolSpec = Field(default_factory=PoolSpec, description="the decode pool")
+    router: RouterSpec = Field(default_factory=RouterSpec,
+                               description="the gRPC front door and its routing")
+    transfer: TransferSpec = Field(default_factory=TransferSpec,
+                                   description="KV transfer between the pools")
     drain_timeout_seconds: float = Field(600.0, gt=0, description="scale-down: how long a "
                                          "leaving worker may take to finish its requests")
 
@@ -122,8 +129,9 @@ class Manifest(_Strict):
 
     apiVersion: Literal["baton/v1"] = Field(..., description="manifest schema version")  # noqa: N815
     kind: Literal["Cluster"] = Field(..., description="what the manifest describes")
-    metadata: Metadata
-    spec: ClusterSpecModel = Field(default_factory=ClusterSpecModel)
+    metadata: Metadata = Field(..., description="the cluster's name")
+    spec: ClusterSpecModel = Field(default_factory=ClusterSpecModel,
+                                   description="the desired cluster")
 
 
 def _format(err: ValidationError) -> str:
@@ -162,9 +170,11 @@ def load_manifest(path: str | Path) -> Manifest:
     return parse_manifest(path.read_text())
 
 
-def check_resources(manifest: Manifest, cluster: dict[str, float]) -> None:
+def check_resources(manifest: Manifest, cluster: dict[str, float],
+                    nodes: list[dict[str, float]] | None = None) -> None:
     """Raise ManifestError if the pools can never be placed on a cluster with these total
-    resources (e.g. ray.cluster_resources())."""
+    resources (e.g. ray.cluster_resources()) or, given the nodes' own totals, if no single
+    node can hold one worker's bundle."""
     need: dict[str, float] = {}
     problems = []
     for role in ("prefill", "decode"):
@@ -173,7 +183,14 @@ def check_resources(manifest: Manifest, cluster: dict[str, float]) -> None:
             if cluster.get(name, 0) < amount:
                 problems.append(f"spec.{role}.resources.{name}: {amount:g} per worker, but "
                                 f"the Ray cluster has {cluster.get(name, 0):g} in total")
+            elif nodes and max(n.get(name, 0) for n in nodes) < amount:
+                problems.append(f"spec.{role}.resources.{name}: {amount:g} per worker, but no "
+                                f"node has more than {max(n.get(name, 0) for n in nodes):g}")
             need[name] = need.get(name, 0) + amount * pool.replicas
+        if nodes and not any(all(n.get(k, 0) >= v for k, v in pool.resources.items())
+                             for n in nodes) and not problems:
+            problems.append(f"spec.{role}.resources: no node has all of "
+                            f"{dict(pool.resources)} at once")
     for name, amount in need.items():
         if cluster.get(name, 0) < amount and not any(name in p for p in problems):
             problems.append(f"spec.prefill/decode: {amount:g} {name} needed for all replicas, "

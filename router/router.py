@@ -9,23 +9,29 @@ own cached prefix. The gRPC front door (cluster issue) sits on top of this class
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.block_hash import hash_prompt_blocks
+from engine.errors import InvalidRequestError
 from router.handoff import generate_disaggregated, generate_local
 from router.kv_index import KVIndex
 from router.policy import (
     DecodeLoad,
     LoadTracker,
+    NoWorkerAvailable,
     Policy,
     WorkerLoad,
     choose_decode,
     choose_prefill,
     make_policy,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class Router:
@@ -34,7 +40,7 @@ class Router:
     def __init__(self, prefill: dict[str, Any], decode: dict[str, Any], *, block_size: int,
                  hash_seed: str, policy: str | Policy = "cache_aware",
                  timeout: float = 600.0, local_prefill_tokens: int = 0,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, wait_for_workers_s: float = 0.0) -> None:
         self.prefill = dict(prefill)
         self.decode = dict(decode)
         self.block_size = block_size
@@ -46,9 +52,14 @@ class Router:
         # most this many tokens, it prefills locally and no KV moves (0 = always transfer).
         self.local_prefill_tokens = local_prefill_tokens
         self.max_model_len = max_model_len  # longer prompts are refused (None: no limit)
+        # With no healthy worker in a pool, a request waits this long for one (a worker
+        # being replaced or restarted) before it fails with NoWorkerAvailable.
+        self.wait_for_workers_s = wait_for_workers_s
+        self._changed = threading.Condition()  # notified when pools or health change
         self.index = KVIndex()
         self.load = LoadTracker()
-        self._lock = threading.Lock()  # index updates: events must apply in emission order
+        self._lock = threading.Lock()  # pools and index membership
+        self._events_lock = threading.Lock()  # a worker's events apply in emission order
         for worker_id in [*self.prefill, *self.decode]:
             self.index.add_worker(worker_id)
         self._pick_lock = threading.Lock()  # pools, choices and _active change together
@@ -83,12 +94,17 @@ class Router:
             self.prefill, self.decode = dict(prefill), dict(decode)
             if max_model_len is not None:
                 self.max_model_len = max_model_len
+        with self._changed:
+            self._changed.notify_all()
 
-    def configure(self, policy: str, local_prefill_tokens: int) -> None:
-        """Change the prefill policy and the conditional-disaggregation threshold in place."""
+    def configure(self, policy: str, local_prefill_tokens: int,
+                  wait_for_workers_s: float) -> None:
+        """Change the prefill policy, the conditional-disaggregation threshold and the wait
+        for workers in place."""
         if policy != self.policy_name:
             self.policy, self.policy_name = make_policy(policy), policy
         self.local_prefill_tokens = local_prefill_tokens
+        self.wait_for_workers_s = wait_for_workers_s
 
     def active_counts(self) -> dict[str, int]:
         """Running requests per worker id (prefill and decode side both count)."""
@@ -111,6 +127,8 @@ class Router:
                     self.load.forget(worker_id)
             self._healthy.update({w: ok for w, ok in health.get("healthy", {}).items()
                                   if w in known})
+        with self._changed:
+            self._changed.notify_all()
 
     def abort(self, request_id: str) -> bool:
         """Abort a running request on its decode worker (which tells the prefill worker)."""
@@ -140,12 +158,18 @@ class Router:
         return self.num_cached_tokens / max(1, self.num_prompt_tokens)
 
     def refresh_index(self) -> None:
-        """Apply every worker's KV events published since the last refresh."""
-        with self._lock:
-            workers = [*self.prefill.items(), *self.decode.items()]
-            events = self._calls.map(lambda w: w[1].kv_events(), workers)
-            for (worker_id, _), worker_events in zip(workers, events, strict=True):
-                self.index.apply(worker_id, worker_events)  # per worker, in emission order
+        """Apply the KV events every healthy worker published since the last refresh. A
+        worker that does not answer is skipped (its events come with a later refresh)."""
+        with self._events_lock:
+            with self._lock:
+                workers = [(w, p) for w, p in [*self.prefill.items(), *self.decode.items()]
+                           if self._healthy.get(w, True)]
+            events = list(self._calls.map(_take_events, workers))
+            with self._lock:
+                current = {*self.prefill, *self.decode}
+                for (worker_id, _), worker_events in zip(workers, events, strict=True):
+                    if worker_events and worker_id in current:
+                        self.index.apply(worker_id, worker_events)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: dict,
                  cache_salt: str | None = None) -> Iterator[dict]:
@@ -154,22 +178,23 @@ class Router:
                                     cache_salt)
         n = len(prompt_token_ids)
         self.refresh_index()
-        with self._pick_lock:  # a worker set_workers removed is never picked after it returns
-            prefill_pool, decode_pool = dict(self.prefill), dict(self.decode)
-        healthy = lambda w: self._healthy.get(w, True)  # noqa: E731
-        loads = [WorkerLoad(w, self.load.queued(w), healthy=healthy(w)) for w in prefill_pool]
-        choice = choose_prefill(self.policy, hashes, self.block_size, loads, self.index,
-                                num_prompt_tokens=n)
-        stats = self._calls.map(lambda d: d[1].stats() if healthy(d[0]) else None,
-                                decode_pool.items())
-        decode_loads = [DecodeLoad(w, s["free_blocks"], s["num_requests"]) if s is not None
-                        else DecodeLoad(w, 0, 0, healthy=False)
-                        for w, s in zip(decode_pool, stats, strict=True)]
-        decode_choice = choose_decode(hashes, n, self.block_size, decode_loads, self.index)
+        deadline = time.monotonic() + self.wait_for_workers_s
+        while True:
+            try:
+                choice, decode_choice, prefill_pool, decode_pool = self._choose(hashes, n)
+                break
+            except NoWorkerAvailable:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                with self._changed:  # a worker is being replaced or restarted: wait for it
+                    self._changed.wait(min(left, 1.0))
         prefill = (choice.worker_id, prefill_pool[choice.worker_id])
         decode = (decode_choice.worker_id, decode_pool[decode_choice.worker_id])
         local = n - decode_choice.hit_blocks * self.block_size <= self.local_prefill_tokens
         with self._pick_lock:
+            if request_id in self._active:
+                raise InvalidRequestError(f"request id {request_id!r} is already running")
             stale = choice.worker_id not in self.prefill or decode[0] not in self.decode
             if not stale:
                 self._active[request_id] = (None if local else prefill, decode)
@@ -201,6 +226,22 @@ class Router:
             if not prefilled:
                 self.load.prefilled(choice.worker_id, uncached)
 
+    def _choose(self, hashes: list, n: int):
+        """(prefill choice, decode choice, prefill pool, decode pool) among healthy workers."""
+        with self._pick_lock:  # a worker set_workers removed is never picked after it returns
+            prefill_pool, decode_pool = dict(self.prefill), dict(self.decode)
+        healthy = lambda w: self._healthy.get(w, True)  # noqa: E731
+        loads = [WorkerLoad(w, self.load.queued(w), healthy=healthy(w)) for w in prefill_pool]
+        choice = choose_prefill(self.policy, hashes, self.block_size, loads, self.index,
+                                num_prompt_tokens=n)
+        stats = self._calls.map(lambda d: _stats(d[1]) if healthy(d[0]) else None,
+                                decode_pool.items())
+        decode_loads = [DecodeLoad(w, s["free_blocks"], s["num_requests"]) if s is not None
+                        else DecodeLoad(w, 0, 0, healthy=False)
+                        for w, s in zip(decode_pool, stats, strict=True)]
+        decode_choice = choose_decode(hashes, n, self.block_size, decode_loads, self.index)
+        return choice, decode_choice, prefill_pool, decode_pool
+
     def _generate_local(self, request_id: str, prompt_token_ids: list[int], params: dict,
                         cache_salt: str | None, decode: tuple[str, Any]) -> Iterator[dict]:
         counted = False
@@ -224,3 +265,19 @@ class Router:
     def _count(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.num_prompt_tokens += prompt_tokens
         self.num_cached_tokens += cached_tokens
+
+
+def _take_events(worker: tuple[str, Any]) -> list | None:
+    try:
+        return worker[1].kv_events()
+    except Exception as exc:  # noqa: BLE001 - a restarting or dead worker: skip it this time
+        logger.warning("KV events of %s: %s", worker[0], exc)
+        return None
+
+
+def _stats(worker: Any) -> dict | None:
+    try:
+        return worker.stats()
+    except Exception as exc:  # noqa: BLE001 - counted as unhealthy for this choice
+        logger.warning("stats of a decode worker: %s", exc)
+        return None

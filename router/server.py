@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,6 +26,7 @@ from router.router import Router
 
 logger = logging.getLogger(__name__)
 SERVICE = "baton.v1.Inference"
+STREAM_THREADS = 512
 _DONE = object()
 
 
@@ -137,6 +139,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 async def start_server(router: Router, host: str = "127.0.0.1", port: int = 50051,
                        tokenizer=None) -> tuple[object, int]:
     """Start the aio server; returns (server, bound port). Port 0 picks a free one."""
+    # Every open stream holds a thread while it waits for its next tokens: asyncio's default
+    # pool (cpus + 4 threads) would queue streams behind each other.
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(max_workers=STREAM_THREADS, thread_name_prefix="stream"))
     server = grpc.aio.server()
     pb_grpc.add_InferenceServicer_to_server(
         InferenceServicer(router, tokenizer), server)

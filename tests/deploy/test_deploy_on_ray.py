@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ from tests.engine.test_engine_vs_hf import random_prompts
 
 ray = pytest.importorskip("ray")
 MAX_TOKENS = 24
+LONG_TOKENS = 1500  # long enough to be running when the scale-down starts draining
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +61,17 @@ def pools(st: dict) -> dict[str, list[str]]:
             for role in ("prefill", "decode")}
 
 
+def stream_prompt(k: int) -> list[int]:
+    """The k-th request's prompt: every one is new, so no cached prefix pulls it to the old
+    workers (cache-aware routing sends a new prompt to the emptier cache)."""
+    return random_prompts([9 + (7 * k) % 45], seed=10_000 + k)[0]
+
+
 class RequestStream:
     """Threads sending greedy requests back to back until stopped; records every outcome."""
 
-    def __init__(self, address: str, prompts: list[list[int]], threads: int = 3) -> None:
+    def __init__(self, address: str, threads: int = 3) -> None:
         self.stub = pb_grpc.InferenceStub(grpc.insecure_channel(address))
-        self.prompts = prompts
         self.results: list[tuple[int, list[int], str, str, str]] = []
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -81,12 +88,10 @@ class RequestStream:
             t.join(120)
 
     def _run(self, offset: int) -> None:
-        i = offset
+        k = offset
         while not self._stop.is_set():
-            k = i % len(self.prompts)
-            i += len(self._threads)
             request = pb.GenerateRequest(
-                prompt_token_ids=pb.TokenIds(ids=self.prompts[k]),
+                prompt_token_ids=pb.TokenIds(ids=stream_prompt(k)),
                 sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                            ignore_eos=True))
             try:
@@ -98,6 +103,7 @@ class RequestStream:
             self.results.append((k, [t for r in replies for t in r.token_ids],
                                  last.finish_reason, last.usage.prefill_worker,
                                  last.usage.decode_worker))
+            k += len(self._threads)
 
     def wait_for(self, count: int, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -106,8 +112,40 @@ class RequestStream:
         assert len(self.results) >= count, (len(self.results), self.errors)
 
 
+def pin_long_request(stub, pair: tuple[str, str]) -> tuple[list[int], dict]:
+    """Find a fresh prompt that lands on `pair`, then stream a long request with it (its
+    cached prefix keeps it on the same pair) until the pair's decode worker runs it."""
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    for prompt in random_prompts([30] * 40, seed=902):
+        replies = list(stub.Generate(pb.GenerateRequest(
+            prompt_token_ids=pb.TokenIds(ids=prompt),
+            sampling=pb.SamplingParams(max_tokens=1, **greedy)), timeout=60))
+        if (replies[-1].usage.prefill_worker, replies[-1].usage.decode_worker) == pair:
+            break
+    else:
+        pytest.fail(f"no probe prompt landed on {pair}")
+    out: dict = {}
+
+    def run() -> None:
+        replies = list(stub.Generate(pb.GenerateRequest(
+            prompt_token_ids=pb.TokenIds(ids=prompt),
+            sampling=pb.SamplingParams(max_tokens=LONG_TOKENS, **greedy)), timeout=300))
+        out["tokens"] = [t for r in replies for t in r.token_ids]
+        out["usage"] = (replies[-1].usage.prefill_worker, replies[-1].usage.decode_worker)
+
+    out["thread"] = threading.Thread(target=run)
+    out["thread"].start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        status = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=30)
+        if any(w.worker_id == pair[1] and w.running_requests for w in status.workers):
+            return prompt, out
+        time.sleep(0.05)
+    pytest.fail(f"the long request never ran on {pair[1]}")
+
+
 def test_apply_scale_under_load_change_options_and_down(ray_address, tiny_llama, tmp_path):
-    manifest = tiny_manifest(tiny_llama, name="deploy-test")
+    manifest = tiny_manifest(tiny_llama, name="deploy-test", num_kv_blocks=1024)
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(manifest))
 
@@ -125,13 +163,7 @@ def test_apply_scale_under_load_change_options_and_down(ray_address, tiny_llama,
     assert "generation 1: no change" in again.stdout
     assert pools(status(ray_address)) == {"prefill": ["prefill-0"], "decode": ["decode-0"]}
 
-    # fresh prompts: no cached prefix pulls them to the old workers (cache-aware routing sends
-    # a new prompt family to the emptier cache, so the new workers get traffic)
-    prompts = random_prompts([9 + (7 * i) % 45 for i in range(96)], seed=901)
-    expected = [o.token_ids for o in LLM(tiny_llama, block_size=4, chunk_size=16,
-                                         num_kv_blocks=256, skip_tokenizer_init=True).generate(
-        prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))]
-    with RequestStream(st["router"]["address"], prompts) as stream:
+    with RequestStream(st["router"]["address"]) as stream:
         stream.wait_for(3)
         up = baton(ray_address, "scale", "prefill=2", "decode=2")
         assert up.returncode == 0, up.stderr
@@ -142,15 +174,25 @@ def test_apply_scale_under_load_change_options_and_down(ray_address, tiny_llama,
             {"prefill": ["prefill-0", "prefill-1"], "decode": ["decode-0", "decode-1"]})
         served = len(stream.results)
         stream.wait_for(served + 12)
+        # A long request on the pair that will leave: the drain must wait for it.
+        long_prompt, long_out = pin_long_request(stream.stub, ("prefill-1", "decode-1"))
         down = baton(ray_address, "scale", "prefill=1", "decode=1")
         assert down.returncode == 0, down.stderr
         assert "draining prefill-1, decode-1" in down.stdout and "drained" in down.stdout
+        assert re.search(r"waiting for .*decode-1: [1-9]\d* request", down.stdout), down.stdout
+        long_out["thread"].join(120)
+        assert long_out["usage"] == ("prefill-1", "decode-1")
+        offline = LLM(tiny_llama, block_size=4, chunk_size=16, num_kv_blocks=1024,
+                      skip_tokenizer_init=True)
+        assert long_out["tokens"] == offline.generate([long_prompt], SamplingParams(
+            max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True))[0].token_ids
         st = status(ray_address)
         assert (st["generation"], pools(st)) == (
             3, {"prefill": ["prefill-0"], "decode": ["decode-0"]})
         stream.wait_for(len(stream.results) + 3)
 
-        changed = tiny_manifest(tiny_llama, name="deploy-test", max_num_seqs=64)
+        changed = tiny_manifest(tiny_llama, name="deploy-test", num_kv_blocks=1024,
+                                max_num_seqs=64)
         path.write_text(yaml.safe_dump(changed))
         replaced = baton(ray_address, "apply", "-f", str(path))
         assert replaced.returncode == 0, replaced.stderr
@@ -160,8 +202,11 @@ def test_apply_scale_under_load_change_options_and_down(ray_address, tiny_llama,
         stream.wait_for(len(stream.results) + 3)
 
     assert stream.errors == []
-    for k, tokens, finish, _, _ in stream.results:
-        assert (tokens, finish) == (expected[k], "length")
+    ks = [k for k, *_ in stream.results]
+    expected = offline.generate([stream_prompt(k) for k in ks], SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    for (k, tokens, finish, _, _), exp in zip(stream.results, expected, strict=True):
+        assert (tokens, finish) == (exp.token_ids, "length"), k
     used = {(p, d) for _, _, _, p, d in stream.results}
     for worker in ("prefill-1", "decode-1", "prefill-2", "decode-2"):
         assert any(worker in pair for pair in used), (worker, used)
@@ -179,6 +224,7 @@ def test_apply_scale_under_load_change_options_and_down(ray_address, tiny_llama,
 
 def test_apply_refuses_bad_manifests_before_touching_the_cluster(ray_address, tiny_llama,
                                                                  tmp_path):
+    before = baton_actors()
     impossible = tiny_manifest(tiny_llama)
     impossible["spec"]["decode"]["resources"] = {"GPU": 1}
     path = tmp_path / "gpu.yaml"
@@ -189,4 +235,13 @@ def test_apply_refuses_bad_manifests_before_touching_the_cluster(ray_address, ti
     assert "Traceback" not in out.stderr
     scale = baton(ray_address, "scale", "prefill=0")
     assert scale.returncode == 2 and "'prefill=0': N must be an integer >= 1" in scale.stderr
-    assert baton_actors() == []
+    too_big = tiny_manifest(tiny_llama)
+    too_big["spec"]["prefill"]["resources"] = {"CPU": 9}  # this one-node cluster has 8
+    path.write_text(yaml.safe_dump(too_big))
+    out = baton(ray_address, "apply", "-f", str(path))
+    assert out.returncode == 2 and "spec.prefill.resources.CPU: 9 per worker, but the Ray " \
+        "cluster has 8 in total" in out.stderr
+    bad_address = baton("not-an-address", "status")
+    assert bad_address.returncode == 1 and "cannot connect to a Ray cluster at " \
+        "'not-an-address'" in bad_address.stderr and "Traceback" not in bad_address.stderr
+    assert baton_actors() == before

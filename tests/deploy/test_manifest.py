@@ -47,6 +47,9 @@ def test_local_example_is_the_serve_default():
     ("spec.prefill.replicas", "two", r"spec.prefill.replicas: 'two' is invalid: .*integer"),
     ("spec.engine.block_size", "big", r"spec.engine.block_size: 'big' is invalid"),
     ("spec.engine.blocksize", 16, r"spec.engine.blocksize: unknown field"),
+    ("spec.prefill.replicas", True, r"spec.prefill.replicas: True is invalid: .*integer"),
+    ("spec.engine.block_size", "16", r"spec.engine.block_size: '16' is invalid: .*integer"),
+    ("spec.router.wait_for_workers_seconds", -1, r"wait_for_workers_seconds: -1 is invalid"),
     ("spec.extra", {}, r"spec.extra: unknown field"),
     ("spec.router.policy", "fastest", r"spec.router.policy: 'fastest' is invalid: .*cache_aware"),
     ("spec.router.port", 70000, r"spec.router.port: 70000 is invalid"),
@@ -85,3 +88,17 @@ def test_impossible_resources():
                                             "has 2"):
         check_resources(gpu, {"CPU": 16, "GPU": 2})
     check_resources(gpu, {"CPU": 16, "GPU": 4})  # fits
+
+
+def test_a_worker_bundle_must_fit_on_one_node():
+    cpu = parse_manifest(with_change("spec.decode.resources", {"CPU": 12}))
+    nodes = [{"CPU": 8.0}, {"CPU": 8.0}, {"CPU": 8.0}]
+    check_resources(cpu, {"CPU": 24.0})  # the totals alone allow it
+    with pytest.raises(ManifestError, match=r"spec.decode.resources.CPU: 12 per worker, but "
+                                            r"no node has more than 8"):
+        check_resources(cpu, {"CPU": 24.0}, nodes)
+    mixed = parse_manifest(with_change("spec.decode.resources", {"CPU": 4, "GPU": 1}))
+    split = [{"CPU": 8.0}, {"CPU": 1.0, "GPU": 1.0}]
+    with pytest.raises(ManifestError, match=r"spec.decode.resources: no node has all of "):
+        check_resources(mixed, {"CPU": 9.0, "GPU": 1.0}, split)
+    check_resources(mixed, {"CPU": 9.0, "GPU": 1.0}, [{"CPU": 4.0}, {"CPU": 5.0, "GPU": 1.0}])

@@ -1,0 +1,161 @@
+"""Router membership over fake workers (pure Python): a worker left out by set_workers takes no
+new request but finishes its running ones (active_counts shows them), a request waits for a
+worker while a pool is empty, duplicate request ids are refused, a worker that cannot report
+its KV events does not fail requests."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from engine.errors import InvalidRequestError
+from router.policy import NoWorkerAvailable
+from router.router import Router
+
+PARAMS = {"max_tokens": 2, "temperature": 0.0, "seed": 1}
+
+
+class FakePrefill:
+    def __init__(self, events_fail: bool = False) -> None:
+        self.events_fail = events_fail
+        self.prefilled: list[str] = []
+
+    def kv_events(self) -> list:
+        if self.events_fail:
+            raise ConnectionError("worker is restarting")
+        return []
+
+    def prefill(self, request_id, *args) -> dict:
+        self.prefilled.append(request_id)
+        return {"finish_reason": "prefilled", "num_cached_tokens": 0, "error": None}
+
+    def abort(self, request_id, propagate=True) -> None:
+        pass
+
+
+class FakeDecode:
+    """Streams one token per request once the request's release event is set."""
+
+    def __init__(self) -> None:
+        self.release: dict[str, threading.Event] = {}
+
+    def kv_events(self) -> list:
+        return []
+
+    def stats(self) -> dict:
+        return {"free_blocks": 100, "num_requests": len(self.release)}
+
+    def reserve(self, request_id, *args) -> dict:
+        self.release.setdefault(request_id, threading.Event())
+        return {"num_hit_blocks": 0, "dst_block_ids": [0]}
+
+    def poll(self, request_id, wait) -> list[dict]:
+        if not self.release[request_id].wait(wait):
+            return []
+        return [{"request_id": request_id, "token_ids": [7], "text": "", "finished": True,
+                 "finish_reason": "length", "num_cached_tokens": 0, "stop_reason": None}]
+
+    def abort(self, request_id, propagate=True) -> None:
+        pass
+
+
+def run(router: Router, request_id: str, out: dict) -> threading.Thread:
+    def body() -> None:
+        try:
+            out[request_id] = list(router.generate(request_id, [1, 2, 3, 4, 5], PARAMS))
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            out[request_id] = exc
+
+    t = threading.Thread(target=body)
+    t.start()
+    return t
+
+
+def wait_until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_left_out_worker_finishes_running_requests_and_gets_no_new_ones():
+    p0, d0, p1, d1 = FakePrefill(), FakeDecode(), FakePrefill(), FakeDecode()
+    router = Router({"p0": p0}, {"d0": d0}, block_size=4, hash_seed="t")
+    out: dict = {}
+    first = run(router, "r1", out)
+    wait_until(lambda: router.active_counts() == {"p0": 1, "d0": 1})
+    router.set_workers({"p1": p1}, {"d1": d1})
+    assert router.active_counts() == {"p0": 1, "d0": 1}  # still running on the old pair
+    second = run(router, "r2", out)
+    wait_until(lambda: "r2" in d1.release)
+    assert p1.prefilled == ["r2"] and p0.prefilled == ["r1"] and "r2" not in d0.release
+    assert router.active_counts() == {"p0": 1, "d0": 1, "p1": 1, "d1": 1}
+    d0.release["r1"].set()
+    first.join(10)
+    assert router.active_counts() == {"p1": 1, "d1": 1}
+    assert out["r1"][-1]["finish_reason"] == "length"
+    assert (out["r1"][-1]["prefill_worker"], out["r1"][-1]["decode_worker"]) == ("p0", "d0")
+    d1.release["r2"].set()
+    second.join(10)
+    assert router.active_counts() == {}
+    assert sorted(router.index.workers()) == ["d1", "p1"]  # the old pair left the index
+
+
+def test_request_waits_for_a_worker_while_a_pool_is_empty():
+    router = Router({}, {}, block_size=4, hash_seed="t", wait_for_workers_s=30.0)
+    out: dict = {}
+    waiting = run(router, "r1", out)
+    time.sleep(0.3)
+    assert "r1" not in out  # neither failed nor served yet
+    p, d = FakePrefill(), FakeDecode()
+    router.set_workers({"p0": p}, {"d0": d})
+    wait_until(lambda: "r1" in d.release)
+    d.release["r1"].set()
+    waiting.join(10)
+    assert out["r1"][-1]["prefill_worker"] == "p0"
+
+
+def test_no_worker_fails_once_the_wait_is_over():
+    router = Router({}, {"d0": FakeDecode()}, block_size=4, hash_seed="t",
+                    wait_for_workers_s=0.2)
+    start = time.monotonic()
+    with pytest.raises(NoWorkerAvailable, match="no healthy prefill worker"):
+        list(router.generate("r1", [1, 2, 3], PARAMS))
+    assert 0.2 <= time.monotonic() - start < 5
+
+
+def test_duplicate_running_request_id_is_refused():
+    d = FakeDecode()
+    router = Router({"p0": FakePrefill()}, {"d0": d}, block_size=4, hash_seed="t")
+    out: dict = {}
+    first = run(router, "same", out)
+    wait_until(lambda: router.active_counts() == {"p0": 1, "d0": 1})
+    with pytest.raises(InvalidRequestError, match="request id 'same' is already running"):
+        list(router.generate("same", [9, 9], PARAMS))
+    d.release["same"].set()
+    first.join(10)
+    assert out["same"][-1]["finish_reason"] == "length"
+
+
+def test_a_worker_failing_to_report_events_does_not_fail_requests():
+    d = FakeDecode()
+    router = Router({"p0": FakePrefill(events_fail=True)}, {"d0": d}, block_size=4,
+                    hash_seed="t")
+    out: dict = {}
+    t = run(router, "r1", out)
+    wait_until(lambda: "r1" in d.release)
+    d.release["r1"].set()
+    t.join(10)
+    assert out["r1"][-1]["finish_reason"] == "length"
+
+
+def test_new_block_size_drops_the_index_entries_hashed_the_old_way():
+    router = Router({"p0": FakePrefill()}, {"d0": FakeDecode()}, block_size=4, hash_seed="t")
+    router.index.apply("p0", [{"kind": "stored", "block_hashes": [11, 12],
+                               "parent_hash": None}])
+    router.set_workers(dict(router.prefill), dict(router.decode), block_size=4, hash_seed="t")
+    assert router.index.num_blocks("p0") == 2  # same hashing: kept
+    router.set_workers(dict(router.prefill), dict(router.decode), block_size=8, hash_seed="t")
+    assert (router.index.num_blocks("p0"), router.block_size) == (0, 8)
