@@ -11,14 +11,16 @@ Protocol for one transfer (sender = host side, rank 0; receiver = joined side, r
        has two receives posted and unpacks one while the next arrives;
      - "runs" (zero-copy): when the blocks, in wire order, form at most `max_runs` runs
        (stretches where src and dst ids both go up by one; a fresh engine allocates prompts
-       this way) and the sender's cache is head-major, every (layer, k/v, kv head, run) region
-       of the cache storage is contiguous and is one message, sent straight from the cache:
-       layers * 2 * kv_heads * runs messages, in that nesting order, up to RUN_WINDOW of
-       them in flight. A head-major receiver receives each straight into its cache; any other
-       receiver (or a draining one) receives into SCRATCH_WINDOW scratch chunks and copies
-       (correct, slower).
-     The run cap bounds the message count (small messages cost gloo/NCCL per-message overhead);
-     more scattered ids go packed, where one gather + scatter is cheaper than many tiny sends.
+       this way), those regions average at least `min_run_bytes` and the sender's cache is
+       head-major, every (layer, k/v, kv head, run) region of the cache storage is contiguous
+       and is one message, sent straight from the cache: layers * 2 * kv_heads * runs
+       messages, in that nesting order, all posted at once (up to RUN_WINDOW). A head-major
+       receiver receives each straight into its cache; any other receiver (or a draining one)
+       receives into SCRATCH_WINDOW scratch chunks and copies (correct, slower).
+     The run cap and the region floor bound the message count and keep messages large: each
+     message has a fixed cost (gloo: ~45 us of CPU per side on the 2-CPU box, about what
+     copying 350 KiB costs), so more scattered ids or small regions go packed, where one
+     gather + scatter is cheaper than many small sends.
 Any failure after (1) tears the group down and advances the pair's epoch (kvtransfer.pair).
 Deadlines: `timeout` bounds each blocking step (a store call, the group rendezvous, each
 message), so a dead or hung peer fails a transfer within about `timeout` of its last progress.
@@ -55,6 +57,7 @@ from kvtransfer.packing import (
     pack,
     plan_messages,
     run_region,
+    run_slices,
     runs,
     unpack,
     wire_order,
@@ -64,10 +67,16 @@ from kvtransfer.pair import PeerGroup
 TAG = 0  # NCCL ignores tags: the protocol relies on per-pair message order only
 ANNOUNCE_SLICE_S = 0.25  # longest single blocking wait for an announcement
 MAX_RUNS = 8  # default cap on runs for the zero-copy mode (0 disables it)
-# Run-mode messages in flight (1 without pipelining). Gloo costs ~0.1 ms per message (2-CPU
-# box), and a gloo send waits for its receive to be posted, so many must be posted ahead:
-# sends and direct receives cost no memory, scratch receives one chunk each.
-RUN_WINDOW = 64
+# Default floor on the average run-mode message: below it, the fixed cost per message exceeds
+# what zero-copy saves (2-CPU box, SmolLM2 shapes, ratio to a plain send: 128 KiB regions
+# packed 0.57 vs runs 0.49; 256 KiB runs 0.65 vs 0.56; 512 KiB runs 0.73 vs 0.57). SmolLM2
+# regions are 4 KiB per block, so 256 KiB at 1k tokens.
+MIN_RUN_BYTES = 256 << 10
+# Run-mode messages in flight (1 without pipelining). A gloo send waits for its receive to be
+# posted, so receives must be posted ahead; posting all of them at once beat a window of 64 by
+# ~10-20% at 1k tokens. Sends and direct receives cost no memory, scratch receives one chunk
+# each; the cap only bounds outstanding work objects.
+RUN_WINDOW = 4096
 SCRATCH_WINDOW = 8
 
 
@@ -127,7 +136,9 @@ def _blocking(group: PeerGroup, what: str, timeout: float, *, store: bool) -> It
 
 def _wait(work: Any, timeout: float) -> None:
     # work.wait(timeout) blocks the CPU thread and raises once the deadline passes, for gloo and
-    # NCCL alike; on CUDA it also orders the current stream after the operation.
+    # NCCL alike; on CUDA it also orders the current stream after the operation. Wait for works
+    # in the order they were posted: with gloo (torch 2.13, TCP), waiting for a later send or
+    # receive before an earlier one hangs until the deadline.
     if not work.wait(timedelta(seconds=timeout)):
         raise RuntimeError("backend operation did not complete")
 
@@ -138,15 +149,19 @@ class KVTransfer:
     """
 
     def __init__(self, registry: GroupRegistry, *, message_bytes: int = DEFAULT_MESSAGE_BYTES,
-                 pipeline: bool = True, max_runs: int = MAX_RUNS) -> None:
+                 pipeline: bool = True, max_runs: int = MAX_RUNS,
+                 min_run_bytes: int = MIN_RUN_BYTES) -> None:
         if message_bytes < 1:
             raise ValueError(f"message_bytes must be >= 1, got {message_bytes}")
         if max_runs < 0:
             raise ValueError(f"max_runs must be >= 0, got {max_runs}")
+        if min_run_bytes < 0:
+            raise ValueError(f"min_run_bytes must be >= 0, got {min_run_bytes}")
         self.registry = registry
         self.message_bytes = message_bytes  # target size of one message; at least one layer
         self.pipeline = pipeline  # double-buffer (overlap pack/unpack with the wire)
         self.max_runs = max_runs  # send zero-copy when the blocks form at most this many runs
+        self.min_run_bytes = min_run_bytes  # ... and those regions average at least this many
 
     # ---- sender -------------------------------------------------------------------------
     def send(self, peer_id: str, kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor, *,
@@ -163,7 +178,7 @@ class KVTransfer:
         check_cache(kv_cache, desc, desc.src_block_ids, "sender")
         timeout = self.registry.timeout if timeout is None else timeout
         lpm = layers_per_message(desc, self.message_bytes)
-        mode = self._mode(kv_cache, desc)
+        mode = self.payload_mode(kv_cache, desc)
         with group.session(timeout):
             start = time.perf_counter()
             with _blocking(group, "reading the pair epoch", timeout, store=True):
@@ -186,10 +201,16 @@ class KVTransfer:
         return TransferStats(desc.request_id, desc.num_blocks, desc.num_layers, num_messages,
                              payload, len(frame), seconds)
 
-    def _mode(self, kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor) -> str:
-        """MODE_RUNS if desc's blocks form 1..max_runs runs and this cache is head-major."""
-        if (self.max_runs and desc.num_blocks and is_head_major(kv_cache, desc.layers)
-                and len(runs(*wire_order(desc))) <= self.max_runs):
+    def payload_mode(self, kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor) -> str:
+        """The mode send() uses for desc from kv_cache: MODE_RUNS if desc's blocks form
+        1..max_runs runs whose regions average at least min_run_bytes, and the cache is
+        head-major; else MODE_PACKED."""
+        if not (self.max_runs and desc.num_blocks and is_head_major(kv_cache, desc.layers)):
+            return MODE_PACKED
+        num_runs = len(runs(*wire_order(desc)))
+        block_size, _, head_dim = desc.block_shape
+        region_bytes = desc.num_blocks * block_size * head_dim * desc.torch_dtype.itemsize
+        if num_runs <= self.max_runs and region_bytes >= num_runs * self.min_run_bytes:
             return MODE_RUNS
         return MODE_PACKED
 
@@ -200,10 +221,9 @@ class KVTransfer:
         inflight: deque[Any] = deque()  # send works, message order
         payload = count = 0
         with _blocking(group, f"sending request {desc.request_id}", timeout, store=False):
-            for layer, k, head, (s0, _, n) in _run_messages(desc):
+            for wire in run_slices(kv_cache, desc, runs(*wire_order(desc)), 0):
                 if len(inflight) >= window:
                     _wait(inflight.popleft(), timeout)
-                wire = run_region(kv_cache[layer], k, head, s0, n).view(-1).view(torch.uint8)
                 inflight.append(pg.send([wire], 1 - group.rank, TAG))
                 payload += wire.numel()
                 count += 1
@@ -352,14 +372,16 @@ class KVTransfer:
         window = (RUN_WINDOW if direct else SCRATCH_WINDOW) if self.pipeline else 1
         chunk = max(n for _, _, _, (_, _, n) in messages) * block_bytes if messages else 0
         scratch = None if direct else self._staging(group).raw(0, window * chunk)
+        # Direct: the cache's own regions, taken in message order as receives are posted.
+        regions = run_slices(kv_cache, desc, runs(*wire_order(desc)), 1) if direct else None
         posted: deque[tuple[torch.Tensor, Any]] = deque()  # (buffer, recv work), message order
         payload = 0
 
         def post(i: int) -> None:
-            layer, k, head, (_, d0, n) = messages[i]
-            if scratch is None:
-                buf = run_region(kv_cache[layer], k, head, d0, n).view(-1).view(torch.uint8)
+            if regions is not None:
+                buf = next(regions)  # post(i) runs for i = 0, 1, 2, ... in order
             else:
+                _, _, _, (_, _, n) = messages[i]
                 offset = (i % window) * chunk
                 buf = scratch[offset:offset + n * block_bytes]
             posted.append((buf, pg.recv([buf], 1 - group.rank, TAG)))
