@@ -67,6 +67,12 @@ def tokens(outs: list[dict]) -> list[int]:
 def check_clean(prefill, decode) -> None:
     prefill.client.check_integrity()
     decode.client.check_integrity()
+    # The decode worker's acknowledgement reaches the prefill worker after the request's
+    # last token: its held blocks are freed a moment later.
+    deadline = time.monotonic() + 10
+    while (any(w.client.stats()["free_blocks"] != 256 for w in (prefill, decode))
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
     for w in (prefill, decode):
         assert w.client.stats()["free_blocks"] == 256
 
