@@ -27,7 +27,9 @@ class _PrefillSeq:
 class _StepPlan:
     decode_rows: torch.Tensor | None  # [Bd] query rows of decode tokens
     decode_blocks: torch.Tensor | None  # [Bd, ceil(L / block_size)] block ids, padded
-    decode_mask_neg: torch.Tensor | None  # [Bd, 1, L] bool, True = padding (masked out)
+    decode_mask_neg: torch.Tensor | None  # [Bd, 1, L] bool, True = padding; None when Bd = 1
+    decode_len: int  # Bd = 1: the sequence's context length (no mask needed)
+    all_decode: bool  # every sequence decodes: decode row i is query row i
     prefills: list[_PrefillSeq]
 
 
@@ -63,14 +65,18 @@ class TorchAttentionBackend(AttentionBackend):
         device = meta.block_tables.device
         decode = [s for s, q in enumerate(meta.query_lens) if q == 1]
         decode_rows = decode_blocks = decode_mask_neg = None
+        decode_len = 0
         if decode:
             idx = torch.tensor(decode, device=device)
-            lens = meta.seq_lens_tensor[idx]
             num_ctx_blocks = -(-max(meta.seq_lens[s] for s in decode) // meta.block_size)
             decode_blocks = meta.block_tables[idx, :num_ctx_blocks].long()
-            length = num_ctx_blocks * meta.block_size
-            decode_mask_neg = torch.arange(length, device=device)[None, :] >= lens[:, None]
-            decode_mask_neg = decode_mask_neg[:, None, :]  # [Bd, 1, L]
+            if len(decode) == 1:  # one sequence: attend exactly its keys, no mask
+                decode_len = meta.seq_lens[decode[0]]
+            else:
+                length = num_ctx_blocks * meta.block_size
+                lens = meta.seq_lens_tensor[idx]
+                decode_mask_neg = torch.arange(length, device=device)[None, :] >= lens[:, None]
+                decode_mask_neg = decode_mask_neg[:, None, :]  # [Bd, 1, L]
             decode_rows = meta.query_start_loc[idx].long()
         prefills = []
         start = 0
@@ -84,7 +90,9 @@ class TorchAttentionBackend(AttentionBackend):
                     mask = torch.arange(s_len, device=device)[None, :] <= q_pos[:, None]
                 prefills.append(_PrefillSeq(slice(start, start + q_len), slots, mask))
             start += q_len
-        return _StepPlan(decode_rows, decode_blocks, decode_mask_neg, prefills)
+        all_decode = len(decode) == len(meta.query_lens)
+        return _StepPlan(decode_rows, decode_blocks, decode_mask_neg, decode_len, all_decode,
+                         prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -94,6 +102,8 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv(k, v, kv_cache, meta.slot_mapping)
         blocks = head_major(kv_cache)  # [2, KVH, num_blocks, block_size, D]
         cache = _by_slot(blocks)  # [2, KVH, slots, D]
+        if plan.all_decode:  # rows are the sequences in order: nothing to scatter
+            return self._decode(q, blocks, plan, scale)
         out = torch.empty_like(q)
         if plan.decode_rows is not None:
             out.index_copy_(0, plan.decode_rows, self._decode(q, blocks, plan, scale))
@@ -123,11 +133,18 @@ class TorchAttentionBackend(AttentionBackend):
         flat = plan.decode_blocks.reshape(-1)
         kd = by_block[0].index_select(1, flat).view(num_kv_heads * bd, length, head_dim)
         vd = by_block[1].index_select(1, flat).view(num_kv_heads * bd, length, head_dim)
-        qd = q.index_select(0, plan.decode_rows).view(bd, num_kv_heads, group, head_dim)
+        qd = q if plan.all_decode else q.index_select(0, plan.decode_rows)
+        if bd == 1:  # [KVH, G, D] queries against exactly the sequence's keys
+            n = plan.decode_len
+            scores = torch.bmm(qd.view(num_kv_heads, group, head_dim),
+                               kd[:, :n].transpose(1, 2)).mul_(scale)  # [KVH, G, n]
+            probs = scores.float().softmax(-1).to(vd.dtype)
+            return torch.bmm(probs, vd[:, :n]).view(1, num_kv_heads * group, head_dim)
+        qd = qd.view(bd, num_kv_heads, group, head_dim)
         qd = qd.transpose(0, 1).reshape(num_kv_heads * bd, group, head_dim)
-        scores = torch.bmm(qd, kd.transpose(1, 2)) * scale  # [KVH * Bd, G, L]
+        scores = torch.bmm(qd, kd.transpose(1, 2)).mul_(scale)  # [KVH * Bd, G, L]
         scores = scores.view(num_kv_heads, bd, group, length).float()
-        scores = scores.masked_fill(plan.decode_mask_neg, float("-inf"))
+        scores = scores.masked_fill_(plan.decode_mask_neg, float("-inf"))
         probs = scores.softmax(-1).to(vd.dtype).view(num_kv_heads * bd, group, length)
         od = torch.bmm(probs, vd)  # [KVH * Bd, G, D]
         return od.view(num_kv_heads, bd, group, head_dim).transpose(0, 1).reshape(

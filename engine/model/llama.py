@@ -43,6 +43,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Plain ops: on CPU F.rms_norm is ~20x slower than this at 2,048 rows (torch 2.13).
+        if x.dtype == torch.float32:  # the same ops without the two no-op casts
+            inv_rms = torch.mean(x * x, -1, keepdim=True).add_(self.eps).rsqrt_()
+            return self.weight * (x * inv_rms)
         xf = x.float()
         inv_rms = torch.mean(xf * xf, -1, keepdim=True).add_(self.eps).rsqrt_()
         return self.weight * (xf * inv_rms).to(x.dtype)

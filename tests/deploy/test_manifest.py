@@ -102,3 +102,23 @@ def test_a_worker_bundle_must_fit_on_one_node():
     with pytest.raises(ManifestError, match=r"spec.decode.resources: no node has all of "):
         check_resources(mixed, {"CPU": 9.0, "GPU": 1.0}, split)
     check_resources(mixed, {"CPU": 9.0, "GPU": 1.0}, [{"CPU": 4.0}, {"CPU": 5.0, "GPU": 1.0}])
+
+
+def test_every_field_has_a_description():
+    from pydantic import BaseModel
+
+    from deploy.manifest import Manifest
+
+    missing, seen = [], set()
+
+    def walk(cls: type[BaseModel], prefix: str) -> None:
+        for name, field in cls.model_fields.items():
+            if not field.description:
+                missing.append(prefix + name)
+            for t in (field.annotation, *getattr(field.annotation, "__args__", ())):
+                if isinstance(t, type) and issubclass(t, BaseModel) and t not in seen:
+                    seen.add(t)
+                    walk(t, f"{prefix}{name}.")
+
+    walk(Manifest, "")
+    assert missing == [] and len(seen) == 7  # metadata, spec, model, engine, pool, router, ...
