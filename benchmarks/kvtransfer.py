@@ -1,6 +1,7 @@
 """KV transfer benchmark: kvtransfer's packed and zero-copy paths vs one plain send, in one run.
 
     python -m benchmarks.kvtransfer [--tokens 1024 8192 32768] [--repeats 3] [--json FILE]
+                                    [--skip-workload] [--model smollm2-135m-instruct]
 
 Two processes on CPU (gloo): this one is the prefill side (host, sender), a spawned child the
 decode side (receiver). For each prompt length it moves the KV of all the prompt's blocks with
@@ -39,9 +40,13 @@ import sys
 import time
 from typing import Any
 
-import torch
+# Before torch loads: c10d logs a warning each time a receiver's 0.5 s wait for the next
+# announcement passes with none (a TCPStore socket timeout); those are not errors.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-from kvtransfer import GroupRegistry, KVTransfer, TransferDescriptor
+import torch  # noqa: E402
+
+from kvtransfer import GroupRegistry, KVTransfer, TransferDescriptor  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16  # SmolLM2-135M
 BLOCK_SHAPE = (BLOCK_SIZE, KV_HEADS, HEAD_DIM)
@@ -264,18 +269,90 @@ def report(rows: list[dict[str, Any]]) -> None:
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
 
+class _RecordingDecode:
+    """A decode worker that remembers how many prompt blocks it already held per request."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.hit_blocks: list[int] = []
+
+    def reserve(self, *args: Any) -> dict:
+        out = self.worker.reserve(*args)
+        self.hit_blocks.append(out["num_hit_blocks"])
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker, name)
+
+
+def prefix_workload(model: str, requests: int = 8, prefix_tokens: int = 448,
+                    tail_tokens: int = 70) -> dict[str, Any]:
+    """Agent-style traffic through real prefill and decode workers (gloo pair group, one
+    process): every request shares a system prompt. Only the blocks the decode worker does not
+    already hold may move: moved blocks / uncached blocks must be <= 1."""
+    from decode_worker.worker import DecodeWorker
+    from prefill_worker.worker import PrefillWorker
+    from router.handoff import generate_disaggregated
+
+    options = dict(model=model, dtype="float32", block_size=16, num_kv_blocks=512,
+                   skip_tokenizer_init=True)
+    prefill, decode = PrefillWorker("p0", options), DecodeWorker("d0", options)
+    decode.connect_prefill("p0", prefill.connect_decode("d0", decode), prefill)
+    recording = _RecordingDecode(decode)
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(100, 40000, (prefix_tokens,), generator=g).tolist()
+    prompts = [prefix + torch.randint(100, 40000, (tail_tokens,), generator=g).tolist()
+               for _ in range(requests)]
+    params = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+    try:
+        before = decode.stats()["blocks_received"]
+        for i, prompt in enumerate(prompts):
+            outs = list(generate_disaggregated(prefill, recording, f"w{i}", prompt, params,
+                                               prefill_id="p0", decode_id="d0"))
+            if outs[-1]["finish_reason"] != "length":
+                raise RuntimeError(f"request w{i} failed: {outs[-1]}")
+        moved = decode.stats()["blocks_received"] - before
+    finally:  # the receiver first: its receive loop stops before the sender's store closes
+        decode.shutdown()
+        prefill.shutdown()
+    total = sum(-(-len(p) // 16) for p in prompts)
+    uncached = total - sum(recording.hit_blocks)
+    return {"requests": requests, "prefix_tokens": prefix_tokens, "tail_tokens": tail_tokens,
+            "prompt_blocks": total, "uncached_blocks": uncached, "moved_blocks": moved,
+            "moved_over_uncached": moved / uncached}
+
+
+def report_workload(w: dict[str, Any]) -> None:
+    total = w["prompt_blocks"]
+    print(f"prefix-sharing workload: {w['requests']} requests, {w['prefix_tokens']}-token "
+          f"shared prefix + {w['tail_tokens']}-token tails (block 16): {total} prompt blocks, "
+          f"{w['uncached_blocks']} not in the decode worker's cache at reservation "
+          f"({w['uncached_blocks'] / total:.1%}), {w['moved_blocks']} moved "
+          f"({w['moved_blocks'] / total:.1%}) -> moved / uncached "
+          f"{w['moved_over_uncached']:.2f} (target <= 1)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--skip-workload", action="store_true",
+                        help="skip the prefix-sharing workload through real workers")
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="model of the prefix-sharing workload")
     args = parser.parse_args()
     rows = run(args)
     report(rows)
+    workload = None
+    if not args.skip_workload:
+        log("prefix-sharing workload through a prefill and a decode worker ...")
+        workload = prefix_workload(args.model)
+        report_workload(workload)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"transfers": rows, "workload": workload}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ ACTOR_CONCURRENCY = 64  # control calls (a long prefill included) run side by si
 PLACEMENT_TIMEOUT_S = 120.0  # a worker's bundle must be placeable within this
 DRAIN_POLL_S = 0.5
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
+# c10d logs a warning every time a decode worker's 0.5 s wait for the next KV announcement
+# passes with none (a TCPStore socket timeout): not an error, and it would flood the logs.
+WORKER_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 
 class NoCluster(RuntimeError):
@@ -259,6 +262,7 @@ class Controller:
                     resources={k: v for k, v in r.items() if k not in ("CPU", "GPU")} or None,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         pg, placement_group_bundle_index=0),
+                    runtime_env={"env_vars": WORKER_ENV},
                 ).remote(worker_id, template.engine, template.transfer, template.threads)
             incarnations = ray.get([w.handle.ping.remote() for w in started], timeout=600)
         except Exception as exc:
