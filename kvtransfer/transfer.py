@@ -77,6 +77,9 @@ MIN_RUN_BYTES = 256 << 10
 # ~10-20% at 1k tokens. Sends and direct receives cost no memory, scratch receives one chunk
 # each; the cap only bounds outstanding work objects.
 RUN_WINDOW = 4096
+# NCCL launches a kernel per posted send/recv; past ~1k pending launches posting blocks in the
+# driver where no deadline applies, so NCCL pairs keep at most this many in flight.
+NCCL_RUN_WINDOW = 64
 SCRATCH_WINDOW = 8
 
 
@@ -217,7 +220,7 @@ class KVTransfer:
     def _send_runs(self, pg: Any, group: PeerGroup, kv_cache: Sequence[torch.Tensor],
                    desc: TransferDescriptor, timeout: float) -> tuple[int, int]:
         """Zero-copy: each (layer, k/v, head, run) region of the cache is one message."""
-        window = RUN_WINDOW if self.pipeline else 1
+        window = _run_window(group) if self.pipeline else 1
         inflight: deque[Any] = deque()  # send works, message order
         payload = count = 0
         with _blocking(group, f"sending request {desc.request_id}", timeout, store=False):
@@ -369,7 +372,7 @@ class KVTransfer:
         block_size, _, head_dim = desc.block_shape
         block_bytes = block_size * head_dim * desc.torch_dtype.itemsize  # one head, K or V
         direct = not drain and is_head_major(kv_cache, desc.layers)
-        window = (RUN_WINDOW if direct else SCRATCH_WINDOW) if self.pipeline else 1
+        window = (_run_window(group) if direct else SCRATCH_WINDOW) if self.pipeline else 1
         chunk = max(n for _, _, _, (_, _, n) in messages) * block_bytes if messages else 0
         scratch = None if direct else self._staging(group).raw(0, window * chunk)
         # Direct: the cache's own regions, taken in message order as receives are posted.
@@ -433,3 +436,8 @@ def _refusal(kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor,
     if accept is not None and not accept(desc):
         return "accept() returned False"
     return None
+
+
+def _run_window(group: PeerGroup) -> int:
+    """How many run-mode messages may be in flight on this pair's backend."""
+    return NCCL_RUN_WINDOW if group.backend == "nccl" else RUN_WINDOW

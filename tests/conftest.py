@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# The suite is the CPU reference (gloo, fp32, the torch attention path; Triton under its
+# interpreter): on a machine with a GPU it stays on the CPU unless BATON_TEST_GPU=1, since
+# "auto" devices would otherwise pick CUDA + bf16 and two workers would share one GPU.
+if os.environ.get("BATON_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Tests run on 2 shared cores: keep torch to one thread unless told otherwise.
 torch.set_num_threads(int(os.environ.get("BATON_TEST_THREADS", "1")))

@@ -54,7 +54,8 @@ def _reshape_and_cache_kernel(
         return  # padding token
     block = slot // block_size
     offset = slot % block_size
-    heads = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+    # int64: with the head-major cache, head * stride_ch can pass 2**31 on large caches
+    heads = tl.arange(0, BLOCK_H)[:, None].to(tl.int64)  # [BLOCK_H, 1]
     dims = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
     mask = (heads < num_kv_heads) & (dims < head_dim)
 
@@ -88,7 +89,7 @@ def _unified_attention_kernel(
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
     tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1).to(tl.int64)  # kv_head * stride_ch can pass 2**31
 
     # Binary search for the last sequence s with tile_start(s) <= tile (tile_start(0) == 0).
     lo = tl.full([], 0, tl.int32)
