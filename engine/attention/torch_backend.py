@@ -138,9 +138,10 @@ class TorchAttentionBackend(AttentionBackend):
         length = num_ctx_blocks * block_size
         group = q.shape[1] // num_kv_heads
         by_block = blocks.view(2, num_kv_heads, num_blocks, block_size * head_dim)
-        flat = plan.decode_blocks.reshape(-1)
-        kd = by_block[0].index_select(1, flat).view(num_kv_heads * bd, length, head_dim)
-        vd = by_block[1].index_select(1, flat).view(num_kv_heads * bd, length, head_dim)
+        # Keys and values of every context block in one gather: [2, KVH, Bd * blocks, ...]
+        kv = by_block.index_select(2, plan.decode_blocks.reshape(-1))
+        kd = kv[0].view(num_kv_heads * bd, length, head_dim)
+        vd = kv[1].view(num_kv_heads * bd, length, head_dim)
         qd = q if plan.all_decode else q.index_select(0, plan.decode_rows)
         if bd == 1:  # [KVH, G, D] queries against exactly the sequence's keys
             n = plan.decode_len
