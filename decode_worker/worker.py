@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import SamplingParams
+from engine.config import use_device
 from engine.engine_loop import RequestStream
 from kvtransfer import (
     PeerLost,
@@ -145,6 +146,7 @@ class DecodeWorker(TransferEndpoint):
             return True
 
     def _receive_loop(self, prefill_id: str) -> None:
+        use_device(self.engine.runner.device)
         while not self._closing.is_set():
             try:
                 desc, stats = self.transfer.recv(prefill_id, self.engine.kv_caches, wait=0.5,

@@ -65,11 +65,23 @@ class EngineConfig:
         return cls(**options)
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        """The device, with an index on CUDA ("cuda" -> the current device, e.g. cuda:0)."""
+        name = self.device
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(name)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` current for this thread: CUDA kernels (Triton's included) launch on the
+    current device, which every new thread starts at cuda:0. A no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)

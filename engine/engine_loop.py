@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
+from engine.config import use_device
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, StepResult
 
@@ -116,6 +117,7 @@ class EngineLoop:
 
     # ---- the loop ------------------------------------------------------------------------
     def _run(self) -> None:
+        use_device(self.engine.runner.device)
         while not self._stop.is_set():
             self._run_calls()
             if self.engine.has_unfinished():

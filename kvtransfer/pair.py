@@ -49,9 +49,13 @@ def call_bounded(fn: Callable[[], Any], timeout: float) -> Any:
     """
     box: dict[str, Any] = {}
     done = threading.Event()
+    # The caller's CUDA device (a backend group built here binds to the current device).
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
     def run() -> None:
         try:
+            if device is not None:
+                torch.cuda.set_device(device)
             box["value"] = fn()
         except BaseException as e:  # handed to the caller below
             box["error"] = e

@@ -18,6 +18,7 @@ from typing import Any
 
 from engine import SamplingParams
 from engine.block_hash import hash_prompt_blocks
+from engine.config import use_device
 from kvtransfer import TransferDescriptor, dtype_name
 from kvtransfer.endpoint import TransferEndpoint
 
@@ -149,6 +150,7 @@ class PrefillWorker(TransferEndpoint):
 
     def _send_loop(self, decode_id: str, jobs: queue.Queue) -> None:
         """Sends to one decode worker in order (the pair's messages are ordered)."""
+        use_device(self.engine.runner.device)
         while (job := jobs.get()) is not None:
             try:
                 self._send(job)
