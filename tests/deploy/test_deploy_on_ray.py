@@ -245,3 +245,26 @@ def test_apply_refuses_bad_manifests_before_touching_the_cluster(ray_address, ti
     assert bad_address.returncode == 1 and "cannot connect to a Ray cluster at " \
         "'not-an-address'" in bad_address.stderr and "Traceback" not in bad_address.stderr
     assert baton_actors() == before
+
+
+def test_failed_apply_leaves_nothing_behind_and_can_be_retried(ray_address, tiny_llama,
+                                                               tmp_path):
+    broken = tiny_manifest(str(tmp_path / "no-such-model"), name="retry-test")
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(broken))
+    out = baton(ray_address, "apply", "-f", str(path))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "starting prefill worker(s) failed" in out.stderr and "Traceback" not in out.stderr
+    assert baton_actors() == ["baton-controller"]  # no worker, no router was kept
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU") != 8 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU") == 8  # the worker's bundle was removed
+    path.write_text(yaml.safe_dump(tiny_manifest(tiny_llama, name="retry-test")))
+    fixed = baton(ray_address, "apply", "-f", str(path))
+    assert fixed.returncode == 0, fixed.stderr
+    assert "generation 1: add 1 prefill worker(s); add 1 decode worker(s); start router" \
+        in fixed.stdout  # the failed apply recorded nothing
+    assert pools(status(ray_address)) == {"prefill": ["prefill-1"], "decode": ["decode-0"]}
+    assert baton(ray_address, "down").returncode == 0
+    assert baton_actors() == []
