@@ -40,10 +40,10 @@ def context_slots(block_tables: torch.Tensor, block_size: int, length: int) -> t
     return blocks * block_size + pos % block_size
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+def write_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's keys and values [T, KVH, D] into the paged cache."""
-    cache = _by_slot(head_major(kv_cache))  # [2, KVH, slots, D]
+    """Scatter this step's keys and values [T, KVH, D] into the cache by slot
+    ([2, KVH, slots, D], see _by_slot)."""
     cache[0].index_copy_(1, slot_mapping, k.transpose(0, 1))
     cache[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
 
@@ -56,6 +56,19 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self._plan: _StepPlan | None = None
         self._plan_for: AttentionMetadata | None = None
+        # id(cache) -> (cache, its head-major view, its by-slot view); the cache is kept so
+        # that a recycled id never maps to another tensor's views
+        self._view_cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(blocks [2, KVH, num_blocks, block_size, D], by slot [2, KVH, slots, D]) views of
+        a layer's cache, made once per cache tensor (a few ops less per layer and step)."""
+        entry = self._view_cache.get(id(kv_cache))
+        if entry is None or entry[0] is not kv_cache:
+            blocks = head_major(kv_cache)
+            entry = (kv_cache, blocks, _by_slot(blocks))
+            self._view_cache[id(kv_cache)] = entry
+        return entry[1], entry[2]
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self._plan = self._make_plan(meta)
@@ -100,9 +113,8 @@ class TorchAttentionBackend(AttentionBackend):
         if self._plan_for is not meta:
             self.begin_step(meta)
         plan = self._plan
-        write_kv(k, v, kv_cache, meta.slot_mapping)
-        blocks = head_major(kv_cache)  # [2, KVH, num_blocks, block_size, D]
-        cache = _by_slot(blocks)  # [2, KVH, slots, D]
+        blocks, cache = self._views(kv_cache)
+        write_kv(k, v, cache, meta.slot_mapping)
         if plan.all_decode:  # rows are the sequences in order: nothing to scatter
             return self._decode(q, blocks, plan, scale)
         out = torch.empty_like(q)
@@ -147,7 +159,8 @@ class TorchAttentionBackend(AttentionBackend):
             n = plan.decode_len
             scores = torch.bmm(qd.view(num_kv_heads, group, head_dim),
                                kd[:, :n].transpose(1, 2)).mul_(scale)  # [KVH, G, n]
-            probs = scores.float().softmax(-1).to(vd.dtype)
+            probs = (scores.softmax(-1) if scores.dtype == torch.float32
+                     else scores.float().softmax(-1).to(vd.dtype))
             return torch.bmm(probs, vd[:, :n]).view(1, num_kv_heads * group, head_dim)
         qd = qd.view(bd, num_kv_heads, group, head_dim)
         qd = qd.transpose(0, 1).reshape(num_kv_heads * bd, group, head_dim)
