@@ -67,7 +67,9 @@ def _reshape_and_cache_kernel(
     tl.store(value_cache_ptr + dst, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# num_seqs changes every step: without this Triton would compile a variant for num_seqs == 1
+# and for multiples of 16 (its integer specialization) while serving.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _unified_attention_kernel(
     q_ptr,  # [T, H, D]
     key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, KVH, D] each, same strides
