@@ -164,7 +164,7 @@ class Router:
             with self._lock:
                 workers = [(w, p) for w, p in [*self.prefill.items(), *self.decode.items()]
                            if self._healthy.get(w, True)]
-            events = list(self._calls.map(_take_events, workers))
+            events = list(self._calls.map(lambda w: _ask(w, "kv_events"), workers))
             with self._lock:
                 current = {*self.prefill, *self.decode}
                 for (worker_id, _), worker_events in zip(workers, events, strict=True):
@@ -234,7 +234,7 @@ class Router:
         loads = [WorkerLoad(w, self.load.queued(w), healthy=healthy(w)) for w in prefill_pool]
         choice = choose_prefill(self.policy, hashes, self.block_size, loads, self.index,
                                 num_prompt_tokens=n)
-        stats = self._calls.map(lambda d: _stats(d[1]) if healthy(d[0]) else None,
+        stats = self._calls.map(lambda d: _ask(d, "stats") if healthy(d[0]) else None,
                                 decode_pool.items())
         decode_loads = [DecodeLoad(w, s["free_blocks"], s["num_requests"]) if s is not None
                         else DecodeLoad(w, 0, 0, healthy=False)
@@ -267,17 +267,11 @@ class Router:
         self.num_cached_tokens += cached_tokens
 
 
-def _take_events(worker: tuple[str, Any]) -> list | None:
+def _ask(worker: tuple[str, Any], method: str) -> Any:
+    """worker[1].method(), or None when the worker does not answer (restarting or dead: it
+    is skipped for this request and asked again by the next)."""
     try:
-        return worker[1].kv_events()
-    except Exception as exc:  # noqa: BLE001 - a restarting or dead worker: skip it this time
-        logger.warning("KV events of %s: %s", worker[0], exc)
-        return None
-
-
-def _stats(worker: Any) -> dict | None:
-    try:
-        return worker.stats()
-    except Exception as exc:  # noqa: BLE001 - counted as unhealthy for this choice
-        logger.warning("stats of a decode worker: %s", exc)
+        return getattr(worker[1], method)()
+    except Exception as exc:  # noqa: BLE001 - logged; the caller treats None as no answer
+        logger.warning("%s of %s: %s", method, worker[0], exc)
         return None

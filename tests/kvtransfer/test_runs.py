@@ -25,10 +25,13 @@ from tests.kvtransfer.peer import (
     make_cache,
     make_descriptor,
 )
-from tests.kvtransfer.test_transfer import assert_exact
+from tests.kvtransfer.test_transfer import (
+    MESSAGE_BYTES,
+    RECEIVER_BLOCKS,
+    SENDER_BLOCKS,
+    assert_exact,
+)
 
-SENDER_BLOCKS, RECEIVER_BLOCKS = 24, 20
-MESSAGE_BYTES = 4096
 BLOCK_SIZE, KV_HEADS, HEAD_DIM = BLOCK_SHAPE
 LAYER_BLOCK_BYTES = 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4  # fp32
 REGION_BYTES = BLOCK_SIZE * HEAD_DIM * 4  # one block of one head's K or V, fp32
