@@ -20,7 +20,9 @@ from engine.attention.metadata import AttentionMetadata
 class _PrefillSeq:
     rows: slice  # query rows of this sequence
     slots: torch.Tensor | None  # [seq_len] cache slots of its keys; None: no cached context
-    mask: torch.Tensor | None  # [q_len, seq_len] bool, True = attend; None: plain causal
+    # [q_len, seq_len] bool, True = attend; None: plain causal, or on CPU a chunk after cached
+    # context (attended as context + causal chunk, see _context_chunk_cpu)
+    mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -125,14 +127,12 @@ class TorchAttentionBackend(AttentionBackend):
             if seq.slots is None:  # fresh prompt: this step's keys are the whole context
                 ks, vs = k[seq.rows].transpose(0, 1), v[seq.rows].transpose(0, 1)
             elif q.device.type == "cpu":  # only the cached context is gathered
-                ctx = seq.slots[:seq.slots.shape[0] - qs.shape[2]]
-                o = _context_chunk_cpu(qs, k[seq.rows], v[seq.rows],
-                                       cache[0].index_select(1, ctx),
-                                       cache[1].index_select(1, ctx), scale)
+                ctx = cache.index_select(2, seq.slots[:seq.slots.shape[0] - qs.shape[2]])
+                o = _context_chunk_cpu(qs, k[seq.rows], v[seq.rows], ctx[0], ctx[1], scale)
                 out[seq.rows] = o[0].transpose(0, 1)
                 continue
-            else:
-                ks, vs = cache[0].index_select(1, seq.slots), cache[1].index_select(1, seq.slots)
+            else:  # keys and values in one gather: [2, KVH, seq_len, D]
+                ks, vs = cache.index_select(2, seq.slots)
             o = F.scaled_dot_product_attention(
                 qs, ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=seq.mask,
                 is_causal=seq.mask is None, scale=scale, enable_gqa=True)
