@@ -18,46 +18,33 @@ import time
 
 def _serve(args: argparse.Namespace) -> int:
     from cluster.local import LocalCluster, LocalOptions
-    from deploy.manifest import ManifestError
+    from deploy.manifest import ManifestError, load_manifest
 
-    if args.file:
-        from deploy.manifest import load_manifest
-
-        try:
-            manifest = load_manifest(args.file)
-        except ManifestError as exc:
-            print(f"error: {args.file}:\n{exc}", file=sys.stderr)
-            return 2
-    else:
-        try:
-            manifest = LocalOptions(
-                model=args.model, prefill=args.prefill, decode=args.decode, host=args.host,
-                port=args.port, policy=args.policy, block_size=args.block_size,
-                chunk_size=args.chunk_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                threads=args.threads, local_prefill_tokens=args.local_prefill_tokens,
-            ).manifest()
-        except ManifestError as exc:
-            print(f"error: bad flags:\n{exc}", file=sys.stderr)
-            return 2
     stop = threading.Event()
-    cluster = LocalCluster(manifest)
-    try:
+    try:  # a bad manifest, bad flags or resources Ray cannot give: exit 2
+        manifest = load_manifest(args.file) if args.file else LocalOptions(
+            model=args.model, prefill=args.prefill, decode=args.decode, host=args.host,
+            port=args.port, policy=args.policy, block_size=args.block_size,
+            chunk_size=args.chunk_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
+            threads=args.threads, local_prefill_tokens=args.local_prefill_tokens,
+        ).manifest()
+        cluster = LocalCluster(manifest)
         try:
             cluster.start(log=lambda m: print(m, flush=True))
-        except ManifestError as exc:
-            print(f"error: {args.file or 'flags'}:\n{exc}", file=sys.stderr)
-            return 2
-        for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
-            signal.signal(sig, lambda *_: stop.set())
-        print(f"Baton is serving {manifest.spec.model.path} on {cluster.address} "
-              "(gRPC baton.v1.Inference)."
-              f"\nTry:  baton generate \"Hello\" --address {cluster.address}\n"
-              "Ctrl-C stops everything.", flush=True)
-        while not stop.wait(0.5):
-            pass
-        print("\nshutting down ...", flush=True)
-    finally:
-        cluster.close()
+            for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
+                signal.signal(sig, lambda *_: stop.set())
+            print(f"Baton is serving {manifest.spec.model.path} on {cluster.address} "
+                  "(gRPC baton.v1.Inference)."
+                  f"\nTry:  baton generate \"Hello\" --address {cluster.address}\n"
+                  "Ctrl-C stops everything.", flush=True)
+            while not stop.wait(0.5):
+                pass
+            print("\nshutting down ...", flush=True)
+        finally:
+            cluster.close()
+    except ManifestError as exc:
+        print(f"error: {args.file or 'bad flags'}:\n{exc}", file=sys.stderr)
+        return 2
     print("stopped: server, workers, controller and placement groups removed", flush=True)
     return 0
 
