@@ -86,6 +86,7 @@ class LocalCluster:
         import ray
 
         from cluster.controller import NAMESPACE, controller_handle, node_resources
+        from cluster.local_ray import start_local_ray
         from deploy.manifest import check_resources
         from engine.model_resolver import resolve_model
 
@@ -94,9 +95,8 @@ class LocalCluster:
         resolve_model(spec.model.path)  # a GGUF is converted once, before workers load it
         need = sum(getattr(spec, r).replicas * getattr(spec, r).resources.get("CPU", 0)
                    for r in ("prefill", "decode"))
-        # address="local": always a new in-process cluster, even where RAY_ADDRESS is set
-        ray.init(address="local", num_cpus=max(8, int(need) + 2), include_dashboard=False,
-                 namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
+        # always a new in-process cluster, even where RAY_ADDRESS is set
+        start_local_ray(num_cpus=max(8, int(need) + 2), namespace=NAMESPACE)
         check_resources(self.manifest, ray.cluster_resources(), node_resources())
         log(f"starting {spec.prefill.replicas} prefill + {spec.decode.replicas} decode "
             "workers on Ray ...")

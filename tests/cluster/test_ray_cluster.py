@@ -3,11 +3,10 @@ actor and decoded on another gives the colocated engine's tokens."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from cluster.controller import NAMESPACE, controller_handle
+from cluster.local_ray import start_local_ray
 from cluster.ray_peer import RayPeer
 from engine import LLM, SamplingParams
 from router.handoff import generate_disaggregated
@@ -19,9 +18,7 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama):
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=8, include_dashboard=False, namespace=NAMESPACE,
-             log_to_driver=False, configure_logging=False)
+    start_local_ray(num_cpus=8, namespace=NAMESPACE)
     engine = dict(model=tiny_llama, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256,
                   chunk_size=16)
     controller = controller_handle(create=True)

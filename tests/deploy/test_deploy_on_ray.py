@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from cluster.controller import NAMESPACE
+from cluster.local_ray import start_local_ray
 from deploy.commands import baton_actors
 from engine import LLM, SamplingParams
 from router.proto import inference_pb2 as pb
@@ -32,11 +33,17 @@ LONG_TOKENS = 1500  # long enough to be running when the scale-down starts drain
 
 @pytest.fixture(scope="module")
 def ray_address():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=8, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
-             configure_logging=False)
+    start_local_ray(num_cpus=8, namespace=NAMESPACE)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def down_after(ray_address):
+    """A test that fails half way must not leave its cluster to the next test."""
+    yield
+    if baton_actors():
+        baton(ray_address, "down")
 
 
 def baton(address: str, *args: str) -> subprocess.CompletedProcess:
@@ -112,36 +119,31 @@ class RequestStream:
         assert len(self.results) >= count, (len(self.results), self.errors)
 
 
-def pin_long_request(stub, pair: tuple[str, str]) -> tuple[list[int], dict]:
-    """Find a fresh prompt that lands on `pair`, then stream a long request with it (its
-    cached prefix keeps it on the same pair) until the pair's decode worker runs it."""
+def start_long_requests(stub, count: int) -> list[tuple[list[int], dict]]:
+    """Stream `count` long greedy requests with fresh prompts, one after another once the
+    previous one streams its tokens. The decode pool picks the worker running the fewest
+    requests, so they spread over the decode workers. Each `out` gets "tokens" and "usage"
+    (prefill worker, decode worker) when its request finished."""
     greedy = dict(temperature=0.0, ignore_eos=True)
-    for prompt in random_prompts([30] * 40, seed=902):
-        replies = list(stub.Generate(pb.GenerateRequest(
-            prompt_token_ids=pb.TokenIds(ids=prompt),
-            sampling=pb.SamplingParams(max_tokens=1, **greedy)), timeout=60))
-        if (replies[-1].usage.prefill_worker, replies[-1].usage.decode_worker) == pair:
-            break
-    else:
-        pytest.fail(f"no probe prompt landed on {pair}")
-    out: dict = {}
+    started = []
+    for prompt in random_prompts([30] * count, seed=902):
+        out: dict = {"streaming": threading.Event()}
 
-    def run() -> None:
-        replies = list(stub.Generate(pb.GenerateRequest(
-            prompt_token_ids=pb.TokenIds(ids=prompt),
-            sampling=pb.SamplingParams(max_tokens=LONG_TOKENS, **greedy)), timeout=300))
-        out["tokens"] = [t for r in replies for t in r.token_ids]
-        out["usage"] = (replies[-1].usage.prefill_worker, replies[-1].usage.decode_worker)
+        def run(prompt=prompt, out=out) -> None:
+            replies = []
+            for reply in stub.Generate(pb.GenerateRequest(
+                    prompt_token_ids=pb.TokenIds(ids=prompt),
+                    sampling=pb.SamplingParams(max_tokens=LONG_TOKENS, **greedy)), timeout=300):
+                replies.append(reply)
+                out["streaming"].set()
+            out["tokens"] = [t for r in replies for t in r.token_ids]
+            out["usage"] = (replies[-1].usage.prefill_worker, replies[-1].usage.decode_worker)
 
-    out["thread"] = threading.Thread(target=run)
-    out["thread"].start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        status = stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=30)
-        if any(w.worker_id == pair[1] and w.running_requests for w in status.workers):
-            return prompt, out
-        time.sleep(0.05)
-    pytest.fail(f"the long request never ran on {pair[1]}")
+        out["thread"] = threading.Thread(target=run)
+        out["thread"].start()
+        assert out["streaming"].wait(60), "a long request never started streaming"
+        started.append((prompt, out))
+    return started
 
 
 def test_apply_scale_under_load_change_options_and_down(ray_address, tiny_llama, tmp_path):
@@ -174,18 +176,20 @@ def test_apply_scale_under_load_change_options_and_down(ray_address, tiny_llama,
             {"prefill": ["prefill-0", "prefill-1"], "decode": ["decode-0", "decode-1"]})
         served = len(stream.results)
         stream.wait_for(served + 12)
-        # A long request on the pair that will leave: the drain must wait for it.
-        long_prompt, long_out = pin_long_request(stream.stub, ("prefill-1", "decode-1"))
+        # Long requests, some on decode-1, which will leave: the drain must wait for them.
+        long_requests = start_long_requests(stream.stub, 4)
         down = baton(ray_address, "scale", "prefill=1", "decode=1")
         assert down.returncode == 0, down.stderr
         assert "draining prefill-1, decode-1" in down.stdout and "drained" in down.stdout
         assert re.search(r"waiting for .*decode-1: [1-9]\d* request", down.stdout), down.stdout
-        long_out["thread"].join(120)
-        assert long_out["usage"] == ("prefill-1", "decode-1")
+        for _, out in long_requests:
+            out["thread"].join(120)
+        assert "decode-1" in {out["usage"][1] for _, out in long_requests}
         offline = LLM(tiny_llama, block_size=4, chunk_size=16, num_kv_blocks=1024,
                       skip_tokenizer_init=True)
-        assert long_out["tokens"] == offline.generate([long_prompt], SamplingParams(
-            max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True))[0].token_ids
+        expected = offline.generate([prompt for prompt, _ in long_requests], SamplingParams(
+            max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True))
+        assert [out["tokens"] for _, out in long_requests] == [e.token_ids for e in expected]
         st = status(ray_address)
         assert (st["generation"], pools(st)) == (
             3, {"prefill": ["prefill-0"], "decode": ["decode-0"]})

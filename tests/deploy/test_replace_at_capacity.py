@@ -5,13 +5,12 @@ workers and none fails."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import yaml
 
 from cluster.cli import main as baton
 from cluster.controller import NAMESPACE
+from cluster.local_ray import start_local_ray
 from deploy.commands import baton_actors
 from engine import LLM, SamplingParams
 from tests.cluster.manifests import tiny_manifest
@@ -22,9 +21,7 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def full_cluster():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
-             configure_logging=False)
+    start_local_ray(num_cpus=2, namespace=NAMESPACE)
     yield
     ray.shutdown()
 
