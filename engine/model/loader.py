@@ -10,7 +10,9 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import ModelNotFoundError
+from engine.model.gguf_linear import attach_gguf_blocks
 from engine.model.llama import LlamaArgs, LlamaForCausalLM
+from engine.weights.gguf_convert import BLOCKS_FILE
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 
@@ -105,8 +107,11 @@ def _shard_rows(model: LlamaForCausalLM, param_name: str, shard: int) -> slice:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> tuple[LlamaForCausalLM, dict]:
-    """Model with weights from model_dir's safetensors, on device, in dtype, in eval mode."""
+               max_positions: int, use_gguf_blocks: bool = True
+               ) -> tuple[LlamaForCausalLM, dict]:
+    """Model with weights from model_dir's safetensors, on device, in dtype, in eval mode.
+    On CPU in float32, a directory converted from a GGUF also multiplies small batches from
+    the GGUF blocks (unless use_gguf_blocks is False)."""
     model_dir = Path(model_dir)
     cfg = read_hf_config(model_dir)
     args = llama_args(cfg)
@@ -115,7 +120,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(p for p in model_dir.glob("*.safetensors") if p.name != BLOCKS_FILE)
     if not files:
         raise ModelNotFoundError(f"{model_dir} has no *.safetensors weights")
     with torch.no_grad():
@@ -145,6 +150,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     model.set_rope(inv_freq, max_positions, scaling)
     if device.type == "cpu":
         model.pack_for_cpu()
+        blocks = model_dir / BLOCKS_FILE
+        if use_gguf_blocks and dtype == torch.float32 and blocks.is_file():
+            attach_gguf_blocks(model, blocks, _target)
     return model.eval(), cfg
 
 

@@ -1,8 +1,10 @@
 """Convert a llama.cpp GGUF checkpoint (llama architecture) into a Hugging Face model directory.
 
 The output directory holds config.json, generation_config.json, model.safetensors (float32,
-dequantized) and, when the GGUF carries a tokenizer, the files transformers' own GGUF tokenizer
-conversion writes (tokenizer.json, tokenizer_config.json, chat_template.jinja).
+dequantized), gguf_blocks.safetensors (the raw Q4_1 / Q8_0 blocks of the same matrices, for
+the CPU engine's block matmul) and, when the GGUF carries a tokenizer, the files transformers'
+own GGUF tokenizer conversion writes (tokenizer.json, tokenizer_config.json,
+chat_template.jinja).
 """
 
 from __future__ import annotations
@@ -212,6 +214,33 @@ def llama_tensors_from_gguf(reader: Any, cfg: dict[str, Any]) -> dict[str, np.nd
     return tensors
 
 
+# Quantized tensors kept as raw GGUF blocks beside the float32 weights: GGML type id -> bytes
+# per 32 weights. The CPU engine multiplies small batches straight from them.
+KEPT_BLOCK_TYPES = {3: 20, 8: 34}  # Q4_1, Q8_0
+BLOCKS_FILE = "gguf_blocks.safetensors"
+
+
+def llama_blocks_from_gguf(reader: Any, cfg: dict[str, Any]
+                           ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The raw blocks of every Q4_1 / Q8_0 matrix under HF names, rows in HF order (q/k rows
+    un-permuted like the float32 weights: a row's blocks move with it), and their type ids."""
+    blocks: dict[str, np.ndarray] = {}
+    types: dict[str, str] = {}
+    for t in reader.tensors:
+        block_bytes = KEPT_BLOCK_TYPES.get(int(t.tensor_type))
+        data = np.asarray(t.data)
+        if block_bytes is None or data.ndim != 2 or data.shape[1] % block_bytes:
+            continue
+        name = hf_tensor_name(t.name)
+        if ".self_attn.q_proj." in name:
+            data = unpermute_rope_rows(data, cfg["num_attention_heads"])
+        elif ".self_attn.k_proj." in name:
+            data = unpermute_rope_rows(data, cfg["num_key_value_heads"])
+        blocks[name] = np.array(data, dtype=np.uint8, order="C", copy=True)
+        types[name] = str(int(t.tensor_type))
+    return blocks, types
+
+
 def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     """Let transformers build the tokenizer (and chat template) from the GGUF and save it."""
     from transformers import AutoTokenizer
@@ -236,6 +265,10 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.Path
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
+    blocks, types = llama_blocks_from_gguf(reader, cfg)
+    if blocks:
+        save_file(blocks, str(out_dir / BLOCKS_FILE), metadata=types)
+    del blocks
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     GenerationConfig(bos_token_id=cfg["bos_token_id"], eos_token_id=cfg["eos_token_id"],
                      pad_token_id=cfg["pad_token_id"]).save_pretrained(str(out_dir))
