@@ -32,7 +32,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     num_threads: int | None = None  # torch intra-op threads on CPU; None: leave as is
-    # CPU float32, a checkpoint converted from a GGUF: batches of up to 4 rows multiply from
+    # CPU float32, a checkpoint converted from a GGUF: batches of up to 8 rows multiply from
     # its Q4_1 / Q8_0 blocks (the same weights, a fraction of the bytes to read)
     use_gguf_blocks: bool = True
 
