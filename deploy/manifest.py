@@ -45,6 +45,8 @@ class EngineSpec(_Strict):
     max_model_len: int | None = Field(None, ge=2, description="longest prompt + output")
     enable_prefix_caching: bool = Field(True, description="reuse cached full blocks")
     hash_seed: str = Field("baton", min_length=1, description="seed of the block hash chain")
+    use_gguf_blocks: bool = Field(True, description="CPU float32 with a GGUF model: batches of "
+                                  "up to 8 rows multiply from its Q4_1 / Q8_0 blocks")
 
     @model_validator(mode="after")
     def _chunk_fits_budget(self) -> EngineSpec:
