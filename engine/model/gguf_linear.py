@@ -95,15 +95,17 @@ def attach_gguf_blocks(model: nn.Module, blocks_file: Path, target: Callable) ->
             else:
                 continue
         layer = model.get_submodule(owner_name) if owner_name != "lm_head" else _head(model)
-        order = sorted(shards, key=lambda s: -1 if s is None else s)
+        shard_order = sorted(shards, key=lambda s: -1 if s is None else s)
         if len({t for _, t in shards.values()}) != 1:
             continue  # mixed block types in one fused matrix: keep it dense
-        blocks = torch.cat([shards[s][0] for s in order]) if len(order) > 1 else shards[
-            order[0]][0]
+        blocks = torch.cat([shards[s][0] for s in shard_order])
+        if owner_name.endswith("qkv_proj"):  # the rows as the float32 weight has them
+            rows = model.qk_row_order().cpu()
+            blocks = torch.cat((blocks[rows], blocks[len(rows):]))
         weight = layer.weight
         if blocks.shape[0] != weight.shape[0]:
             continue  # not every part of a fused matrix is quantized
-        wrapped_layer = GGUFBlockLinear(layer, blocks.contiguous(), shards[order[0]][1],
+        wrapped_layer = GGUFBlockLinear(layer, blocks.contiguous(), shards[shard_order[0]][1],
                                         weight.shape[1], lib)
         parent_name, _, attr = owner_name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr,

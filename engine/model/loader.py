@@ -148,6 +148,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
         raise ValueError(f"checkpoint {model_dir} lacks tensors for: {missing[:8]}")
     inv_freq, scaling = rope_inv_freq(model_dir, cfg, args.head_dim)
     model.set_rope(inv_freq, max_positions, scaling)
+    model.interleave_rope_rows()
     if device.type == "cpu":
         model.pack_for_cpu()
         blocks = model_dir / BLOCKS_FILE
