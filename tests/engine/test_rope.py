@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from engine.model.llama import apply_rope, interleaved_rope_order
 
@@ -15,6 +14,10 @@ def test_pair_order_interleaves_each_heads_halves():
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
 def test_pairs_rope_equals_rotate_half_after_reordering(dtype, tol):
+    # imported here: transformers' modeling code imports triton, which must not happen before
+    # test_triton_attention sets TRITON_INTERPRET=1 (collection imports every test module)
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
     t, heads, d, theta, scaling = 7, 3, 8, 1e4, 0.9
     g = torch.Generator().manual_seed(0)
     x = torch.randn(t, heads, d, generator=g)
