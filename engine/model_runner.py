@@ -86,10 +86,12 @@ class ModelRunner:
             self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.kv_caches, meta, self.backend)
+        rows = None  # every row samples (all decode): no selection needed
+        if len(logit_rows) < len(input_ids):
+            rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, self.kv_caches, meta, self.backend, rows)  # [N, E]
         if not logit_rows:
             return [], []
-        idx = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))  # [N, V] fp32
+        logits = self.model.compute_logits(hidden)  # [N, V] fp32
         tokens = sample(logits, samples)
         return tokens, compute_logprobs(logits, tokens, samples)

@@ -89,16 +89,19 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...],
-                kv_cache: torch.Tensor, meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, E] -> [T, E], or [len(rows), E] for just those rows."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D], q and k rows in rotation-pair order
         qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(
             t, self.num_heads + self.num_kv_heads, self.head_dim), rope)  # [T, H + KVH, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        out = backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = backend.forward(q, k, v, kv_cache, meta, self.scale).view(t, self.q_size)
+        if rows is not None:  # only these rows' outputs are wanted (keys and values are all kept)
+            out = out.index_select(0, rows)
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -128,9 +131,12 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(args)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...],
-                kv_cache: torch.Tensor, meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, backend)
+                kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, E] -> [T, E]; with rows, [len(rows), E]: every token's keys and values are
+        still computed and cached, the attention output and MLP only for those rows."""
+        attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, backend, rows)
+        x = (x if rows is None else x.index_select(0, rows)) + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -180,13 +186,16 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, E]."""
+                backend: AttentionBackend, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, E], or [len(rows), E] of just
+        the rows asked for (those that sample): the last layer then skips the output
+        projection and MLP of the others, which no later layer reads."""
         backend.begin_step(meta)
         rope = tuple(t.index_select(0, positions).unsqueeze(1) for t in self.rope_tables)
         x = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, meta, backend)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x = layer(x, rope, kv_cache, meta, backend, rows if i == last else None)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
