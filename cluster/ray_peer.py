@@ -6,6 +6,8 @@ from typing import Any
 
 import ray
 
+from engine.errors import EngineError
+
 
 class RayPeer:
     """peer.method(*args) runs handle.method.remote(*args) and waits up to `timeout` seconds.
@@ -25,8 +27,18 @@ class RayPeer:
         if method.startswith("_"):
             raise AttributeError(method)
         remote = getattr(self._handle, method)
-        return lambda *args, **kwargs: ray.get(remote.remote(*args, **kwargs),
-                                               timeout=self._timeout)
+
+        def call(*args, **kwargs):
+            try:
+                return ray.get(remote.remote(*args, **kwargs), timeout=self._timeout)
+            except ray.exceptions.RayTaskError as exc:
+                # The engine's own errors (bad input, no room) come back as themselves: their
+                # message is for the client, Ray's remote traceback is not.
+                if isinstance(exc.cause, EngineError):
+                    raise exc.cause from None
+                raise
+
+        return call
 
     def __reduce__(self):
         return RayPeer, (self._handle, self._timeout)

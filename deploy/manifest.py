@@ -83,8 +83,9 @@ class RouterSpec(_Strict):
     local_prefill_tokens: int = Field(0, ge=0, description="conditional disaggregation "
                                       "threshold (0: always transfer)")
     wait_for_workers_seconds: float = Field(
-        120.0, ge=0, description="with no healthy worker in a pool (one being replaced or "
-        "restarted), how long a request waits for one before UNAVAILABLE")
+        120.0, ge=0, description="how long a request waits for a healthy worker in each "
+        "pool (one being replaced or restarted; then UNAVAILABLE) and for a decode worker "
+        "with free KV blocks for its prompt (then RESOURCE_EXHAUSTED)")
 
 
 class TransferSpec(_Strict):

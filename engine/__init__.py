@@ -9,6 +9,7 @@ from engine.errors import (
                            EngineError,
                            InvalidRequestError,
                            ModelNotFoundError,
+                           NoFreeBlocksError,
                            PromptTooLongError,
 )
 from engine.llm import LLM
@@ -17,5 +18,6 @@ from engine.outputs import CompletionOutput, RequestOutput, StepResult
 from engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CapacityError", "CompletionOutput", "EngineConfig", "EngineError",
-           "InvalidRequestError", "LLMEngine", "ModelNotFoundError", "PromptTooLongError",
+           "InvalidRequestError", "LLMEngine", "ModelNotFoundError", "NoFreeBlocksError",
+           "PromptTooLongError",
            "RequestOutput", "SamplingParams", "StepResult"]

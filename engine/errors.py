@@ -17,5 +17,10 @@ class CapacityError(EngineError):
     """Admission control: the request can never fit in the KV cache of this engine."""
 
 
+class NoFreeBlocksError(CapacityError):
+    """The request fits this engine, but not now: too few KV blocks are free at the moment
+    (running requests hold them). Worth retrying once some finish."""
+
+
 class ModelNotFoundError(EngineError, FileNotFoundError):
     """The model name or path does not resolve to a checkpoint."""

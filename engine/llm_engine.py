@@ -8,7 +8,12 @@ import time
 from engine.block_pool import BlockPool, KVEvent
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import CapacityError, InvalidRequestError, PromptTooLongError
+from engine.errors import (
+    CapacityError,
+    InvalidRequestError,
+    NoFreeBlocksError,
+    PromptTooLongError,
+)
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import BatchRow, ModelRunner
 from engine.outputs import RequestOutput, StepResult
@@ -132,7 +137,7 @@ class LLMEngine:
 
         Reuses this engine's own cached prefix. Returns (block ids of the whole prompt,
         number of leading blocks already present); the rest must be received.
-        Raises CapacityError when the blocks are not free now.
+        Raises NoFreeBlocksError when the blocks are not free now.
         """
         req = self._new_request(request_id, prompt_token_ids, params, cache_salt, arrival_time,
                                 seed, False)
@@ -140,7 +145,7 @@ class LLMEngine:
         req.num_computed_tokens = len(hits) * self.config.block_size
         if not self.kv.allocate_slots(req, req.num_tokens - req.num_computed_tokens, hits):
             self._forget(request_id)
-            raise CapacityError(f"not enough free KV blocks for {req.num_tokens} tokens "
+            raise NoFreeBlocksError(f"not enough free KV blocks for {req.num_tokens} tokens "
                                 f"({self.pool.num_free_blocks} free)")
         req.num_cached_tokens = req.num_computed_tokens
         self.scheduler.add_remote(req)

@@ -55,7 +55,8 @@ class TransferEndpoint:
         eng = self.engine
         return {"worker_id": self.worker_id, "role": self.role,
                 "num_requests": eng.num_unfinished(), "kv_usage": eng.pool.usage(),
-                "free_blocks": eng.pool.num_free_blocks, "cache_queries": eng.pool.stats.queries,
+                "free_blocks": eng.pool.num_free_blocks, "num_blocks": eng.pool.num_blocks,
+                "cache_queries": eng.pool.stats.queries,
                 "cache_hits": eng.pool.stats.hits}
 
     def kv_events(self) -> list[dict]:

@@ -42,6 +42,7 @@ class DecodeLoad:
     free_blocks: int  # free + evictable cached blocks (BlockPool.num_free_blocks)
     running_requests: int = 0
     healthy: bool = True
+    total_blocks: int | None = None  # the worker's whole KV cache (None: unknown)
 
 
 class PrefillChoice(NamedTuple):
@@ -52,11 +53,13 @@ class PrefillChoice(NamedTuple):
 
 
 class DecodeChoice(NamedTuple):
-    """The chosen decode worker, its own prefix-hit blocks, and whether the prompt fits."""
+    """The chosen decode worker, its own prefix-hit blocks, whether the prompt fits now, and
+    whether it could ever fit on some worker (once its running requests finish)."""
 
     worker_id: WorkerId
     hit_blocks: int
     fits: bool
+    can_fit_later: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +226,8 @@ def choose_decode(prompt_block_hashes: Sequence[BlockHash], num_prompt_tokens: i
     hits = {w.worker_id: prompt.cached_tokens(w.worker_id) // block_size for w in healthy}
     best = min(healthy, key=lambda w: (w.free_blocks < needed, -hits[w.worker_id],
                                        w.running_requests, w.worker_id))
-    return DecodeChoice(best.worker_id, hits[best.worker_id], best.free_blocks >= needed)
+    later = any(w.total_blocks is None or w.total_blocks >= needed for w in healthy)
+    return DecodeChoice(best.worker_id, hits[best.worker_id], best.free_blocks >= needed, later)
 
 
 class LoadTracker:

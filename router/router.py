@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.block_hash import hash_prompt_blocks
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, NoFreeBlocksError
 from router.handoff import generate_disaggregated, generate_local
 from router.kv_index import KVIndex
 from router.policy import (
@@ -32,6 +32,8 @@ from router.policy import (
 )
 
 logger = logging.getLogger(__name__)
+
+CAPACITY_POLL_S = 0.2  # how often a request waiting for free decode KV blocks looks again
 
 
 class Router:
@@ -172,23 +174,32 @@ class Router:
                         self.index.apply(worker_id, worker_events)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: dict,
-                 cache_salt: str | None = None) -> Iterator[dict]:
-        """Output dicts of one request; the last carries prefill_worker and decode_worker."""
+                 cache_salt: str | None = None, _deadline: float | None = None
+                 ) -> Iterator[dict]:
+        """Output dicts of one request; the last carries prefill_worker and decode_worker.
+
+        Up to wait_for_workers_s, a request waits for a healthy worker in each pool and for a
+        decode worker with enough free KV blocks for its prompt (running requests free them
+        as they finish), instead of failing."""
         hashes = hash_prompt_blocks(prompt_token_ids, self.block_size, self.hash_seed,
                                     cache_salt)
         n = len(prompt_token_ids)
         self.refresh_index()
-        deadline = time.monotonic() + self.wait_for_workers_s
+        deadline = time.monotonic() + self.wait_for_workers_s if _deadline is None else _deadline
         while True:
             try:
                 choice, decode_choice, prefill_pool, decode_pool = self._choose(hashes, n)
-                break
             except NoWorkerAvailable:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise
                 with self._changed:  # a worker is being replaced or restarted: wait for it
                     self._changed.wait(min(left, 1.0))
+                continue
+            left = deadline - time.monotonic()
+            if decode_choice.fits or not decode_choice.can_fit_later or left <= 0:
+                break  # the reservation reports the shortage to the client
+            time.sleep(min(CAPACITY_POLL_S, left))
         prefill = (choice.worker_id, prefill_pool[choice.worker_id])
         decode = (decode_choice.worker_id, decode_pool[decode_choice.worker_id])
         local = n - decode_choice.hit_blocks * self.block_size <= self.local_prefill_tokens
@@ -199,7 +210,7 @@ class Router:
             if not stale:
                 self._active[request_id] = (None if local else prefill, decode)
         if stale:  # the pools changed while choosing: choose again among the new ones
-            yield from self.generate(request_id, prompt_token_ids, params, cache_salt)
+            yield from self.generate(request_id, prompt_token_ids, params, cache_salt, deadline)
             return
         if local:
             yield from self._generate_local(request_id, prompt_token_ids, params, cache_salt,
@@ -207,7 +218,7 @@ class Router:
             return
         uncached = n - choice.cached_tokens
         self.load.dispatched(choice.worker_id, uncached)  # load counts from dispatch
-        prefilled = False
+        prefilled = retry = False
         try:
             for out in generate_disaggregated(
                     prefill[1], decode[1], request_id, prompt_token_ids, params,
@@ -221,10 +232,20 @@ class Router:
                     out.update(prefill_worker=prefill[0], decode_worker=decode[0],
                                prompt_tokens=n)
                 yield out
+        except Exception as exc:
+            # The decode worker's blocks went to other requests between its stats and the
+            # reservation (nothing was streamed yet): choose again while time is left.
+            retry = (not prefilled and _no_free_blocks(exc) and decode_choice.can_fit_later
+                     and time.monotonic() + CAPACITY_POLL_S < deadline)
+            if not retry:
+                raise
         finally:
             self._finish(request_id)
             if not prefilled:
                 self.load.prefilled(choice.worker_id, uncached)
+        if retry:
+            time.sleep(CAPACITY_POLL_S)
+            yield from self.generate(request_id, prompt_token_ids, params, cache_salt, deadline)
 
     def _choose(self, hashes: list, n: int):
         """(prefill choice, decode choice, prefill pool, decode pool) among healthy workers."""
@@ -236,7 +257,8 @@ class Router:
                                 num_prompt_tokens=n)
         stats = self._calls.map(lambda d: _ask(d, "stats") if healthy(d[0]) else None,
                                 decode_pool.items())
-        decode_loads = [DecodeLoad(w, s["free_blocks"], s["num_requests"]) if s is not None
+        decode_loads = [DecodeLoad(w, s["free_blocks"], s["num_requests"],
+                                   total_blocks=s.get("num_blocks")) if s is not None
                         else DecodeLoad(w, 0, 0, healthy=False)
                         for w, s in zip(decode_pool, stats, strict=True)]
         decode_choice = choose_decode(hashes, n, self.block_size, decode_loads, self.index)
@@ -265,6 +287,13 @@ class Router:
     def _count(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.num_prompt_tokens += prompt_tokens
         self.num_cached_tokens += cached_tokens
+
+
+def _no_free_blocks(exc: BaseException) -> bool:
+    """A decode worker refused a reservation for now (in process, over Ray, or over RPC,
+    where the remote exception arrives by class name)."""
+    return (isinstance(exc, NoFreeBlocksError)
+            or getattr(exc, "kind", None) == NoFreeBlocksError.__name__)
 
 
 def _ask(worker: tuple[str, Any], method: str) -> Any:

@@ -8,7 +8,7 @@ import pytest
 from cluster.controller import NAMESPACE, controller_handle
 from cluster.local_ray import start_local_ray
 from cluster.ray_peer import RayPeer
-from engine import LLM, SamplingParams
+from engine import LLM, CapacityError, InvalidRequestError, SamplingParams
 from router.handoff import generate_disaggregated
 from tests.cluster.manifests import tiny_manifest
 from tests.engine.test_engine_vs_hf import random_prompts
@@ -53,6 +53,19 @@ def test_request_through_actors_equals_colocated(cluster, tiny_llama):
     stats = {w["worker_id"]: w for w in ray.get(controller.workers.remote())}
     assert stats["decode-0"]["blocks_received"] == 2 + 11  # 7 and 41 tokens, block size 4
     assert stats["decode-0"]["free_blocks"] == 256
+
+
+def test_engine_errors_come_back_as_themselves_without_ray_traceback(cluster):
+    controller, _ = cluster
+    decode = RayPeer(ray.get(controller.handle.remote("decode-0")))
+    params = {"max_tokens": 1, "temperature": 0.0}
+    with pytest.raises(CapacityError) as err:  # 256 blocks of 4 tokens: 1,100 never fit
+        decode.reserve("too-big", [5] * 1100, params, 1)
+    assert str(err.value) == "prompt needs 276 KV blocks; this engine has only 256"
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        decode.reserve("empty", [], params, 1)
+    stats = {w["worker_id"]: w for w in ray.get(controller.workers.remote())}
+    assert stats["decode-0"]["free_blocks"] == 256  # nothing was reserved
 
 
 def test_killed_worker_is_restarted_repaired_and_serves_again(cluster):

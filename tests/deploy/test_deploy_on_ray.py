@@ -147,7 +147,7 @@ def start_long_requests(stub, count: int) -> list[tuple[list[int], dict]]:
 
 
 def test_apply_scale_under_load_change_options_and_down(ray_address, tiny_llama, tmp_path):
-    manifest = tiny_manifest(tiny_llama, name="deploy-test", num_kv_blocks=1024)
+    manifest = tiny_manifest(tiny_llama, name="deploy-test", num_kv_blocks=2048)
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(manifest))
 
@@ -185,7 +185,7 @@ def test_apply_scale_under_load_change_options_and_down(ray_address, tiny_llama,
         for _, out in long_requests:
             out["thread"].join(120)
         assert "decode-1" in {out["usage"][1] for _, out in long_requests}
-        offline = LLM(tiny_llama, block_size=4, chunk_size=16, num_kv_blocks=1024,
+        offline = LLM(tiny_llama, block_size=4, chunk_size=16, num_kv_blocks=2048,
                       skip_tokenizer_init=True)
         expected = offline.generate([prompt for prompt, _ in long_requests], SamplingParams(
             max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True))
@@ -195,7 +195,7 @@ def test_apply_scale_under_load_change_options_and_down(ray_address, tiny_llama,
             3, {"prefill": ["prefill-0"], "decode": ["decode-0"]})
         stream.wait_for(len(stream.results) + 3)
 
-        changed = tiny_manifest(tiny_llama, name="deploy-test", num_kv_blocks=1024,
+        changed = tiny_manifest(tiny_llama, name="deploy-test", num_kv_blocks=2048,
                                 max_num_seqs=64)
         path.write_text(yaml.safe_dump(changed))
         replaced = baton(ray_address, "apply", "-f", str(path))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, NoFreeBlocksError
 from router.policy import NoWorkerAvailable
 from router.router import Router
 
@@ -159,3 +159,64 @@ def test_new_block_size_drops_the_index_entries_hashed_the_old_way():
     assert router.index.num_blocks("p0") == 2  # same hashing: kept
     router.set_workers(dict(router.prefill), dict(router.decode), block_size=8, hash_seed="t")
     assert (router.index.num_blocks("p0"), router.block_size) == (0, 8)
+
+
+class FullDecode(FakeDecode):
+    """A decode worker whose KV cache is full until `room` is set; `stale` reservations are
+    refused even though its stats claim room (blocks taken in between)."""
+
+    def __init__(self, num_blocks: int = 100, stale: int = 0) -> None:
+        super().__init__()
+        self.room = threading.Event()
+        self.num_blocks, self.stale = num_blocks, stale
+        self.refused = 0
+
+    def stats(self) -> dict:
+        free = self.num_blocks if self.room.is_set() else 0
+        return {"free_blocks": free, "num_requests": 0, "num_blocks": self.num_blocks}
+
+    def reserve(self, request_id, *args) -> dict:
+        if not self.room.is_set() or self.refused < self.stale:
+            self.refused += 1
+            raise NoFreeBlocksError("not enough free KV blocks for 5 tokens (0 free)")
+        return super().reserve(request_id, *args)
+
+
+def test_request_waits_for_free_decode_blocks_instead_of_failing():
+    d = FullDecode()
+    router = Router({"p0": FakePrefill()}, {"d0": d}, block_size=4, hash_seed="t",
+                    wait_for_workers_s=30.0)
+    out: dict = {}
+    waiting = run(router, "r1", out)
+    time.sleep(0.5)
+    assert "r1" not in out and d.refused == 0  # waiting, not failed, nothing reserved yet
+    d.room.set()  # running requests finished
+    wait_until(lambda: "r1" in d.release)
+    d.release["r1"].set()
+    waiting.join(10)
+    assert out["r1"][-1]["finish_reason"] == "length"
+
+
+def test_a_reservation_refused_for_now_is_retried():
+    d = FullDecode(stale=2)
+    d.room.set()
+    d.release["r1"] = threading.Event()
+    d.release["r1"].set()
+    router = Router({"p0": FakePrefill()}, {"d0": d}, block_size=4, hash_seed="t",
+                    wait_for_workers_s=30.0)
+    out = list(router.generate("r1", [1, 2, 3, 4, 5], PARAMS))
+    assert d.refused == 2 and out[-1]["finish_reason"] == "length"
+    assert router.active_counts() == {}
+
+
+def test_no_room_fails_at_once_without_a_wait_or_when_the_prompt_never_fits():
+    router = Router({"p0": FakePrefill()}, {"d0": FullDecode()}, block_size=4, hash_seed="t")
+    with pytest.raises(NoFreeBlocksError):
+        list(router.generate("r1", [1, 2, 3, 4, 5], PARAMS))
+    tiny = FullDecode(num_blocks=1)  # 5 tokens need 2 blocks of 4: never
+    router = Router({"p0": FakePrefill()}, {"d0": tiny}, block_size=4, hash_seed="t",
+                    wait_for_workers_s=30.0)
+    start = time.monotonic()
+    with pytest.raises(NoFreeBlocksError):
+        list(router.generate("r1", [1, 2, 3, 4, 5], PARAMS))
+    assert time.monotonic() - start < 5 and router.active_counts() == {}

@@ -215,15 +215,21 @@ def test_decode_choice_order():
 
     # Room first: d2 holds the most but has too few free blocks.
     assert choose(DecodeLoad("d0", 500), DecodeLoad("d1", 67, running_requests=9),
-                  DecodeLoad("d2", 66)) == ("d1", 10, True)
+                  DecodeLoad("d2", 66)) == ("d1", 10, True, True)
     # Then own prefix hits, then fewer running requests, then id.
-    assert choose(DecodeLoad("d0", 500), DecodeLoad("d2", 67, 30)) == ("d2", 64, True)
-    assert choose(DecodeLoad("d1", 500, 4), DecodeLoad("d3", 500, 3)) == ("d3", 10, True)
-    assert choose(DecodeLoad("d3", 500, 3), DecodeLoad("d1", 500, 3)) == ("d1", 10, True)
+    assert choose(DecodeLoad("d0", 500), DecodeLoad("d2", 67, 30)) == ("d2", 64, True, True)
+    assert choose(DecodeLoad("d1", 500, 4), DecodeLoad("d3", 500, 3)) == ("d3", 10, True, True)
+    assert choose(DecodeLoad("d3", 500, 3), DecodeLoad("d1", 500, 3)) == ("d1", 10, True, True)
     # None fits: the best of the rest, flagged.
-    assert choose(DecodeLoad("d0", 5), DecodeLoad("d2", 5, 8)) == ("d2", 64, False)
+    assert choose(DecodeLoad("d0", 5), DecodeLoad("d2", 5, 8)) == ("d2", 64, False, True)
+    # A worker whose whole cache is big enough can take it later; none: it never fits.
+    assert choose(DecodeLoad("d0", 5, total_blocks=67), DecodeLoad("d2", 5, 8, total_blocks=66)
+                  ) == ("d2", 64, False, True)
+    assert choose(DecodeLoad("d0", 5, total_blocks=66), DecodeLoad("d2", 5, 8, total_blocks=66)
+                  ) == ("d2", 64, False, False)
     # Unhealthy skipped; none healthy raises.
-    assert choose(DecodeLoad("d2", 500, healthy=False), DecodeLoad("d0", 500)) == ("d0", 0, True)
+    assert choose(DecodeLoad("d2", 500, healthy=False), DecodeLoad("d0", 500)) == (
+        "d0", 0, True, True)
     with pytest.raises(NoWorkerAvailable, match="no healthy decode worker"):
         choose(DecodeLoad("d2", 500, healthy=False))
 
