@@ -30,7 +30,7 @@ class EngineConfig:
     hash_seed: str = "baton"
     skip_tokenizer_init: bool = False
     seed: int = 0
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    attention_backend: str = "auto"  # auto: triton on CUDA; on CPU cpu (C decode), else torch
     num_threads: int | None = None  # torch intra-op threads on CPU; None: leave as is
     # CPU float32, a checkpoint converted from a GGUF: batches of up to 8 rows multiply from
     # its Q4_1 / Q8_0 blocks (the same weights, a fraction of the bytes to read)

@@ -31,6 +31,7 @@ class _StepPlan:
     decode_blocks: torch.Tensor | None  # [Bd, ceil(L / block_size)] block ids, padded
     decode_mask_neg: torch.Tensor | None  # [Bd, 1, L] bool, True = padding; None when Bd = 1
     decode_len: int  # Bd = 1: the sequence's context length (no mask needed)
+    decode_lens: torch.Tensor | None  # [Bd] int64 context lengths
     all_decode: bool  # every sequence decodes: decode row i is query row i
     prefills: list[_PrefillSeq]
 
@@ -79,12 +80,13 @@ class TorchAttentionBackend(AttentionBackend):
     def _make_plan(self, meta: AttentionMetadata) -> _StepPlan:
         device = meta.block_tables.device
         decode = [s for s, q in enumerate(meta.query_lens) if q == 1]
-        decode_rows = decode_blocks = decode_mask_neg = None
+        decode_rows = decode_blocks = decode_mask_neg = decode_lens = None
         decode_len = 0
         if decode:
             idx = torch.tensor(decode, device=device)
             num_ctx_blocks = -(-max(meta.seq_lens[s] for s in decode) // meta.block_size)
             decode_blocks = meta.block_tables[idx, :num_ctx_blocks].long()
+            decode_lens = meta.seq_lens_tensor[idx].long()
             if len(decode) == 1:  # one sequence: attend exactly its keys, no mask
                 decode_len = meta.seq_lens[decode[0]]
             else:
@@ -107,8 +109,8 @@ class TorchAttentionBackend(AttentionBackend):
                 prefills.append(_PrefillSeq(slice(start, start + q_len), slots, mask))
             start += q_len
         all_decode = len(decode) == len(meta.query_lens)
-        return _StepPlan(decode_rows, decode_blocks, decode_mask_neg, decode_len, all_decode,
-                         prefills)
+        return _StepPlan(decode_rows, decode_blocks, decode_mask_neg, decode_len, decode_lens,
+                         all_decode, prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

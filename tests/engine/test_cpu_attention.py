@@ -1,0 +1,61 @@
+"""The CPU backend's C decode kernel equals the torch reference backend on paged caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import build_metadata, get_attention_backend
+from engine.attention.cpu_backend import CpuAttentionBackend, load_kernel
+from engine.attention.kv_layout import allocate_kv_cache
+from engine.attention.torch_backend import TorchAttentionBackend
+
+lib = load_kernel()
+pytestmark = pytest.mark.skipif(lib is None, reason="no x86-64 AVX2/FMA/F16C CPU or C compiler")
+
+
+def step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, seed):
+    """A step whose sequences own shuffled, non-contiguous blocks of a random cache."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 64
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for seq_len in seq_lens:
+        n = -(-seq_len // block_size)
+        tables.append(perm[used:used + n])
+        used += n
+    meta = build_metadata(query_lens, seq_lens, tables, block_size, torch.device("cpu"))
+    t = sum(query_lens)
+    q = torch.randn(t, num_heads, head_dim, generator=gen)
+    k = torch.randn(t, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(t, num_kv_heads, head_dim, generator=gen)
+    cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32)
+    cache.copy_(torch.randn(cache.shape, generator=gen))  # stale data must never be read
+    return q, k, v, cache, meta
+
+
+@pytest.mark.parametrize(("query_lens", "seq_lens"), [
+    ([1], [37]),  # one sequence
+    ([1, 1, 1, 1], [1, 6, 37, 64]),  # all decode: first token, inside a block, many blocks
+    ([7, 1, 20, 1], [7, 9, 29, 50]),  # decodes mixed with a fresh prefill and a chunk
+])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), [
+    (9, 3, 64, 8),  # SmolLM2's heads
+    (4, 4, 16, 4),  # plain multi-head attention
+    (8, 1, 32, 16),  # one KV head for a group of 8
+])
+def test_decode_kernel_equals_torch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim,
+                                    block_size):
+    q, k, v, cache, meta = step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim,
+                                block_size, seed=len(seq_lens) + head_dim)
+    ref_cache, cpu_cache = cache.clone(), cache.clone()
+    scale = head_dim ** -0.5
+    ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, scale)
+    out = CpuAttentionBackend(lib).forward(q, k, v, cpu_cache, meta, scale)
+    assert torch.equal(cpu_cache, ref_cache)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_picks_the_cpu_backend_here():
+    assert get_attention_backend("auto", torch.device("cpu")).name == "cpu"
+    assert get_attention_backend("torch", torch.device("cpu")).name == "torch"
