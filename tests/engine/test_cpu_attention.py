@@ -43,6 +43,8 @@ def step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, se
     (9, 3, 64, 8),  # SmolLM2's heads
     (4, 4, 16, 4),  # plain multi-head attention
     (8, 1, 32, 16),  # one KV head for a group of 8
+    (2, 1, 96, 8),  # head_dim over 64: the value sums run in two register tiles
+    (4, 2, 12, 4),  # head_dim not a multiple of 8: the kernel declines, torch takes over
 ])
 def test_decode_kernel_equals_torch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim,
                                     block_size):
