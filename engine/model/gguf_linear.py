@@ -99,12 +99,12 @@ def attach_gguf_blocks(model: nn.Module, blocks_file: Path, target: Callable) ->
         if len({t for _, t in shards.values()}) != 1:
             continue  # mixed block types in one fused matrix: keep it dense
         blocks = torch.cat([shards[s][0] for s in shard_order])
-        if owner_name.endswith("qkv_proj"):  # the rows as the float32 weight has them
-            rows = model.qk_row_order().cpu()
-            blocks = torch.cat((blocks[rows], blocks[len(rows):]))
         weight = layer.weight
         if blocks.shape[0] != weight.shape[0]:
             continue  # not every part of a fused matrix is quantized
+        if owner_name.endswith("qkv_proj"):  # the rows as the float32 weight has them
+            rows = model.qk_row_order().cpu()
+            blocks = torch.cat((blocks[rows], blocks[len(rows):]))
         wrapped_layer = GGUFBlockLinear(layer, blocks.contiguous(), shards[shard_order[0]][1],
                                         weight.shape[1], lib)
         parent_name, _, attr = owner_name.rpartition(".")

@@ -67,8 +67,9 @@ def test_bad_blocks_are_refused():
         GGUFBlockLinear(torch.nn.Linear(64, 8), blocks, 2, 64, lib)
 
 
-def write_quantized_llama_gguf(path: Path) -> None:
-    """A tiny tied-embedding Llama: Q4_1 layer matrices, a Q8_0 embedding, float32 norms."""
+def write_quantized_llama_gguf(path: Path, v_type=Q4_1) -> None:
+    """A tiny tied-embedding Llama: Q4_1 layer matrices (attn_v: v_type), a Q8_0 embedding,
+    float32 norms."""
     w = gguf.GGUFWriter(path, arch="llama")
     for add, value in ((w.add_block_count, LAYERS), (w.add_context_length, 256),
                        (w.add_embedding_length, E), (w.add_feed_forward_length, FF),
@@ -82,6 +83,8 @@ def write_quantized_llama_gguf(path: Path) -> None:
         m = (rng.standard_normal((rows, cols)) * 0.2).astype(np.float32)
         if heads:
             m = _llamacpp_permute(m, heads)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            return m, None
         return quantize(m, qtype), qtype
 
     kv = KV_HEADS * E // HEADS
@@ -93,7 +96,7 @@ def write_quantized_llama_gguf(path: Path) -> None:
             f"blk.{i}.ffn_norm.weight": (np.ones(E, np.float32), None),
             f"blk.{i}.attn_q.weight": matrix(E, E, Q4_1, HEADS),
             f"blk.{i}.attn_k.weight": matrix(kv, E, Q4_1, KV_HEADS),
-            f"blk.{i}.attn_v.weight": matrix(kv, E, Q4_1),
+            f"blk.{i}.attn_v.weight": matrix(kv, E, v_type),
             f"blk.{i}.attn_output.weight": matrix(E, E, Q4_1),
             f"blk.{i}.ffn_gate.weight": matrix(FF, E, Q4_1),
             f"blk.{i}.ffn_up.weight": matrix(FF, E, Q4_1),
@@ -141,3 +144,16 @@ def test_engine_greedy_with_blocks_equals_dense_and_transformers(quantized_llama
         ours = with_blocks.generate([prompt], params)[0].token_ids
         assert ours == dense.generate([prompt], params)[0].token_ids
         assert ours == hf_greedy(hf, prompt, 12)
+
+
+def test_a_fused_matrix_with_a_float_part_stays_dense(tmp_path, hf_models):
+    write_quantized_llama_gguf(tmp_path / "mixed.gguf", v_type=gguf.GGMLQuantizationType.F32)
+    convert_gguf_to_hf(tmp_path / "mixed.gguf", tmp_path / "hf")
+    llm = LLM(str(tmp_path / "hf"), skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
+    layer = llm.engine.runner.model.layers[0]
+    assert not isinstance(layer.self_attn.qkv_proj, GGUFBlockLinear)  # v is float32
+    assert isinstance(layer.self_attn.o_proj, GGUFBlockLinear)
+    prompt = random_prompts([11], seed=32, vocab=VOCAB)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert llm.generate([prompt], params)[0].token_ids == hf_greedy(
+        hf_models(str(tmp_path / "hf")), prompt, 8)
