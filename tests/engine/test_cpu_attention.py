@@ -5,32 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import build_metadata, get_attention_backend
+from engine.attention import get_attention_backend
 from engine.attention.cpu_backend import CpuAttentionBackend, load_kernel
-from engine.attention.kv_layout import allocate_kv_cache
 from engine.attention.torch_backend import TorchAttentionBackend
+from tests.engine.paged_inputs import random_inputs, shuffled_step
 
 lib = load_kernel()
 pytestmark = pytest.mark.skipif(lib is None, reason="no x86-64 AVX2/FMA/F16C CPU or C compiler")
 
 
 def step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, seed):
-    """A step whose sequences own shuffled, non-contiguous blocks of a random cache."""
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = 64
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for seq_len in seq_lens:
-        n = -(-seq_len // block_size)
-        tables.append(perm[used:used + n])
-        used += n
-    meta = build_metadata(query_lens, seq_lens, tables, block_size, torch.device("cpu"))
-    t = sum(query_lens)
-    q = torch.randn(t, num_heads, head_dim, generator=gen)
-    k = torch.randn(t, num_kv_heads, head_dim, generator=gen)
-    v = torch.randn(t, num_kv_heads, head_dim, generator=gen)
-    cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32)
-    cache.copy_(torch.randn(cache.shape, generator=gen))  # stale data must never be read
+    cpu = torch.device("cpu")
+    meta = shuffled_step(query_lens, seq_lens, block_size, 64, gen, cpu)
+    q, k, v, cache = random_inputs(sum(query_lens), num_heads, num_kv_heads, head_dim,
+                                   block_size, 64, torch.float32, gen, cpu)
     return q, k, v, cache, meta
 
 

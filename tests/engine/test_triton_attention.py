@@ -35,6 +35,7 @@ from engine.attention.triton_backend import (  # noqa: E402
     TritonAttentionBackend,
     reshape_and_cache,
 )
+from tests.engine.paged_inputs import random_inputs, shuffled_step  # noqa: E402
 
 # False when triton had been imported (compiled mode) before this module set the variable.
 KERNELS_RUN_HERE = not ON_CPU or not isinstance(triton.language.zeros, JITFunction)
@@ -61,30 +62,14 @@ def _backend() -> TritonAttentionBackend:
 
 def _step(query_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int,
           gen: torch.Generator) -> AttentionMetadata:
-    """Metadata whose sequences own shuffled, non-contiguous cache blocks."""
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for seq_len in seq_lens:
-        n = -(-seq_len // block_size)
-        tables.append(perm[used:used + n])
-        used += n
-    assert used <= num_blocks
-    return build_metadata(query_lens, seq_lens, tables, block_size, DEVICE)
+    return shuffled_step(query_lens, seq_lens, block_size, num_blocks, gen, DEVICE)
 
 
 def _inputs(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
             block_size: int, num_blocks: int, dtype: torch.dtype, gen: torch.Generator
             ) -> tuple[torch.Tensor, ...]:
-    """q, k, v and a cache pre-filled with random values (stale data must never be read)."""
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
-
-    q = rand(num_tokens, num_heads, head_dim)
-    k = rand(num_tokens, num_kv_heads, head_dim)
-    v = rand(num_tokens, num_kv_heads, head_dim)
-    cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, DEVICE)
-    cache.copy_(rand(2, num_blocks, block_size, num_kv_heads, head_dim))
-    return q, k, v, cache
+    return random_inputs(num_tokens, num_heads, num_kv_heads, head_dim, block_size,
+                         num_blocks, dtype, gen, DEVICE)
 
 
 @needs_kernels
