@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -174,8 +174,7 @@ class Router:
                         self.index.apply(worker_id, worker_events)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: dict,
-                 cache_salt: str | None = None, _deadline: float | None = None
-                 ) -> Iterator[dict]:
+                 cache_salt: str | None = None) -> Iterator[dict]:
         """Output dicts of one request; the last carries prefill_worker and decode_worker.
 
         Up to wait_for_workers_s, a request waits for a healthy worker in each pool and for a
@@ -183,9 +182,21 @@ class Router:
         as they finish), instead of failing."""
         hashes = hash_prompt_blocks(prompt_token_ids, self.block_size, self.hash_seed,
                                     cache_salt)
+        deadline = time.monotonic() + self.wait_for_workers_s
+        while True:
+            again = yield from self._attempt(request_id, prompt_token_ids, params, cache_salt,
+                                             hashes, deadline)
+            if not again:
+                return
+
+    def _attempt(self, request_id: str, prompt_token_ids: list[int], params: dict,
+                 cache_salt: str | None, hashes: list, deadline: float
+                 ) -> Generator[dict, None, bool]:
+        """Choose workers and stream the request; returns True (having streamed nothing) when
+        it must be tried again: the pools changed while choosing, or the decode worker's
+        blocks went to other requests between its stats and the reservation."""
         n = len(prompt_token_ids)
         self.refresh_index()
-        deadline = time.monotonic() + self.wait_for_workers_s if _deadline is None else _deadline
         while True:
             try:
                 choice, decode_choice, prefill_pool, decode_pool = self._choose(hashes, n)
@@ -209,16 +220,15 @@ class Router:
             stale = choice.worker_id not in self.prefill or decode[0] not in self.decode
             if not stale:
                 self._active[request_id] = (None if local else prefill, decode)
-        if stale:  # the pools changed while choosing: choose again among the new ones
-            yield from self.generate(request_id, prompt_token_ids, params, cache_salt, deadline)
-            return
+        if stale:  # choose again among the new pools
+            return True
         if local:
             yield from self._generate_local(request_id, prompt_token_ids, params, cache_salt,
                                             decode)
-            return
+            return False
         uncached = n - choice.cached_tokens
         self.load.dispatched(choice.worker_id, uncached)  # load counts from dispatch
-        prefilled = retry = False
+        prefilled = False
         try:
             for out in generate_disaggregated(
                     prefill[1], decode[1], request_id, prompt_token_ids, params,
@@ -233,19 +243,17 @@ class Router:
                                prompt_tokens=n)
                 yield out
         except Exception as exc:
-            # The decode worker's blocks went to other requests between its stats and the
-            # reservation (nothing was streamed yet): choose again while time is left.
-            retry = (not prefilled and _no_free_blocks(exc) and decode_choice.can_fit_later
-                     and time.monotonic() + CAPACITY_POLL_S < deadline)
-            if not retry:
+            if not (not prefilled and _no_free_blocks(exc) and decode_choice.can_fit_later
+                    and time.monotonic() + CAPACITY_POLL_S < deadline):
                 raise
+        else:
+            return False
         finally:
             self._finish(request_id)
             if not prefilled:
                 self.load.prefilled(choice.worker_id, uncached)
-        if retry:
-            time.sleep(CAPACITY_POLL_S)
-            yield from self.generate(request_id, prompt_token_ids, params, cache_salt, deadline)
+        time.sleep(CAPACITY_POLL_S)  # the reservation was refused for now
+        return True
 
     def _choose(self, hashes: list, n: int):
         """(prefill choice, decode choice, prefill pool, decode pool) among healthy workers."""
