@@ -42,7 +42,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Plain ops: on CPU F.rms_norm is ~20x slower than this at 2,048 rows (torch 2.13).
+        # Plain ops, HF's formula (in float32, torch 2.13's F.rms_norm gives the same values in
+        # the same time on CPU, measured at 1 to 2,048 rows).
         if x.dtype == torch.float32:  # the same ops without the two no-op casts
             inv_rms = torch.mean(x * x, -1, keepdim=True).add_(self.eps).rsqrt_()
             return self.weight * (x * inv_rms)
