@@ -17,7 +17,7 @@
 #include <string.h>
 
 #define QK 32
-#define TILE_M 4 /* rows of x sharing one rebuilt block */
+#define TILE_M 4 /* rows of x sharing one unpacked block */
 
 static inline float f16_to_f32(const uint8_t *p) {
     uint16_t h;
@@ -30,28 +30,6 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
-}
-
-/* The 32 weights of one block as four vectors of 8, in order. */
-static inline void rebuild_q4_1(const uint8_t *b, __m256 w[4]) {
-    const __m256 d = _mm256_set1_ps(f16_to_f32(b));
-    const __m256 m = _mm256_set1_ps(f16_to_f32(b + 2));
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + 4));
-    const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int i = 0; i < 4; i++) {
-        __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
-        w[i] = _mm256_add_ps(_mm256_mul_ps(d, q), m);
-    }
-}
-
-static inline void rebuild_q8_0(const uint8_t *b, __m256 w[4]) {
-    const __m256 d = _mm256_set1_ps(f16_to_f32(b));
-    for (int i = 0; i < 4; i++) {
-        __m128i q8 = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i));
-        w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d);
-    }
 }
 
 /* The 32 quants of one block as four float vectors of 8, in order (Q4_1 unsigned 0..15,
@@ -70,6 +48,21 @@ static inline void quants_q8_0(const uint8_t *qs, __m256 q[4]) {
     for (int i = 0; i < 4; i++)
         q[i] = _mm256_cvtepi32_ps(
             _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * i))));
+}
+
+/* The 32 weights of one block as four vectors of 8, in order, each computed as gguf-py does:
+ * Q4_1 (d * q) + m, Q8_0 q * d. */
+static inline void rebuild_q4_1(const uint8_t *b, __m256 w[4]) {
+    const __m256 d = _mm256_set1_ps(f16_to_f32(b));
+    const __m256 m = _mm256_set1_ps(f16_to_f32(b + 2));
+    quants_q4_1(b + 4, w);
+    for (int i = 0; i < 4; i++) w[i] = _mm256_add_ps(_mm256_mul_ps(d, w[i]), m);
+}
+
+static inline void rebuild_q8_0(const uint8_t *b, __m256 w[4]) {
+    const __m256 d = _mm256_set1_ps(f16_to_f32(b));
+    quants_q8_0(b + 2, w);
+    for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(w[i], d);
 }
 
 /* y[M, N] = x[M, K] W^T. Per block the dot product is factored: for Q4_1
