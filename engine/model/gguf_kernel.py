@@ -10,11 +10,10 @@ from pathlib import Path
 import torch
 
 from engine.native import load_native
+from engine.weights.gguf_convert import KEPT_BLOCK_TYPES
 
 SOURCE = Path(__file__).with_name("gguf_gemm.c")
 QK = 32  # weights per block
-# GGML tensor type id -> (name, bytes per block of 32 weights)
-BLOCK_TYPES = {3: ("Q4_1", 20), 8: ("Q8_0", 34)}
 
 
 @functools.cache
@@ -32,12 +31,12 @@ def load_kernel() -> ctypes.CDLL | None:
 
 
 def check_blocks(blocks: torch.Tensor, n: int, k: int, block_type: int) -> None:
-    if block_type not in BLOCK_TYPES:
+    if block_type not in KEPT_BLOCK_TYPES:
         raise ValueError(f"GGML block type {block_type} is not supported (only "
-                         f"{sorted(BLOCK_TYPES)})")
+                         f"{sorted(KEPT_BLOCK_TYPES)})")
     if k % QK:
         raise ValueError(f"in_features={k} is not a multiple of {QK}")
-    want = (n, k // QK * BLOCK_TYPES[block_type][1])
+    want = (n, k // QK * KEPT_BLOCK_TYPES[block_type])
     if blocks.dtype != torch.uint8 or tuple(blocks.shape) != want or not blocks.is_contiguous():
         raise ValueError(f"blocks must be contiguous uint8 {want}, got {blocks.dtype} "
                          f"{tuple(blocks.shape)}")

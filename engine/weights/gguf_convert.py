@@ -92,6 +92,16 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
         w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
+def hf_row_order(name: str, rows: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
+    """A tensor's rows (weights, or a row's raw blocks) in HF order: q and k projections are
+    un-permuted (see unpermute_rope_rows), everything else is returned as is."""
+    if ".self_attn.q_proj." in name:
+        return unpermute_rope_rows(rows, cfg["num_attention_heads"])
+    if ".self_attn.k_proj." in name:
+        return unpermute_rope_rows(rows, cfg["num_key_value_heads"])
+    return rows
+
+
 def llama_config_from_gguf(reader: Any) -> dict[str, Any]:
     """HF LlamaConfig dict (as config.json holds it) built from the GGUF metadata."""
     from transformers import LlamaConfig
@@ -195,11 +205,8 @@ def llama_tensors_from_gguf(reader: Any, cfg: dict[str, Any]) -> dict[str, np.nd
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         # dequantize returns [rows, cols] (numpy order, i.e. GGUF's ne reversed) float32.
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if ".self_attn.q_proj." in name:
-            w = unpermute_rope_rows(w, cfg["num_attention_heads"])
-        elif ".self_attn.k_proj." in name:
-            w = unpermute_rope_rows(w, cfg["num_key_value_heads"])
+        w = hf_row_order(name, np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32),
+                         cfg)
         # Own the memory (dequantize may hand back a view into the read-only mmap).
         tensors[name] = np.array(w, dtype=np.float32, order="C", copy=True)
     expected = _expected_shapes(cfg)
@@ -232,11 +239,8 @@ def llama_blocks_from_gguf(reader: Any, cfg: dict[str, Any]
         if block_bytes is None or data.ndim != 2 or data.shape[1] % block_bytes:
             continue
         name = hf_tensor_name(t.name)
-        if ".self_attn.q_proj." in name:
-            data = unpermute_rope_rows(data, cfg["num_attention_heads"])
-        elif ".self_attn.k_proj." in name:
-            data = unpermute_rope_rows(data, cfg["num_key_value_heads"])
-        blocks[name] = np.array(data, dtype=np.uint8, order="C", copy=True)
+        blocks[name] = np.array(hf_row_order(name, data, cfg), dtype=np.uint8, order="C",
+                                copy=True)
         types[name] = str(int(t.tensor_type))
     return blocks, types
 
