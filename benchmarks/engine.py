@@ -47,8 +47,14 @@ class HFRunner:
     @torch.inference_mode()
     def _generate(self, batch: list[list[int]], new: int) -> None:
         ids = torch.tensor(batch)
-        self.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                         min_new_tokens=new, do_sample=False, pad_token_id=0)
+        self.hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
 
     def batch_s(self, batch: list[list[int]], new: int) -> float:
         return timed(lambda: self._generate(batch, new))
@@ -67,8 +73,9 @@ class BatonRunner:
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
         self.greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        llm.generate(prompts_of(2, 16, llm.engine.runner.model.args.vocab_size, 0),
-                     self.greedy(4))  # warm-up
+        llm.generate(
+            prompts_of(2, 16, llm.engine.runner.model.args.vocab_size, 0), self.greedy(4)
+        )  # warm-up
 
     def batch_s(self, batch: list[list[int]], new: int) -> float:
         return timed(lambda: self.llm.generate(batch, self.greedy(new)))
@@ -90,8 +97,9 @@ def compare(runners: dict[str, object], args, vocab: int) -> dict[str, dict]:
     batch = prompts_of(args.num_requests, args.prompt_len, vocab, 1)
     for name, runner in runners.items():
         log(f"{name}: throughput")
-        out[name]["throughput_tok_s"] = (args.num_requests * args.new_tokens
-                                         / runner.batch_s(batch, args.new_tokens))
+        out[name]["throughput_tok_s"] = (
+            args.num_requests * args.new_tokens / runner.batch_s(batch, args.new_tokens)
+        )
     decode = {name: [] for name in runners}
     prefill = {name: [] for name in runners}
     for i in range(args.repeats):
@@ -112,15 +120,20 @@ def cached_ttft(llm: LLM) -> dict:
     vocab = llm.engine.runner.model.args.vocab_size
     greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     log("Baton: TTFT 7000 tokens cold vs 5000 cached")
-    prefix, tail_a, tail_b = (prompts_of(1, n, vocab, s)[0] for n, s in
-                              ((5000, 14), (2000, 15), (2000, 16)))
+    prefix, tail_a, tail_b = (
+        prompts_of(1, n, vocab, s)[0] for n, s in ((5000, 14), (2000, 15), (2000, 16))
+    )
     cold = llm.generate([prefix + tail_a], greedy)[0]
     warm = llm.generate([prefix + tail_b], greedy)[0]
     if warm.num_cached_tokens != 5000:
         raise RuntimeError(f"expected 5000 cached tokens, got {warm.num_cached_tokens}")
     share = compute_share(llm, 7000, 5000)
-    out = dict(ttft_cold_s=cold.ttft, ttft_cached_s=warm.ttft, uncached_compute_share=share,
-               ttft_cached_ideal_s=cold.ttft * share)
+    out = dict(
+        ttft_cold_s=cold.ttft,
+        ttft_cached_s=warm.ttft,
+        uncached_compute_share=share,
+        ttft_cached_ideal_s=cold.ttft * share,
+    )
     out["ttft_cached_vs_ideal"] = warm.ttft / out["ttft_cached_ideal_s"]
     return out
 
@@ -133,9 +146,16 @@ def gemm_floor_s(llm: LLM, args) -> float:
     sampling and scheduling are left out, so no engine can run the workload faster than this on
     this machine in float32."""
     model = llm.engine.runner.model
-    linears = [lin for layer in model.layers for lin in (
-        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-        layer.mlp.down_proj)]
+    linears = [
+        lin
+        for layer in model.layers
+        for lin in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
 
     def step_s(rows: int, sampled: int) -> float:
         inputs = {k: torch.randn(rows, k) for k in {lin.weight.shape[1] for lin in linears}}
@@ -157,9 +177,15 @@ def gemm_floor_s(llm: LLM, args) -> float:
 def compute_share(llm: LLM, total: int, cached: int) -> float:
     """FLOPs to prefill tokens [cached, total) over FLOPs to prefill [0, total)."""
     a = llm.engine.runner.model.args
-    per_token = 2 * (a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
-                     + a.num_heads * a.head_dim * a.hidden_size
-                     + 3 * a.hidden_size * a.intermediate_size) * a.num_layers
+    per_token = (
+        2
+        * (
+            a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+            + a.num_heads * a.head_dim * a.hidden_size
+            + 3 * a.hidden_size * a.intermediate_size
+        )
+        * a.num_layers
+    )
     per_pair = 4 * a.num_heads * a.head_dim * a.num_layers  # QK^T and PV, per (query, key)
 
     def flops(start: int) -> float:
@@ -177,9 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3,
-                   help="batch-1 decode and prefill: best of this many rounds, for both engines "
-                        "(other load on a shared machine only ever adds time)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="batch-1 decode and prefill: best of this many rounds, for both engines "
+        "(other load on a shared machine only ever adds time)",
+    )
     p.add_argument("--skip-hf", action="store_true", help="Baton figures only")
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
@@ -195,26 +225,34 @@ def main(argv: list[str] | None = None) -> int:
     ours["throughput_gemm_floor_s"] = gemm_floor_s(llm, args)
     ours.update(cached_ttft(llm))
     del llm, runners
-    rows = [("throughput, 32 req x 128 in / 64 out (tok/s)", "throughput_tok_s", 2.0),
-            ("batch-1 decode (tok/s)", "decode_b1_tok_s", 2.0),
-            ("prefill at 2,000 tokens (tok/s)", "prefill_tok_s", 1.0)]
+    rows = [
+        ("throughput, 32 req x 128 in / 64 out (tok/s)", "throughput_tok_s", 2.0),
+        ("batch-1 decode (tok/s)", "decode_b1_tok_s", 2.0),
+        ("prefill at 2,000 tokens (tok/s)", "prefill_tok_s", 1.0),
+    ]
     print(f"{'metric':48} {'baton':>9} {'hf':>9} {'ratio':>7} {'target':>7}")
     for label, key, target in rows:
         hf = theirs.get(key)
         ratio = ours[key] / hf if hf else float("nan")
-        print(f"{label:48} {ours[key]:9.1f} {hf or float('nan'):9.1f} {ratio:7.2f} "
-              f"{'>=' + str(target):>7}")
+        print(
+            f"{label:48} {ours[key]:9.1f} {hf or float('nan'):9.1f} {ratio:7.2f} "
+            f"{'>=' + str(target):>7}"
+        )
     if "throughput_tok_s" in theirs:
         hf_s = args.num_requests * args.new_tokens / theirs["throughput_tok_s"]
         floor = ours["throughput_gemm_floor_s"]
-        print(f"throughput ceiling: the run's float32 matrix products alone take {floor:.2f}s "
-              f"here, HF's whole run {hf_s:.2f}s -> no engine can beat HF by more than "
-              f"{hf_s / floor:.2f}x on this machine (ours: "
-              f"{ours['throughput_tok_s'] / theirs['throughput_tok_s']:.2f}x)")
-    print(f"TTFT 7,000-token prompt: cold {ours['ttft_cold_s']:.2f}s, 5,000 cached "
-          f"{ours['ttft_cached_s']:.2f}s, ideal {ours['ttft_cached_ideal_s']:.2f}s "
-          f"(uncached share {ours['uncached_compute_share']:.3f}) -> "
-          f"{ours['ttft_cached_vs_ideal']:.2f}x ideal (target <= 1.2)")
+        print(
+            f"throughput ceiling: the run's float32 matrix products alone take {floor:.2f}s "
+            f"here, HF's whole run {hf_s:.2f}s -> no engine can beat HF by more than "
+            f"{hf_s / floor:.2f}x on this machine (ours: "
+            f"{ours['throughput_tok_s'] / theirs['throughput_tok_s']:.2f}x)"
+        )
+    print(
+        f"TTFT 7,000-token prompt: cold {ours['ttft_cold_s']:.2f}s, 5,000 cached "
+        f"{ours['ttft_cached_s']:.2f}s, ideal {ours['ttft_cached_ideal_s']:.2f}s "
+        f"(uncached share {ours['uncached_compute_share']:.3f}) -> "
+        f"{ours['ttft_cached_vs_ideal']:.2f}x ideal (target <= 1.2)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"baton": ours, "hf": theirs}, f, indent=2)

@@ -133,8 +133,7 @@ class Receiver:
     def __init__(self, address: dict[str, Any], threads: int) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=receiver_main, args=(child, address, threads),
-                                daemon=True)
+        self.proc = ctx.Process(target=receiver_main, args=(child, address, threads), daemon=True)
         self.proc.start()
 
     def call(self, *cmd: Any, expect: str = "ok", timeout: float = 300.0) -> Any:
@@ -153,14 +152,27 @@ class Receiver:
 # ---- sender side -----------------------------------------------------------------------------
 def descriptor(tokens: int, src: list[int], dst: list[int]) -> TransferDescriptor:
     return TransferDescriptor(
-        request_id=f"bench-{tokens}", block_hashes=list(range(1, tokens // BLOCK_SIZE + 1)),
-        missing=list(range(len(src))), src_block_ids=src, dst_block_ids=dst,
-        layers=(0, LAYERS), dtype="float32", block_shape=BLOCK_SHAPE, first_token=1,
-        num_prompt_tokens=tokens, sampling={"seed": 0})
+        request_id=f"bench-{tokens}",
+        block_hashes=list(range(1, tokens // BLOCK_SIZE + 1)),
+        missing=list(range(len(src))),
+        src_block_ids=src,
+        dst_block_ids=dst,
+        layers=(0, LAYERS),
+        dtype="float32",
+        block_shape=BLOCK_SHAPE,
+        first_token=1,
+        num_prompt_tokens=tokens,
+        sampling={"seed": 0},
+    )
 
 
-def time_kvtransfer(registry: GroupRegistry, receiver: Receiver, kv: list[torch.Tensor],
-                    desc: TransferDescriptor, options: dict[str, Any]) -> tuple[float, float]:
+def time_kvtransfer(
+    registry: GroupRegistry,
+    receiver: Receiver,
+    kv: list[torch.Tensor],
+    desc: TransferDescriptor,
+    options: dict[str, Any],
+) -> tuple[float, float]:
     """(seconds, CPU seconds of both processes) for one KVTransfer, from send() until the
     receiver reports it applied."""
     tx = KVTransfer(registry, **options)
@@ -176,8 +188,9 @@ def time_kvtransfer(registry: GroupRegistry, receiver: Receiver, kv: list[torch.
     return elapsed, cpu
 
 
-def time_plain(registry: GroupRegistry, receiver: Receiver, flat: torch.Tensor,
-               nbytes: int) -> tuple[float, float]:
+def time_plain(
+    registry: GroupRegistry, receiver: Receiver, flat: torch.Tensor, nbytes: int
+) -> tuple[float, float]:
     """(seconds, CPU seconds of both processes) for one send of `nbytes` contiguous bytes over
     the same gloo group."""
     pg = registry.get("decode").pg
@@ -188,9 +201,14 @@ def time_plain(registry: GroupRegistry, receiver: Receiver, flat: torch.Tensor,
     return time.perf_counter() - start, cpu_seconds() - cpu + receiver_cpu
 
 
-def measure(registry: GroupRegistry, receiver: Receiver, kv: list[torch.Tensor],
-            flat: torch.Tensor, desc: TransferDescriptor, repeats: int,
-            ) -> dict[str, list[float]]:
+def measure(
+    registry: GroupRegistry,
+    receiver: Receiver,
+    kv: list[torch.Tensor],
+    flat: torch.Tensor,
+    desc: TransferDescriptor,
+    repeats: int,
+) -> dict[str, list[float]]:
     """Seconds per run of every variant and of the plain send, `repeats` rounds each, and
     under "cpu <name>" the CPU seconds (both processes) of those runs.
 
@@ -198,8 +216,7 @@ def measure(registry: GroupRegistry, receiver: Receiver, kv: list[torch.Tensor],
     is a warm-up (group, staging buffers) and is not recorded.
     """
     names = [*VARIANTS, "plain"]
-    times: dict[str, list[float]] = {key: [] for name in names
-                                     for key in (name, f"cpu {name}")}
+    times: dict[str, list[float]] = {key: [] for name in names for key in (name, f"cpu {name}")}
     for i in range(repeats + 1):
         log(f"  round {i}/{repeats}")
         for name in names:
@@ -222,18 +239,26 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for tokens in args.tokens:
             n = -(-tokens // BLOCK_SIZE)
             total = n + n // 8 + 1  # a little slack, so ids are scattered, not a permutation
-            log(f"{tokens} tokens: {n} blocks of {total} per side, "
-                f"{2 * total * LAYERS * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4 / 1e9:.2f} GB each")
+            log(
+                f"{tokens} tokens: {n} blocks of {total} per side, "
+                f"{2 * total * LAYERS * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4 / 1e9:.2f} GB each"
+            )
             kv, flat = make_cache(total, random=True)
             receiver.call("alloc", total)
-            cases = {"scattered": (scattered_ids(n, total, 1), scattered_ids(n, total, 2)),
-                     "consecutive": (list(range(n)), list(range(n)))}
+            cases = {
+                "scattered": (scattered_ids(n, total, 1), scattered_ids(n, total, 2)),
+                "consecutive": (list(range(n)), list(range(n))),
+            }
             for case, (src, dst) in cases.items():
                 log(f" case {case}")
                 desc = descriptor(tokens, src, dst)
-                row: dict[str, Any] = {"tokens": tokens, "case": case, "blocks": n,
-                                       "bytes": desc.payload_bytes,
-                                       "mode": KVTransfer(registry).payload_mode(kv, desc)}
+                row: dict[str, Any] = {
+                    "tokens": tokens,
+                    "case": case,
+                    "blocks": n,
+                    "bytes": desc.payload_bytes,
+                    "mode": KVTransfer(registry).payload_mode(kv, desc),
+                }
                 row.update(measure(registry, receiver, kv, flat, desc, args.repeats))
                 rows.append(row)
             kv, flat = [], None
@@ -247,26 +272,35 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def report(rows: list[dict[str, Any]]) -> None:
     names = [*VARIANTS, "plain"]
-    print(f"{'tokens':>7} {'ids':>12} {'mode':>7} {'MB':>8} "
-          + " ".join(f"{n + ' GB/s':>30}" for n in names) + f" {'ratio':>6} {'per round':>11}"
-          + f" {'cpu ratio':>9}")
+    print(
+        f"{'tokens':>7} {'ids':>12} {'mode':>7} {'MB':>8} "
+        + " ".join(f"{n + ' GB/s':>30}" for n in names)
+        + f" {'ratio':>6} {'per round':>11}"
+        + f" {'cpu ratio':>9}"
+    )
     for row in rows:
         gbps = {n: row["bytes"] / statistics.median(row[n]) / 1e9 for n in names}
         paired = [p / t for p, t in zip(row["plain"], row["kvtransfer"], strict=True)]
         row["gb_per_s"] = gbps
         row["ratio"] = gbps["kvtransfer"] / gbps["plain"]
         row["round_ratios"] = paired
-        row["cpu_ratio"] = (statistics.median(row["cpu plain"])
-                            / statistics.median(row["cpu kvtransfer"]))
-        print(f"{row['tokens']:>7} {row['case']:>12} {row['mode']:>7} {row['bytes'] / 1e6:>8.1f} "
-              + " ".join(f"{gbps[n]:>30.2f}" for n in names) + f" {row['ratio']:>6.2f}"
-              + f" {min(paired):>5.2f}-{max(paired):.2f} {row['cpu_ratio']:>9.2f}")
-    print("ratio = kvtransfer (default) / plain GB/s; per round = range of plain / kvtransfer "
-          "seconds within each round; cpu ratio = plain / kvtransfer CPU seconds (both processes, "
-          "medians); mode: the default variant's payload mode (packed = gather, "
-          "send, scatter; runs = zero-copy, for consecutive ids whose regions are >= 256 KiB); "
-          "GB/s = bytes / median seconds (1e9 bytes); "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        row["cpu_ratio"] = statistics.median(row["cpu plain"]) / statistics.median(
+            row["cpu kvtransfer"]
+        )
+        print(
+            f"{row['tokens']:>7} {row['case']:>12} {row['mode']:>7} {row['bytes'] / 1e6:>8.1f} "
+            + " ".join(f"{gbps[n]:>30.2f}" for n in names)
+            + f" {row['ratio']:>6.2f}"
+            + f" {min(paired):>5.2f}-{max(paired):.2f} {row['cpu_ratio']:>9.2f}"
+        )
+    print(
+        "ratio = kvtransfer (default) / plain GB/s; per round = range of plain / kvtransfer "
+        "seconds within each round; cpu ratio = plain / kvtransfer CPU seconds (both processes, "
+        "medians); mode: the default variant's payload mode (packed = gather, "
+        "send, scatter; runs = zero-copy, for consecutive ids whose regions are >= 256 KiB); "
+        "GB/s = bytes / median seconds (1e9 bytes); "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
 
 
 class _RecordingDecode:
@@ -285,8 +319,9 @@ class _RecordingDecode:
         return getattr(self.worker, name)
 
 
-def prefix_workload(model: str, requests: int = 8, prefix_tokens: int = 448,
-                    tail_tokens: int = 70) -> dict[str, Any]:
+def prefix_workload(
+    model: str, requests: int = 8, prefix_tokens: int = 448, tail_tokens: int = 70
+) -> dict[str, Any]:
     """Agent-style traffic through real prefill and decode workers (gloo pair group, one
     process): every request shares a system prompt. Only the blocks the decode worker does not
     already hold may move: moved blocks / uncached blocks must be <= 1."""
@@ -294,21 +329,27 @@ def prefix_workload(model: str, requests: int = 8, prefix_tokens: int = 448,
     from prefill_worker.worker import PrefillWorker
     from router.handoff import generate_disaggregated
 
-    options = dict(model=model, dtype="float32", block_size=16, num_kv_blocks=512,
-                   skip_tokenizer_init=True)
+    options = dict(
+        model=model, dtype="float32", block_size=16, num_kv_blocks=512, skip_tokenizer_init=True
+    )
     prefill, decode = PrefillWorker("p0", options), DecodeWorker("d0", options)
     decode.connect_prefill("p0", prefill.connect_decode("d0", decode), prefill)
     recording = _RecordingDecode(decode)
     g = torch.Generator().manual_seed(5)
     prefix = torch.randint(100, 40000, (prefix_tokens,), generator=g).tolist()
-    prompts = [prefix + torch.randint(100, 40000, (tail_tokens,), generator=g).tolist()
-               for _ in range(requests)]
+    prompts = [
+        prefix + torch.randint(100, 40000, (tail_tokens,), generator=g).tolist()
+        for _ in range(requests)
+    ]
     params = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
     try:
         before = decode.stats()["blocks_received"]
         for i, prompt in enumerate(prompts):
-            outs = list(generate_disaggregated(prefill, recording, f"w{i}", prompt, params,
-                                               prefill_id="p0", decode_id="d0"))
+            outs = list(
+                generate_disaggregated(
+                    prefill, recording, f"w{i}", prompt, params, prefill_id="p0", decode_id="d0"
+                )
+            )
             if outs[-1]["finish_reason"] != "length":
                 raise RuntimeError(f"request w{i} failed: {outs[-1]}")
         moved = decode.stats()["blocks_received"] - before
@@ -317,19 +358,27 @@ def prefix_workload(model: str, requests: int = 8, prefix_tokens: int = 448,
         prefill.shutdown()
     total = sum(-(-len(p) // 16) for p in prompts)
     uncached = total - sum(recording.hit_blocks)
-    return {"requests": requests, "prefix_tokens": prefix_tokens, "tail_tokens": tail_tokens,
-            "prompt_blocks": total, "uncached_blocks": uncached, "moved_blocks": moved,
-            "moved_over_uncached": moved / uncached}
+    return {
+        "requests": requests,
+        "prefix_tokens": prefix_tokens,
+        "tail_tokens": tail_tokens,
+        "prompt_blocks": total,
+        "uncached_blocks": uncached,
+        "moved_blocks": moved,
+        "moved_over_uncached": moved / uncached,
+    }
 
 
 def report_workload(w: dict[str, Any]) -> None:
     total = w["prompt_blocks"]
-    print(f"prefix-sharing workload: {w['requests']} requests, {w['prefix_tokens']}-token "
-          f"shared prefix + {w['tail_tokens']}-token tails (block 16): {total} prompt blocks, "
-          f"{w['uncached_blocks']} not in the decode worker's cache at reservation "
-          f"({w['uncached_blocks'] / total:.1%}), {w['moved_blocks']} moved "
-          f"({w['moved_blocks'] / total:.1%}) -> moved / uncached "
-          f"{w['moved_over_uncached']:.2f} (target <= 1)")
+    print(
+        f"prefix-sharing workload: {w['requests']} requests, {w['prefix_tokens']}-token "
+        f"shared prefix + {w['tail_tokens']}-token tails (block 16): {total} prompt blocks, "
+        f"{w['uncached_blocks']} not in the decode worker's cache at reservation "
+        f"({w['uncached_blocks'] / total:.1%}), {w['moved_blocks']} moved "
+        f"({w['moved_blocks'] / total:.1%}) -> moved / uncached "
+        f"{w['moved_over_uncached']:.2f} (target <= 1)"
+    )
 
 
 def main() -> None:
@@ -338,10 +387,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--json", help="also write the figures to this file")
-    parser.add_argument("--skip-workload", action="store_true",
-                        help="skip the prefix-sharing workload through real workers")
-    parser.add_argument("--model", default="smollm2-135m-instruct",
-                        help="model of the prefix-sharing workload")
+    parser.add_argument(
+        "--skip-workload",
+        action="store_true",
+        help="skip the prefix-sharing workload through real workers",
+    )
+    parser.add_argument(
+        "--model", default="smollm2-135m-instruct", help="model of the prefix-sharing workload"
+    )
     args = parser.parse_args()
     rows = run(args)
     report(rows)

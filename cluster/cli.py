@@ -1,10 +1,10 @@
 """`baton`: serve a local cluster, or talk to one over gRPC.
 
-    baton serve [--model M] [--prefill N] [--decode N] [--host H] [--port P]
-    baton generate "prompt" [--max-tokens N] [--temperature T] [--address H:P]
-    baton chat [--system TEXT] [--address H:P]
-    baton deploy apply -f MANIFEST | scale prefill=N decode=M | status [--json] | down
-                 [--address RAY_ADDRESS]
+baton serve [--model M] [--prefill N] [--decode N] [--host H] [--port P]
+baton generate "prompt" [--max-tokens N] [--temperature T] [--address H:P]
+baton chat [--system TEXT] [--address H:P]
+baton deploy apply -f MANIFEST | scale prefill=N decode=M | status [--json] | down
+             [--address RAY_ADDRESS]
 """
 
 from __future__ import annotations
@@ -22,21 +22,35 @@ def _serve(args: argparse.Namespace) -> int:
 
     stop = threading.Event()
     try:  # a bad manifest, bad flags or resources Ray cannot give: exit 2
-        manifest = load_manifest(args.file) if args.file else LocalOptions(
-            model=args.model, prefill=args.prefill, decode=args.decode, host=args.host,
-            port=args.port, policy=args.policy, block_size=args.block_size,
-            chunk_size=args.chunk_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
-            threads=args.threads, local_prefill_tokens=args.local_prefill_tokens,
-        ).manifest()
+        manifest = (
+            load_manifest(args.file)
+            if args.file
+            else LocalOptions(
+                model=args.model,
+                prefill=args.prefill,
+                decode=args.decode,
+                host=args.host,
+                port=args.port,
+                policy=args.policy,
+                block_size=args.block_size,
+                chunk_size=args.chunk_size,
+                kv_cache_memory_gb=args.kv_cache_memory_gb,
+                threads=args.threads,
+                local_prefill_tokens=args.local_prefill_tokens,
+            ).manifest()
+        )
         cluster = LocalCluster(manifest)
         try:
             cluster.start(log=lambda m: print(m, flush=True))
             for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
                 signal.signal(sig, lambda *_: stop.set())
-            print(f"Baton is serving {manifest.spec.model.path} on {cluster.address} "
-                  "(gRPC baton.v1.Inference)."
-                  f"\nTry:  baton generate \"Hello\" --address {cluster.address}\n"
-                  "Ctrl-C stops everything.", flush=True)
+            print(
+                f"Baton is serving {manifest.spec.model.path} on {cluster.address} "
+                "(gRPC baton.v1.Inference)."
+                f'\nTry:  baton generate "Hello" --address {cluster.address}\n'
+                "Ctrl-C stops everything.",
+                flush=True,
+            )
             while not stop.wait(0.5):
                 pass
             print("\nshutting down ...", flush=True)
@@ -72,10 +86,13 @@ def _stream(stub, request, timeout: float) -> tuple[int, str]:
             print(reply.text, end="", flush=True)
             if reply.finish_reason:
                 u = reply.usage
-                print(f"\n[{reply.finish_reason}] prompt {u.prompt_tokens} tokens "
-                      f"({u.cached_tokens} cached), {u.completion_tokens} generated, "
-                      f"TTFT {first * 1000:.0f} ms, prefill {u.prefill_worker}, "
-                      f"decode {u.decode_worker}", file=sys.stderr)
+                print(
+                    f"\n[{reply.finish_reason}] prompt {u.prompt_tokens} tokens "
+                    f"({u.cached_tokens} cached), {u.completion_tokens} generated, "
+                    f"TTFT {first * 1000:.0f} ms, prefill {u.prefill_worker}, "
+                    f"decode {u.decode_worker}",
+                    file=sys.stderr,
+                )
     except grpc.RpcError as err:
         print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1, "".join(text)
@@ -96,7 +113,8 @@ def _generate(args: argparse.Namespace) -> int:
     else:  # instruct models answer a user turn, not raw text
         request = pb.GenerateRequest(
             messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=args.prompt)]),
-            sampling=_sampling(args))
+            sampling=_sampling(args),
+        )
     return _stream(_client(args.address), request, args.timeout)[0]
 
 
@@ -113,45 +131,64 @@ def _chat(args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         history.append(pb.ChatMessage(role="user", content=line))
-        request = pb.GenerateRequest(messages=pb.ChatMessages(messages=history),
-                                     sampling=_sampling(args))
+        request = pb.GenerateRequest(
+            messages=pb.ChatMessages(messages=history), sampling=_sampling(args)
+        )
         print("baton> ", end="", flush=True)
         _, answer = _stream(stub, request, args.timeout)
         history.append(pb.ChatMessage(role="assistant", content=answer))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="baton", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="baton", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start a local Ray cluster and the gRPC server")
-    serve.add_argument("-f", "--file", help="a Baton manifest; without it, "
-                       "deploy/examples/local.yaml with the flags below applied")
-    serve.add_argument("--model", help="model alias, HF directory or .gguf "
-                                       "(default smollm2-135m-instruct)")
+    serve.add_argument(
+        "-f",
+        "--file",
+        help="a Baton manifest; without it, "
+        "deploy/examples/local.yaml with the flags below applied",
+    )
+    serve.add_argument(
+        "--model", help="model alias, HF directory or .gguf (default smollm2-135m-instruct)"
+    )
     serve.add_argument("--prefill", type=int, help="prefill workers (default 1)")
     serve.add_argument("--decode", type=int, help="decode workers (default 1)")
     serve.add_argument("--host", help="gRPC listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="gRPC port (default 50051; 0: any free)")
-    serve.add_argument("--policy", choices=["cache_aware", "round_robin", "least_loaded",
-                                            "random"], help="prefill choice (cache_aware)")
+    serve.add_argument(
+        "--policy",
+        choices=["cache_aware", "round_robin", "least_loaded", "random"],
+        help="prefill choice (cache_aware)",
+    )
     serve.add_argument("--block-size", type=int, help="tokens per KV block (16)")
     serve.add_argument("--chunk-size", type=int, help="prefill chunk in tokens (512)")
-    serve.add_argument("--kv-cache-memory-gb", type=float,
-                       help="KV budget per worker (default: 2048 blocks)")
+    serve.add_argument(
+        "--kv-cache-memory-gb", type=float, help="KV budget per worker (default: 2048 blocks)"
+    )
     serve.add_argument("--threads", type=int, help="torch threads per worker (1)")
-    serve.add_argument("--local-prefill-tokens", type=int,
-                       help="prefill on the decode worker (no KV transfer) when its uncached "
-                            "tail is at most this many tokens; 0 (default) always "
-                            "disaggregates")
+    serve.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        help="prefill on the decode worker (no KV transfer) when its uncached "
+        "tail is at most this many tokens; 0 (default) always "
+        "disaggregates",
+    )
     serve.set_defaults(run=_serve)
-    for name, fn, text in (("generate", _generate, "stream one completion"),
-                           ("chat", _chat, "interactive chat")):
+    for name, fn, text in (
+        ("generate", _generate, "stream one completion"),
+        ("chat", _chat, "interactive chat"),
+    ):
         p = sub.add_parser(name, help=text)
         if name == "generate":
             p.add_argument("prompt")
-            p.add_argument("--raw", action="store_true",
-                           help="send the text as is instead of as a chat user turn")
+            p.add_argument(
+                "--raw",
+                action="store_true",
+                help="send the text as is instead of as a chat user turn",
+            )
         else:
             p.add_argument("--system", default="")
         p.add_argument("--address", default="127.0.0.1:50051")

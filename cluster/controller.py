@@ -67,8 +67,7 @@ def _worker_class(role: str):
 
     Actor.__name__ = Actor.__qualname__ = f"{cls.__name__}Actor"
     # A dead worker is restarted by Ray (its __init__ runs again); calls in flight fail.
-    return ray.remote(max_concurrency=ACTOR_CONCURRENCY, max_restarts=-1,
-                      max_task_retries=0)(Actor)
+    return ray.remote(max_concurrency=ACTOR_CONCURRENCY, max_restarts=-1, max_task_retries=0)(Actor)
 
 
 @dataclass
@@ -145,7 +144,8 @@ class Controller:
             raise ManifestError(
                 f"metadata.name: {m.metadata.name!r} is invalid: this Ray cluster runs "
                 f"Baton cluster {self.manifest['metadata']['name']!r}; run `baton deploy "
-                "down` first or apply under that name")
+                "down` first or apply under that name"
+            )
         check_resources(m, ray.cluster_resources(), node_resources())
         data = m.model_dump(mode="json")
         spec_changed = self.manifest is None or data["spec"] != self.manifest["spec"]
@@ -155,8 +155,7 @@ class Controller:
             changes = ["settings updated (no worker changed)"]
         # Recorded only once the cluster matches: a failed apply can simply be retried.
         self.manifest, self.generation = data, generation
-        self._log(f"generation {generation}: " + ("; ".join(changes) if changes
-                                                   else "no change"))
+        self._log(f"generation {generation}: " + ("; ".join(changes) if changes else "no change"))
         return {"generation": generation, "changed": bool(changes), "changes": changes}
 
     def _reconcile(self, m) -> list[str]:
@@ -181,19 +180,25 @@ class Controller:
             start[role] = max(0, want - len(keep))
             replaced = min(start[role], len(outdated[role]))
             removed = len(outdated[role]) + len(surplus[role]) - replaced
-            for count, verb in ((replaced, "replace"), (start[role] - replaced, "add"),
-                                (removed, "remove")):
+            for count, verb in (
+                (replaced, "replace"),
+                (start[role] - replaced, "add"),
+                (removed, "remove"),
+            ):
                 if count:
-                    changes.append(f"{verb} {count} {role} worker(s)"
-                                   + (" (options changed)" if verb == "replace" else ""))
+                    changes.append(
+                        f"{verb} {count} {role} worker(s)"
+                        + (" (options changed)" if verb == "replace" else "")
+                    )
         need: dict[str, float] = {}
         for role in ROLES:
             for name, amount in templates[role].resources.items():
                 need[name] = need.get(name, 0.0) + amount * start[role]
         free = ray.available_resources()
         surge = all(free.get(name, 0.0) >= amount for name, amount in need.items())
-        kv_change = any(w.template.kv_key != templates[role].kv_key
-                        for role in ROLES for w in outdated[role])
+        kv_change = any(
+            w.template.kv_key != templates[role].kv_key for role in ROLES for w in outdated[role]
+        )
         leaving = [w for role in ROLES for w in outdated[role] + surplus[role]]
         if surge or self.router is None:
             for role in ROLES:
@@ -203,9 +208,11 @@ class Controller:
             self._retire(leaving, m)  # publishes the new workers as the old ones leave
         elif kv_change:
             started = self._ensure_router(router_options(m))
-            self._log(f"not enough free resources ({free}) to start the new workers beside "
-                      "the old ones, and the KV format changes: replacing every worker at "
-                      "once; requests wait at the router meanwhile")
+            self._log(
+                f"not enough free resources ({free}) to start the new workers beside "
+                "the old ones, and the KV format changes: replacing every worker at "
+                "once; requests wait at the router meanwhile"
+            )
             self._retire(leaving, m)
             for role in ROLES:
                 self._start_workers(templates[role], start[role])
@@ -213,11 +220,14 @@ class Controller:
             self._publish(m)
         else:
             started = self._ensure_router(router_options(m))
-            self._log(f"not enough free resources ({free}) to start the new workers beside "
-                      "the old ones: replacing one worker at a time")
-            replace = {role: outdated[role][:start[role]] for role in ROLES}
-            self._retire([w for role in ROLES
-                          for w in outdated[role][start[role]:] + surplus[role]], m)
+            self._log(
+                f"not enough free resources ({free}) to start the new workers beside "
+                "the old ones: replacing one worker at a time"
+            )
+            replace = {role: outdated[role][: start[role]] for role in ROLES}
+            self._retire(
+                [w for role in ROLES for w in outdated[role][start[role] :] + surplus[role]], m
+            )
             for role in ROLES:
                 for old in replace[role]:
                     self._retire([old], m)
@@ -245,8 +255,9 @@ class Controller:
                 worker_id = f"{template.role}-{self._next_index[template.role]}"
                 self._next_index[template.role] += 1
                 self._log(f"starting {worker_id} with resources {template.resources}")
-                pg = placement_group([dict(template.resources)], strategy="PACK",
-                                     name=f"baton-{worker_id}")
+                pg = placement_group(
+                    [dict(template.resources)], strategy="PACK", name=f"baton-{worker_id}"
+                )
                 worker = Worker(worker_id, template, None, pg)
                 started.append(worker)
                 ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
@@ -254,24 +265,33 @@ class Controller:
                     raise RuntimeError(
                         f"{worker_id}: no node could give {template.resources} within "
                         f"{PLACEMENT_TIMEOUT_S:.0f} s (free: {ray.available_resources()}); "
-                        "add nodes or lower the replicas or resources")
+                        "add nodes or lower the replicas or resources"
+                    )
                 r = template.resources
-                worker.handle = _worker_class(template.role).options(
-                    name=worker_id, namespace=NAMESPACE, num_cpus=r.get("CPU", 0),
-                    num_gpus=r.get("GPU", 0),
-                    resources={k: v for k, v in r.items() if k not in ("CPU", "GPU")} or None,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        pg, placement_group_bundle_index=0),
-                    runtime_env={"env_vars": WORKER_ENV},
-                ).remote(worker_id, template.engine, template.transfer, template.threads)
+                worker.handle = (
+                    _worker_class(template.role)
+                    .options(
+                        name=worker_id,
+                        namespace=NAMESPACE,
+                        num_cpus=r.get("CPU", 0),
+                        num_gpus=r.get("GPU", 0),
+                        resources={k: v for k, v in r.items() if k not in ("CPU", "GPU")} or None,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            pg, placement_group_bundle_index=0
+                        ),
+                        runtime_env={"env_vars": WORKER_ENV},
+                    )
+                    .remote(worker_id, template.engine, template.transfer, template.threads)
+                )
             incarnations = ray.get([w.handle.ping.remote() for w in started], timeout=600)
         except Exception as exc:
             for worker in started:
                 if worker.handle is not None:
                     ray.kill(worker.handle)
                 remove_placement_group(worker.pg)
-            raise RuntimeError(f"starting {template.role} worker(s) failed: "
-                               f"{short_error(exc)}") from None
+            raise RuntimeError(
+                f"starting {template.role} worker(s) failed: {short_error(exc)}"
+            ) from None
         for worker, incarnation in zip(started, incarnations, strict=True):
             worker.incarnation = incarnation
             with self._state_lock:
@@ -284,21 +304,27 @@ class Controller:
         key that it is not paired with yet (also mends what a failed apply left)."""
         for p in self._active("prefill"):
             for d in self._active("decode"):
-                if (p.template.kv_key == d.template.kv_key
-                        and (p.worker_id, d.worker_id) not in self._pairs):
+                if (
+                    p.template.kv_key == d.template.kv_key
+                    and (p.worker_id, d.worker_id) not in self._pairs
+                ):
                     self._pair(p, d)
 
     def _pair(self, p: Worker, d: Worker) -> None:
-        address = ray.get(p.handle.connect_decode.remote(d.worker_id, RayPeer(d.handle)),
-                          timeout=60)
-        ray.get(d.handle.connect_prefill.remote(p.worker_id, address, RayPeer(p.handle)),
-                timeout=60)
+        address = ray.get(
+            p.handle.connect_decode.remote(d.worker_id, RayPeer(d.handle)), timeout=60
+        )
+        ray.get(
+            d.handle.connect_prefill.remote(p.worker_id, address, RayPeer(p.handle)), timeout=60
+        )
         self._pairs.add((p.worker_id, d.worker_id))
 
     def _unpair(self, p: Worker, d: Worker) -> None:
         self._pairs.discard((p.worker_id, d.worker_id))
-        for call in (d.handle.disconnect_prefill.remote(p.worker_id),
-                     p.handle.disconnect_decode.remote(d.worker_id)):
+        for call in (
+            d.handle.disconnect_prefill.remote(p.worker_id),
+            p.handle.disconnect_decode.remote(d.worker_id),
+        ):
             try:
                 ray.get(call, timeout=30)
             except Exception as exc:  # noqa: BLE001 - a dead peer has nothing to tear down
@@ -325,9 +351,14 @@ class Controller:
         key = tuple(options[k] for k in ("model", "skip_tokenizer", "host", "port"))
         if self.router is not None and key == self.router_key:
             try:
-                ray.get(self.router.configure.remote(
-                    options["policy"], options["local_prefill_tokens"],
-                    options["wait_for_workers_s"]), timeout=30)
+                ray.get(
+                    self.router.configure.remote(
+                        options["policy"],
+                        options["local_prefill_tokens"],
+                        options["wait_for_workers_s"],
+                    ),
+                    timeout=30,
+                )
                 return None
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
                 self._log(f"the router does not answer ({short_error(exc)}); starting a new one")
@@ -335,14 +366,16 @@ class Controller:
         verb = "restart" if self.router is not None else "start"
         if self.router is not None:
             if key is not None:
-                self._log(f"restarting the router ({self.router_address} -> "
-                          f"{options['host']}:{options['port']})")
+                self._log(
+                    f"restarting the router ({self.router_address} -> "
+                    f"{options['host']}:{options['port']})"
+                )
             self._stop_router()
         me = ray.get_runtime_context().current_actor
         # On the head node: the address clients (and a KubeRay Service) reach is stable.
         self.router = RouterActor.options(
-            name=ROUTER_NAME, namespace=NAMESPACE,
-            resources={HEAD_NODE_RESOURCE: 0.001}).remote(me, options)
+            name=ROUTER_NAME, namespace=NAMESPACE, resources={HEAD_NODE_RESOURCE: 0.001}
+        ).remote(me, options)
         port = ray.get(self.router.start.remote(), timeout=300)
         self.router_key = tuple(options[k] for k in ("model", "skip_tokenizer", "host", "port"))
         self.router_address = f"{options['host']}:{port}"
@@ -359,9 +392,16 @@ class Controller:
         if pools["decode"]:
             decode = next(w for w in self._active("decode"))
             max_model_len = ray.get(decode.handle.info.remote(), timeout=60).get("max_model_len")
-        ray.get(self.router.set_workers.remote(
-            pools["prefill"], pools["decode"], pool_engine.block_size,
-            pool_engine.hash_seed, max_model_len), timeout=60)
+        ray.get(
+            self.router.set_workers.remote(
+                pools["prefill"],
+                pools["decode"],
+                pool_engine.block_size,
+                pool_engine.hash_seed,
+                max_model_len,
+            ),
+            timeout=60,
+        )
 
     def _drain(self, leaving: list[Worker], timeout_s: float) -> None:
         """Wait until no request runs on any leaving worker (the router's view and the
@@ -378,8 +418,10 @@ class Controller:
                     s = ray.get(w.handle.stats.remote(), timeout=30)
                 except Exception:  # noqa: BLE001 - a dead worker has nothing left to finish
                     continue
-                n = max(routed.get(w.worker_id, 0),
-                        s["num_requests"] + s.get("num_held", 0) + s.get("num_waiting_for_kv", 0))
+                n = max(
+                    routed.get(w.worker_id, 0),
+                    s["num_requests"] + s.get("num_held", 0) + s.get("num_waiting_for_kv", 0),
+                )
                 if n:
                     busy[w.worker_id] = n
             if not busy:
@@ -390,21 +432,25 @@ class Controller:
                 return
             now = time.monotonic()
             if now > deadline:
-                self._log(f"drain timed out after {timeout_s:.0f} s with requests still "
-                          f"running: {busy}; removing anyway")
+                self._log(
+                    f"drain timed out after {timeout_s:.0f} s with requests still "
+                    f"running: {busy}; removing anyway"
+                )
                 return
             if now - last_report > 2.0:
                 last_report = now
-                self._log("waiting for " + ", ".join(f"{w}: {n} request(s)"
-                                                     for w, n in busy.items()))
+                self._log(
+                    "waiting for " + ", ".join(f"{w}: {n} request(s)" for w, n in busy.items())
+                )
             time.sleep(DRAIN_POLL_S)
 
     def _remove(self, worker: Worker) -> None:
         """Unpair, stop and kill a worker and free its bundle."""
         for p_id, d_id in list(self._pairs):
             if worker.worker_id in (p_id, d_id):
-                self._unpair(self.workers_by_id.get(p_id, worker),
-                             self.workers_by_id.get(d_id, worker))
+                self._unpair(
+                    self.workers_by_id.get(p_id, worker), self.workers_by_id.get(d_id, worker)
+                )
         try:
             ray.get(worker.handle.shutdown.remote(), timeout=20)
         except Exception:  # noqa: BLE001 - killed below either way
@@ -448,8 +494,11 @@ class Controller:
             for worker in restarted:  # an apply runs: re-paired by a later check, no requests
                 worker.healthy = False
             restarted = []
-        return {"restarts": self.restarts, "healthy": {w.worker_id: w.healthy for w in workers},
-                "restarted": [w.worker_id for w in restarted]}
+        return {
+            "restarts": self.restarts,
+            "healthy": {w.worker_id: w.healthy for w in workers},
+            "restarted": [w.worker_id for w in restarted],
+        }
 
     # ---- queries -----------------------------------------------------------------------
     def worker_ids(self, role: str | None = None) -> list[str]:
@@ -470,10 +519,16 @@ class Controller:
             except Exception as exc:  # noqa: BLE001 - reported as unhealthy
                 stats, healthy = {"error": str(exc)}, False
             queries = stats.get("cache_queries", 0)
-            out.append({**stats, "worker_id": w.worker_id, "role": w.role, "healthy": healthy,
-                        "state": "draining" if w.draining else "active",
-                        "cache_hit_rate": stats.get("cache_hits", 0) / queries if queries
-                        else 0.0})
+            out.append(
+                {
+                    **stats,
+                    "worker_id": w.worker_id,
+                    "role": w.role,
+                    "healthy": healthy,
+                    "state": "draining" if w.draining else "active",
+                    "cache_hit_rate": stats.get("cache_hits", 0) / queries if queries else 0.0,
+                }
+            )
         return out
 
     def status(self) -> dict:
@@ -486,11 +541,18 @@ class Controller:
                 router = {"error": str(exc)}
             router["address"] = self.router_address
         workers = self.workers()
-        counts = {role: sum(1 for w in workers if w["role"] == role
-                            and w["state"] == "active") for role in ROLES}
-        return {"name": self.manifest["metadata"]["name"] if self.manifest else None,
-                "generation": self.generation, "replicas": counts, "router": router,
-                "workers": workers, "manifest": self.manifest}
+        counts = {
+            role: sum(1 for w in workers if w["role"] == role and w["state"] == "active")
+            for role in ROLES
+        }
+        return {
+            "name": self.manifest["metadata"]["name"] if self.manifest else None,
+            "generation": self.generation,
+            "replicas": counts,
+            "router": router,
+            "workers": workers,
+            "manifest": self.manifest,
+        }
 
     def get_manifest(self) -> dict | None:
         return self.manifest
@@ -538,8 +600,19 @@ def controller_handle(create: bool = False):
         return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
     except ValueError:
         if not create:
-            raise NoCluster("no Baton cluster runs here (no controller actor "
-                            f"{CONTROLLER_NAME!r} in namespace {NAMESPACE!r})") from None
-    return ray.remote(Controller).options(
-        name=CONTROLLER_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-        num_cpus=0, max_concurrency=16).remote()
+            raise NoCluster(
+                "no Baton cluster runs here (no controller actor "
+                f"{CONTROLLER_NAME!r} in namespace {NAMESPACE!r})"
+            ) from None
+    return (
+        ray.remote(Controller)
+        .options(
+            name=CONTROLLER_NAME,
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+            max_concurrency=16,
+        )
+        .remote()
+    )

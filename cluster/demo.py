@@ -27,10 +27,14 @@ def main(argv: list[str] | None = None) -> int:
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(cluster.address))
         for question in QUESTIONS:
             request = pb.GenerateRequest(
-                messages=pb.ChatMessages(messages=[pb.ChatMessage(role="system", content=SYSTEM),
-                                                   pb.ChatMessage(role="user",
-                                                                  content=question)]),
-                sampling=pb.SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+                messages=pb.ChatMessages(
+                    messages=[
+                        pb.ChatMessage(role="system", content=SYSTEM),
+                        pb.ChatMessage(role="user", content=question),
+                    ]
+                ),
+                sampling=pb.SamplingParams(max_tokens=args.max_tokens, temperature=0.0),
+            )
             print(f"Q: {question}\nA: ", end="", flush=True)
             start, first = time.perf_counter(), None
             for reply in stub.Generate(request, timeout=300):
@@ -38,14 +42,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(reply.text, end="", flush=True)
                 if reply.finish_reason:
                     u = reply.usage
-                    print(f"\n   prompt {u.prompt_tokens} tokens, cached {u.cached_tokens}, "
-                          f"TTFT {first * 1000:.0f} ms, {u.completion_tokens} tokens, "
-                          f"prefill {u.prefill_worker} -> decode {u.decode_worker}\n",
-                          flush=True)
+                    print(
+                        f"\n   prompt {u.prompt_tokens} tokens, cached {u.cached_tokens}, "
+                        f"TTFT {first * 1000:.0f} ms, {u.completion_tokens} tokens, "
+                        f"prefill {u.prefill_worker} -> decode {u.decode_worker}\n",
+                        flush=True,
+                    )
         status = stub.ClusterStatus(pb.ClusterStatusRequest())
         for w in status.workers:
-            print(f"{w.worker_id:10} {w.role:8} healthy={w.healthy} kv_usage={w.kv_usage:.3f} "
-                  f"cache_hit_rate={w.cache_hit_rate:.2f}")
+            print(
+                f"{w.worker_id:10} {w.role:8} healthy={w.healthy} kv_usage={w.kv_usage:.3f} "
+                f"cache_hit_rate={w.cache_hit_rate:.2f}"
+            )
         print(f"router prefix-cache hit rate: {status.cache_hit_rate:.2f}")
     finally:
         print("shutting down ...", flush=True)

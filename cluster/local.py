@@ -43,18 +43,24 @@ class LocalOptions:
         if self.kv_cache_memory_gb is not None:
             engine["kv_cache_memory_gb"] = self.kv_cache_memory_gb
             engine["num_kv_blocks"] = None
-        values = {("model", "path"): self.model, ("prefill", "replicas"): self.prefill,
-                  ("decode", "replicas"): self.decode, ("router", "host"): self.host,
-                  ("router", "port"): self.port, ("router", "policy"): self.policy,
-                  ("router", "local_prefill_tokens"): self.local_prefill_tokens,
-                  ("engine", "block_size"): self.block_size,
-                  ("engine", "chunk_size"): self.chunk_size}
+        values = {
+            ("model", "path"): self.model,
+            ("prefill", "replicas"): self.prefill,
+            ("decode", "replicas"): self.decode,
+            ("router", "host"): self.host,
+            ("router", "port"): self.port,
+            ("router", "policy"): self.policy,
+            ("router", "local_prefill_tokens"): self.local_prefill_tokens,
+            ("engine", "block_size"): self.block_size,
+            ("engine", "chunk_size"): self.chunk_size,
+        }
         for (section, key), value in values.items():
             if value is not None:
                 spec[section][key] = value
         engine.update(extra)
-        engine["max_num_batched_tokens"] = max(engine["max_num_batched_tokens"],
-                                               engine["chunk_size"])
+        engine["max_num_batched_tokens"] = max(
+            engine["max_num_batched_tokens"], engine["chunk_size"]
+        )
         spec["transfer"].update(self.transfer)
         resources = self.resources or default_resources()
         for role in ("prefill", "decode"):
@@ -93,16 +99,19 @@ class LocalCluster:
         spec = self.manifest.spec
         log(f"resolving {spec.model.path} ...")
         resolve_model(spec.model.path)  # a GGUF is converted once, before workers load it
-        need = sum(getattr(spec, r).replicas * getattr(spec, r).resources.get("CPU", 0)
-                   for r in ("prefill", "decode"))
+        need = sum(
+            getattr(spec, r).replicas * getattr(spec, r).resources.get("CPU", 0)
+            for r in ("prefill", "decode")
+        )
         # always a new in-process cluster, even where RAY_ADDRESS is set
         start_local_ray(num_cpus=max(8, int(need) + 2), namespace=NAMESPACE)
         check_resources(self.manifest, ray.cluster_resources(), node_resources())
-        log(f"starting {spec.prefill.replicas} prefill + {spec.decode.replicas} decode "
-            "workers on Ray ...")
+        log(
+            f"starting {spec.prefill.replicas} prefill + {spec.decode.replicas} decode "
+            "workers on Ray ..."
+        )
         self._controller = controller_handle(create=True)
-        ray.get(self._controller.apply.remote(self.manifest.model_dump(mode="json")),
-                timeout=900)
+        ray.get(self._controller.apply.remote(self.manifest.model_dump(mode="json")), timeout=900)
         status = ray.get(self._controller.status.remote(), timeout=60)
         self.address = status["router"]["address"]
         self.port = int(self.address.rsplit(":", 1)[1])

@@ -21,8 +21,14 @@ def start_local_ray(num_cpus: int, namespace: str, attempts: int = STARTUP_ATTEM
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     for attempt in range(1, attempts + 1):
         try:
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-                     namespace=namespace, log_to_driver=False, configure_logging=False)
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                namespace=namespace,
+                log_to_driver=False,
+                configure_logging=False,
+            )
             return
         except Exception as err:  # Ray raises a bare Exception for this timeout
             if "timed out during startup" not in str(err) or attempt == attempts:

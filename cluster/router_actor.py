@@ -41,29 +41,48 @@ class RouterActor:
         from router.server import start_server
 
         o = self.options
-        self.router = Router({}, {}, block_size=o["block_size"], hash_seed=o["hash_seed"],
-                             policy=o["policy"], local_prefill_tokens=o["local_prefill_tokens"],
-                             wait_for_workers_s=o["wait_for_workers_s"])
-        tokenizer = None if o.get("skip_tokenizer") else await asyncio.to_thread(
-            load_tokenizer, resolve_model(o["model"]))
+        self.router = Router(
+            {},
+            {},
+            block_size=o["block_size"],
+            hash_seed=o["hash_seed"],
+            policy=o["policy"],
+            local_prefill_tokens=o["local_prefill_tokens"],
+            wait_for_workers_s=o["wait_for_workers_s"],
+        )
+        tokenizer = (
+            None
+            if o.get("skip_tokenizer")
+            else await asyncio.to_thread(load_tokenizer, resolve_model(o["model"]))
+        )
         self.server, port = await start_server(self.router, o["host"], o["port"], tokenizer)
         self._watch_task = asyncio.create_task(self._watch(o.get("health_period_s", 2.0)))
         return port
 
-    async def set_workers(self, prefill: dict, decode: dict, block_size: int, hash_seed: str,
-                          max_model_len: int | None) -> None:
+    async def set_workers(
+        self,
+        prefill: dict,
+        decode: dict,
+        block_size: int,
+        hash_seed: str,
+        max_model_len: int | None,
+    ) -> None:
         """New requests go to these workers ({worker id: actor handle}) from now on."""
         from cluster.ray_peer import RayPeer
 
         await self._control(
-            self.router.set_workers, {w: RayPeer(h) for w, h in prefill.items()},
-            {w: RayPeer(h) for w, h in decode.items()}, block_size=block_size,
-            hash_seed=hash_seed, max_model_len=max_model_len)
+            self.router.set_workers,
+            {w: RayPeer(h) for w, h in prefill.items()},
+            {w: RayPeer(h) for w, h in decode.items()},
+            block_size=block_size,
+            hash_seed=hash_seed,
+            max_model_len=max_model_len,
+        )
 
-    async def configure(self, policy: str, local_prefill_tokens: int,
-                        wait_for_workers_s: float) -> None:
-        await self._control(self.router.configure, policy, local_prefill_tokens,
-                            wait_for_workers_s)
+    async def configure(
+        self, policy: str, local_prefill_tokens: int, wait_for_workers_s: float
+    ) -> None:
+        await self._control(self.router.configure, policy, local_prefill_tokens, wait_for_workers_s)
 
     async def active_counts(self) -> dict[str, int]:
         return await self._control(self.router.active_counts)
@@ -74,9 +93,12 @@ class RouterActor:
         return await loop.run_in_executor(self._control_pool, lambda: fn(*args, **kwargs))
 
     async def stats(self) -> dict:
-        return {"hit_rate": self.router.hit_rate(), "policy": self.router.policy_name,
-                "prompt_tokens": self.router.num_prompt_tokens,
-                "cached_tokens": self.router.num_cached_tokens}
+        return {
+            "hit_rate": self.router.hit_rate(),
+            "policy": self.router.policy_name,
+            "prompt_tokens": self.router.num_prompt_tokens,
+            "cached_tokens": self.router.num_cached_tokens,
+        }
 
     async def _watch(self, period_s: float) -> None:
         while True:

@@ -34,8 +34,9 @@ class WorkerTemplate:
         """Workers are paired only with peers whose KV blocks they can read: same model,
         dtype, block size, hash seed and transfer backend."""
         e = self.engine
-        return json.dumps([e["model"], e["dtype"], e["block_size"], e["hash_seed"],
-                           self.transfer["backend"]])
+        return json.dumps(
+            [e["model"], e["dtype"], e["block_size"], e["hash_seed"], self.transfer["backend"]]
+        )
 
 
 def worker_templates(manifest: Manifest) -> dict[str, WorkerTemplate]:
@@ -44,11 +45,15 @@ def worker_templates(manifest: Manifest) -> dict[str, WorkerTemplate]:
     out = {}
     for role in ROLES:
         pool = getattr(spec, role)
-        engine = {"model": spec.model.path, "dtype": spec.model.dtype,
-                  "skip_tokenizer_init": spec.model.skip_tokenizer_init,
-                  **spec.engine_for(role).model_dump(exclude_none=True)}
-        out[role] = WorkerTemplate(role, engine, spec.transfer.model_dump(),
-                                   dict(pool.resources), pool.threads)
+        engine = {
+            "model": spec.model.path,
+            "dtype": spec.model.dtype,
+            "skip_tokenizer_init": spec.model.skip_tokenizer_init,
+            **spec.engine_for(role).model_dump(exclude_none=True),
+        }
+        out[role] = WorkerTemplate(
+            role, engine, spec.transfer.model_dump(), dict(pool.resources), pool.threads
+        )
     return out
 
 
@@ -57,8 +62,14 @@ def router_options(manifest: Manifest) -> dict:
     manifest guarantees are the same)."""
     spec = manifest.spec
     engine = spec.engine_for("prefill")
-    return {"model": spec.model.path, "skip_tokenizer": spec.model.skip_tokenizer_init,
-            "host": spec.router.host, "port": spec.router.port, "policy": spec.router.policy,
-            "local_prefill_tokens": spec.router.local_prefill_tokens,
-            "wait_for_workers_s": spec.router.wait_for_workers_seconds,
-            "block_size": engine.block_size, "hash_seed": engine.hash_seed}
+    return {
+        "model": spec.model.path,
+        "skip_tokenizer": spec.model.skip_tokenizer_init,
+        "host": spec.router.host,
+        "port": spec.router.port,
+        "policy": spec.router.policy,
+        "local_prefill_tokens": spec.router.local_prefill_tokens,
+        "wait_for_workers_s": spec.router.wait_for_workers_seconds,
+        "block_size": engine.block_size,
+        "hash_seed": engine.hash_seed,
+    }

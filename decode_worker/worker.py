@@ -37,10 +37,16 @@ class _Reservation:
 
 def output_dict(out) -> dict:
     """A RequestOutput as plain values (for RPC and actor calls)."""
-    return {"request_id": out.request_id, "token_ids": list(out.new_token_ids),
-            "text": out.new_text, "finished": out.finished, "finish_reason": out.finish_reason,
-            "num_cached_tokens": out.num_cached_tokens, "error": out.error,
-            "stop_reason": out.stop_reason}
+    return {
+        "request_id": out.request_id,
+        "token_ids": list(out.new_token_ids),
+        "text": out.new_text,
+        "finished": out.finished,
+        "finish_reason": out.finish_reason,
+        "num_cached_tokens": out.num_cached_tokens,
+        "error": out.error,
+        "stop_reason": out.stop_reason,
+    }
 
 
 class DecodeWorker(TransferEndpoint):
@@ -48,8 +54,9 @@ class DecodeWorker(TransferEndpoint):
 
     role = "decode"
 
-    def __init__(self, worker_id: str, engine_options: dict | None = None,
-                 transfer: dict | None = None) -> None:
+    def __init__(
+        self, worker_id: str, engine_options: dict | None = None, transfer: dict | None = None
+    ) -> None:
         super().__init__(worker_id, engine_options, transfer)
         self._expect: dict[str, _Reservation] = {}
         self._receiving: set[str] = set()  # requests whose blocks a transfer is writing
@@ -67,20 +74,34 @@ class DecodeWorker(TransferEndpoint):
                 return
             self.registry.join(prefill_id, address)
             self._attach_peer(prefill_id, peer)
-        threading.Thread(target=self._receive_loop, args=(prefill_id,), daemon=True,
-                         name=f"kv-recv-{prefill_id}").start()
+        threading.Thread(
+            target=self._receive_loop, args=(prefill_id,), daemon=True, name=f"kv-recv-{prefill_id}"
+        ).start()
 
     def disconnect_prefill(self, prefill_id: str) -> None:
         """Tear down the pair group (the prefill worker left)."""
         self._disconnect(prefill_id)
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: dict, seed: int,
-                cache_salt: str | None = None, prefill_id: str | None = None) -> dict:
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict,
+        seed: int,
+        cache_salt: str | None = None,
+        prefill_id: str | None = None,
+    ) -> dict:
         """Reserve blocks for the prompt; returns the blocks the prefill side must fill."""
         stream = self.loop.open_stream(request_id)
         try:
-            ids, hits = self.loop.run(self.engine.reserve_remote, request_id, prompt_token_ids,
-                                      SamplingParams(**params), seed, cache_salt)
+            ids, hits = self.loop.run(
+                self.engine.reserve_remote,
+                request_id,
+                prompt_token_ids,
+                SamplingParams(**params),
+                seed,
+                cache_salt,
+            )
         except Exception:
             self.loop.close_stream(request_id)
             raise
@@ -90,11 +111,18 @@ class DecodeWorker(TransferEndpoint):
         self.leases.grant(request_id, prefill_id or "", self.options.lease_seconds)
         return {"num_hit_blocks": hits, "dst_block_ids": ids[hits:], "num_blocks": len(ids)}
 
-    def local_generate(self, request_id: str, prompt_token_ids: list[int], params: dict,
-                       cache_salt: str | None = None, seed: int | None = None) -> None:
+    def local_generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict,
+        cache_salt: str | None = None,
+        seed: int | None = None,
+    ) -> None:
         """Prefill locally (a short uncached tail: no transfer) and decode."""
-        stream = self.loop.submit(request_id, prompt_token_ids, SamplingParams(**params),
-                                  cache_salt=cache_salt, seed=seed)
+        stream = self.loop.submit(
+            request_id, prompt_token_ids, SamplingParams(**params), cache_salt=cache_salt, seed=seed
+        )
         with self._lock:
             self._streams[request_id] = stream
 
@@ -128,8 +156,12 @@ class DecodeWorker(TransferEndpoint):
         return found or reservation is not None
 
     def stats(self) -> dict:
-        return {**super().stats(), "num_waiting_for_kv": len(self._expect),
-                "bytes_received": self.bytes_received, "blocks_received": self.blocks_received}
+        return {
+            **super().stats(),
+            "num_waiting_for_kv": len(self._expect),
+            "bytes_received": self.bytes_received,
+            "blocks_received": self.blocks_received,
+        }
 
     def shutdown(self) -> None:
         self._closing.set()
@@ -149,8 +181,9 @@ class DecodeWorker(TransferEndpoint):
         use_device(self.engine.runner.device)
         while not self._closing.is_set():
             try:
-                desc, stats = self.transfer.recv(prefill_id, self.engine.kv_caches, wait=0.5,
-                                                 accept=self._accept)
+                desc, stats = self.transfer.recv(
+                    prefill_id, self.engine.kv_caches, wait=0.5, accept=self._accept
+                )
             except TransferTimeout as exc:
                 self._fail_receiving(prefill_id, exc)  # no-op when nothing was announced yet
                 continue
@@ -187,17 +220,23 @@ class DecodeWorker(TransferEndpoint):
     def _fail_receiving(self, prefill_id: str, error: object) -> bool:
         """Fail the request whose transfer from prefill_id broke; True if there was one."""
         with self._lock:
-            broken = [rid for rid in self._receiving
-                      if self._expect.get(rid, _Reservation(None, ())).prefill_id == prefill_id
-                      or rid in self._aborted]
+            broken = [
+                rid
+                for rid in self._receiving
+                if self._expect.get(rid, _Reservation(None, ())).prefill_id == prefill_id
+                or rid in self._aborted
+            ]
             for rid in broken:
                 self._receiving.discard(rid)
                 self._aborted.discard(rid)
                 self._expect.pop(rid, None)
         for rid in broken:
             self.leases.release(rid)
-            self.loop.call(self._fail_remote, rid,
-                           f"KV transfer from prefill worker {prefill_id} failed: {error}")
+            self.loop.call(
+                self._fail_remote,
+                rid,
+                f"KV transfer from prefill worker {prefill_id} failed: {error}",
+            )
         return bool(broken)
 
     def _fail_remote(self, request_id: str, error: str) -> None:
@@ -214,8 +253,11 @@ class DecodeWorker(TransferEndpoint):
                     continue  # the transfer's own timeout bounds it
                 self._expect.pop(lease.request_id, None)
             self.leases.release(lease.request_id)
-            self._fail_remote(lease.request_id, f"KV from prefill worker {lease.owner} did not "
-                              f"arrive within the {self.options.lease_seconds:.0f}s lease")
+            self._fail_remote(
+                lease.request_id,
+                f"KV from prefill worker {lease.owner} did not "
+                f"arrive within the {self.options.lease_seconds:.0f}s lease",
+            )
 
     def _tell_peer(self, prefill_id: str, method: str, request_id: str) -> None:
         peer = self._peers.get(prefill_id)
@@ -225,9 +267,11 @@ class DecodeWorker(TransferEndpoint):
         def call() -> None:
             try:
                 getattr(peer, method)(request_id, propagate=False) if method == "abort" else (
-                    getattr(peer, method)(request_id))
+                    getattr(peer, method)(request_id)
+                )
             except Exception as exc:  # noqa: BLE001 - the peer's lease covers a lost message
-                logger.warning("%s(%s) to prefill worker %s failed: %s", method, request_id,
-                               prefill_id, exc)
+                logger.warning(
+                    "%s(%s) to prefill worker %s failed: %s", method, request_id, prefill_id, exc
+                )
 
         threading.Thread(target=call, daemon=True).start()

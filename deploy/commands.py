@@ -18,16 +18,17 @@ WAIT_S = 1800.0  # the longest apply: worker start-up plus drains
 
 def add_parser(sub) -> None:
     """Register `deploy` and its commands on the `baton` sub-parsers."""
-    deploy = sub.add_parser("deploy", help="apply, scale, inspect or remove a Baton cluster "
-                                           "on a running Ray cluster")
+    deploy = sub.add_parser(
+        "deploy", help="apply, scale, inspect or remove a Baton cluster on a running Ray cluster"
+    )
     commands = deploy.add_subparsers(dest="deploy_command", required=True)
-    apply = commands.add_parser("apply", help="reconcile the cluster to a manifest "
-                                              "(idempotent)")
+    apply = commands.add_parser("apply", help="reconcile the cluster to a manifest (idempotent)")
     apply.add_argument("-f", "--file", required=True, help="the Baton manifest (YAML)")
     apply.set_defaults(run=_apply)
     scale = commands.add_parser("scale", help="change pool sizes: prefill=N decode=M")
-    scale.add_argument("pools", nargs="+", metavar="POOL=N",
-                       help="prefill=N and/or decode=M (N >= 1)")
+    scale.add_argument(
+        "pools", nargs="+", metavar="POOL=N", help="prefill=N and/or decode=M (N >= 1)"
+    )
     scale.set_defaults(run=_scale)
     status = commands.add_parser("status", help="workers, health, load, KV usage, hit rate")
     status.add_argument("--json", action="store_true", help="print JSON")
@@ -35,8 +36,9 @@ def add_parser(sub) -> None:
     down = commands.add_parser("down", help="remove every Baton actor and free its resources")
     down.set_defaults(run=_down)
     for p in (apply, scale, status, down):
-        p.add_argument("--address", default=None,
-                       help="Ray cluster address (default: $RAY_ADDRESS, else auto)")
+        p.add_argument(
+            "--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else auto)"
+        )
 
 
 def _connect(address: str | None) -> None:
@@ -48,11 +50,15 @@ def _connect(address: str | None) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
     try:
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
-                 configure_logging=False)
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise SystemExit(_fail(f"cannot connect to a Ray cluster at {address!r}: {exc}\n"
-                               "start one with `ray start --head` or pass --address", 1)) from None
+        raise SystemExit(
+            _fail(
+                f"cannot connect to a Ray cluster at {address!r}: {exc}\n"
+                "start one with `ray start --head` or pass --address",
+                1,
+            )
+        ) from None
 
 
 def _fail(message: str, code: int) -> int:
@@ -79,8 +85,9 @@ def _follow(controller, ref, shown: int) -> dict:
         if ready:
             return ray.get(ref)
         if time.monotonic() - start > WAIT_S:
-            raise TimeoutError(f"still reconciling after {WAIT_S:.0f} s; "
-                               "`baton deploy status` shows where it is")
+            raise TimeoutError(
+                f"still reconciling after {WAIT_S:.0f} s; `baton deploy status` shows where it is"
+            )
 
 
 def _reconcile(controller, submit) -> int:
@@ -94,8 +101,11 @@ def _reconcile(controller, submit) -> int:
         shown = ray.get(controller.num_events.remote(), timeout=60)
         result = _follow(controller, submit(), shown)
     except KeyboardInterrupt:
-        print("\ninterrupted: the controller finishes this reconcile on its own; "
-              "`baton deploy status` shows it", file=sys.stderr)
+        print(
+            "\ninterrupted: the controller finishes this reconcile on its own; "
+            "`baton deploy status` shows it",
+            file=sys.stderr,
+        )
         return 1
     except Exception as exc:  # noqa: BLE001 - shown as one line, never a traceback
         cause = _cause(exc)
@@ -123,8 +133,7 @@ def _apply(args: argparse.Namespace) -> int:
         return _fail(f"{args.file}:\n{exc}", 2)
 
     controller = controller_handle(create=True)
-    return _reconcile(controller,
-                      lambda: controller.apply.remote(manifest.model_dump(mode="json")))
+    return _reconcile(controller, lambda: controller.apply.remote(manifest.model_dump(mode="json")))
 
 
 def parse_pools(pools: list[str]) -> dict[str, int]:
@@ -178,16 +187,21 @@ def format_status(status: dict) -> str:
     """The human-readable table of `baton deploy status`."""
     router = status.get("router") or {}
     replicas = status["replicas"]
-    lines = [f"cluster {status['name']}  generation {status['generation']}  "
-             f"prefill {replicas['prefill']}  decode {replicas['decode']}",
-             f"router {router.get('address', '-')}  policy {router.get('policy', '-')}  "
-             f"hit rate {router.get('hit_rate', 0.0):.2f}", "",
-             f"{'WORKER':<12}{'ROLE':<9}{'STATE':<10}{'HEALTHY':<9}{'REQUESTS':>9}"
-             f"{'KV USAGE':>10}{'HIT RATE':>10}"]
+    lines = [
+        f"cluster {status['name']}  generation {status['generation']}  "
+        f"prefill {replicas['prefill']}  decode {replicas['decode']}",
+        f"router {router.get('address', '-')}  policy {router.get('policy', '-')}  "
+        f"hit rate {router.get('hit_rate', 0.0):.2f}",
+        "",
+        f"{'WORKER':<12}{'ROLE':<9}{'STATE':<10}{'HEALTHY':<9}{'REQUESTS':>9}"
+        f"{'KV USAGE':>10}{'HIT RATE':>10}",
+    ]
     for w in sorted(status["workers"], key=lambda w: (w["role"] != "prefill", w["worker_id"])):
-        lines.append(f"{w['worker_id']:<12}{w['role']:<9}{w['state']:<10}"
-                     f"{'yes' if w['healthy'] else 'NO':<9}{w.get('num_requests', 0):>9}"
-                     f"{w.get('kv_usage', 0.0):>10.1%}{w.get('cache_hit_rate', 0.0):>10.2f}")
+        lines.append(
+            f"{w['worker_id']:<12}{w['role']:<9}{w['state']:<10}"
+            f"{'yes' if w['healthy'] else 'NO':<9}{w.get('num_requests', 0):>9}"
+            f"{w.get('kv_usage', 0.0):>10.1%}{w.get('cache_hit_rate', 0.0):>10.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -207,8 +221,11 @@ def _down(args: argparse.Namespace) -> int:
     try:
         ray.get(controller.shutdown.remote(), timeout=300)
     except Exception as exc:  # noqa: BLE001 - killing the controller removes what it owns
-        print(f"the controller did not finish in time ({short_error(exc)}); killing it, "
-              "which removes every actor and placement group it owns", file=sys.stderr)
+        print(
+            f"the controller did not finish in time ({short_error(exc)}); killing it, "
+            "which removes every actor and placement group it owns",
+            file=sys.stderr,
+        )
     finally:
         ray.kill(controller)
     deadline = time.monotonic() + 60
@@ -226,5 +243,8 @@ def baton_actors() -> list[str]:
 
     from cluster.controller import NAMESPACE
 
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == NAMESPACE)
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == NAMESPACE
+    )

@@ -25,12 +25,15 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    path: str = Field("smollm2-135m-instruct",
-                      description="model alias, Hugging Face directory or .gguf file")
+    path: str = Field(
+        "smollm2-135m-instruct", description="model alias, Hugging Face directory or .gguf file"
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
-    skip_tokenizer_init: bool = Field(False, description="load no tokenizer: clients send "
-                                      "prompt_token_ids and get token ids back")
+        "auto", description="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)"
+    )
+    skip_tokenizer_init: bool = Field(
+        False, description="load no tokenizer: clients send prompt_token_ids and get token ids back"
+    )
 
 
 class EngineSpec(_Strict):
@@ -38,54 +41,71 @@ class EngineSpec(_Strict):
     chunk_size: int = Field(1024, ge=1, description="most prefill tokens per request per step")
     max_num_batched_tokens: int = Field(2048, ge=1, description="all tokens in one step")
     max_num_seqs: int = Field(128, ge=1, description="most running requests per worker")
-    num_kv_blocks: int | None = Field(None, ge=1, description="KV capacity in blocks "
-                                      "(default: from kv_cache_memory_gb)")
-    kv_cache_memory_gb: float = Field(1.0, gt=0, description="KV budget when num_kv_blocks "
-                                      "is not set")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="KV capacity in blocks (default: from kv_cache_memory_gb)"
+    )
+    kv_cache_memory_gb: float = Field(
+        1.0, gt=0, description="KV budget when num_kv_blocks is not set"
+    )
     max_model_len: int | None = Field(None, ge=2, description="longest prompt + output")
     enable_prefix_caching: bool = Field(True, description="reuse cached full blocks")
     hash_seed: str = Field("baton", min_length=1, description="seed of the block hash chain")
-    use_gguf_blocks: bool = Field(True, description="CPU float32 with a GGUF model: batches of "
-                                  "up to 8 rows multiply from its Q4_1 / Q8_0 blocks")
+    use_gguf_blocks: bool = Field(
+        True,
+        description="CPU float32 with a GGUF model: batches of "
+        "up to 8 rows multiply from its Q4_1 / Q8_0 blocks",
+    )
 
     @model_validator(mode="after")
     def _chunk_fits_budget(self) -> EngineSpec:
         if self.chunk_size > self.max_num_batched_tokens:
-            raise ValueError(f"chunk_size {self.chunk_size} exceeds max_num_batched_tokens "
-                             f"{self.max_num_batched_tokens}")
+            raise ValueError(
+                f"chunk_size {self.chunk_size} exceeds max_num_batched_tokens "
+                f"{self.max_num_batched_tokens}"
+            )
         return self
 
 
 class PoolSpec(_Strict):
     replicas: int = Field(1, ge=1, le=256, description="number of workers in the pool")
-    resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1},
-                                        description="Ray resources of each worker's bundle, "
-                                                    "e.g. {CPU: 1} or {GPU: 1}")
-    engine: EngineSpec | None = Field(None, description="engine options for this pool only "
-                                      "(overrides spec.engine)")
-    threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per worker "
-                         "(CPU); match resources.CPU")
+    resources: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 1},
+        description="Ray resources of each worker's bundle, e.g. {CPU: 1} or {GPU: 1}",
+    )
+    engine: EngineSpec | None = Field(
+        None, description="engine options for this pool only (overrides spec.engine)"
+    )
+    threads: int = Field(
+        1, ge=1, le=256, description="torch intra-op threads per worker (CPU); match resources.CPU"
+    )
 
     @model_validator(mode="after")
     def _positive_resources(self) -> PoolSpec:
         bad = {k: v for k, v in self.resources.items() if v <= 0}
         if bad or not self.resources:
-            raise ValueError(f"resources must name at least one resource with an amount > 0, "
-                             f"got {dict(self.resources)}")
+            raise ValueError(
+                f"resources must name at least one resource with an amount > 0, "
+                f"got {dict(self.resources)}"
+            )
         return self
 
 
 class RouterSpec(_Strict):
     policy: Literal["cache_aware", "round_robin", "least_loaded", "random"] = Field(
-        "cache_aware", description="prefill worker choice")
+        "cache_aware", description="prefill worker choice"
+    )
     host: str = Field("127.0.0.1", description="gRPC listen address")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
-    local_prefill_tokens: int = Field(0, ge=0, description="conditional disaggregation "
-                                      "threshold (0: always transfer)")
+    local_prefill_tokens: int = Field(
+        0, ge=0, description="conditional disaggregation threshold (0: always transfer)"
+    )
     wait_for_workers_seconds: float = Field(
-        120.0, ge=0, description="how long a request waits for a healthy worker in each "
+        120.0,
+        ge=0,
+        description="how long a request waits for a healthy worker in each "
         "pool (one being replaced or restarted; then UNAVAILABLE) and for a decode worker "
-        "with free KV blocks for its prompt (then RESOURCE_EXHAUSTED)")
+        "with free KV blocks for its prompt (then RESOURCE_EXHAUSTED)",
+    )
 
 
 class TransferSpec(_Strict):
@@ -96,16 +116,22 @@ class TransferSpec(_Strict):
 
 class ClusterSpecModel(_Strict):
     model: ModelSpec = Field(default_factory=ModelSpec, description="what every worker serves")
-    engine: EngineSpec = Field(default_factory=EngineSpec,
-                               description="engine options of both pools")
+    engine: EngineSpec = Field(
+        default_factory=EngineSpec, description="engine options of both pools"
+    )
     prefill: PoolSpec = Field(default_factory=PoolSpec, description="the prefill pool")
     decode: PoolSpec = Field(default_factory=PoolSpec, description="the decode pool")
-    router: RouterSpec = Field(default_factory=RouterSpec,
-                               description="the gRPC front door and its routing")
-    transfer: TransferSpec = Field(default_factory=TransferSpec,
-                                   description="KV transfer between the pools")
-    drain_timeout_seconds: float = Field(600.0, gt=0, description="scale-down: how long a "
-                                         "leaving worker may take to finish its requests")
+    router: RouterSpec = Field(
+        default_factory=RouterSpec, description="the gRPC front door and its routing"
+    )
+    transfer: TransferSpec = Field(
+        default_factory=TransferSpec, description="KV transfer between the pools"
+    )
+    drain_timeout_seconds: float = Field(
+        600.0,
+        gt=0,
+        description="scale-down: how long a leaving worker may take to finish its requests",
+    )
 
     def engine_for(self, role: Literal["prefill", "decode"]) -> EngineSpec:
         pool = self.prefill if role == "prefill" else self.decode
@@ -116,15 +142,22 @@ class ClusterSpecModel(_Strict):
         p, d = self.engine_for("prefill"), self.engine_for("decode")
         for name in ("block_size", "hash_seed"):
             if getattr(p, name) != getattr(d, name):
-                raise ValueError(f"prefill and decode must use the same {name} (the router "
-                                 f"hashes prompts with it): prefill has {getattr(p, name)!r}, "
-                                 f"decode has {getattr(d, name)!r}")
+                raise ValueError(
+                    f"prefill and decode must use the same {name} (the router "
+                    f"hashes prompts with it): prefill has {getattr(p, name)!r}, "
+                    f"decode has {getattr(d, name)!r}"
+                )
         return self
 
 
 class Metadata(_Strict):
-    name: str = Field(..., min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
-                      description="cluster name (DNS label)")
+    name: str = Field(
+        ...,
+        min_length=1,
+        max_length=63,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="cluster name (DNS label)",
+    )
 
 
 class Manifest(_Strict):
@@ -133,8 +166,9 @@ class Manifest(_Strict):
     apiVersion: Literal["baton/v1"] = Field(..., description="manifest schema version")  # noqa: N815
     kind: Literal["Cluster"] = Field(..., description="what the manifest describes")
     metadata: Metadata = Field(..., description="the cluster's name")
-    spec: ClusterSpecModel = Field(default_factory=ClusterSpecModel,
-                                   description="the desired cluster")
+    spec: ClusterSpecModel = Field(
+        default_factory=ClusterSpecModel, description="the desired cluster"
+    )
 
 
 def _format(err: ValidationError) -> str:
@@ -173,8 +207,9 @@ def load_manifest(path: str | Path) -> Manifest:
     return parse_manifest(path.read_text())
 
 
-def check_resources(manifest: Manifest, cluster: dict[str, float],
-                    nodes: list[dict[str, float]] | None = None) -> None:
+def check_resources(
+    manifest: Manifest, cluster: dict[str, float], nodes: list[dict[str, float]] | None = None
+) -> None:
     """Raise ManifestError if the pools can never be placed on a cluster with these total
     resources (e.g. ray.cluster_resources()) or, given the nodes' own totals, if no single
     node can hold one worker's bundle."""
@@ -184,19 +219,29 @@ def check_resources(manifest: Manifest, cluster: dict[str, float],
         pool = getattr(manifest.spec, role)
         for name, amount in pool.resources.items():
             if cluster.get(name, 0) < amount:
-                problems.append(f"spec.{role}.resources.{name}: {amount:g} per worker, but "
-                                f"the Ray cluster has {cluster.get(name, 0):g} in total")
+                problems.append(
+                    f"spec.{role}.resources.{name}: {amount:g} per worker, but "
+                    f"the Ray cluster has {cluster.get(name, 0):g} in total"
+                )
             elif nodes and max(n.get(name, 0) for n in nodes) < amount:
-                problems.append(f"spec.{role}.resources.{name}: {amount:g} per worker, but no "
-                                f"node has more than {max(n.get(name, 0) for n in nodes):g}")
+                problems.append(
+                    f"spec.{role}.resources.{name}: {amount:g} per worker, but no "
+                    f"node has more than {max(n.get(name, 0) for n in nodes):g}"
+                )
             need[name] = need.get(name, 0) + amount * pool.replicas
-        if nodes and not any(all(n.get(k, 0) >= v for k, v in pool.resources.items())
-                             for n in nodes) and not problems:
-            problems.append(f"spec.{role}.resources: no node has all of "
-                            f"{dict(pool.resources)} at once")
+        if (
+            nodes
+            and not any(all(n.get(k, 0) >= v for k, v in pool.resources.items()) for n in nodes)
+            and not problems
+        ):
+            problems.append(
+                f"spec.{role}.resources: no node has all of {dict(pool.resources)} at once"
+            )
     for name, amount in need.items():
         if cluster.get(name, 0) < amount and not any(name in p for p in problems):
-            problems.append(f"spec.prefill/decode: {amount:g} {name} needed for all replicas, "
-                            f"the Ray cluster has {cluster.get(name, 0):g}")
+            problems.append(
+                f"spec.prefill/decode: {amount:g} {name} needed for all replicas, "
+                f"the Ray cluster has {cluster.get(name, 0):g}"
+            )
     if problems:
         raise ManifestError("\n".join(problems))

@@ -162,17 +162,21 @@ class BlockPool:
         cached = sum(1 for b in self.blocks if b.ref_cnt == 0 and b.block_hash is not None)
         in_use = sum(1 for b in self.blocks if b.ref_cnt > 0)
         if free + cached + in_use != self.num_blocks:
-            raise AssertionError(f"free {free} + cached {cached} + in use {in_use} "
-                                 f"!= total {self.num_blocks} (negative ref count?)")
+            raise AssertionError(
+                f"free {free} + cached {cached} + in use {in_use} "
+                f"!= total {self.num_blocks} (negative ref count?)"
+            )
         if len(self._free) != free + cached:
-            raise AssertionError(f"free queue holds {len(self._free)} blocks, expected "
-                                 f"{free + cached}")
+            raise AssertionError(
+                f"free queue holds {len(self._free)} blocks, expected {free + cached}"
+            )
         if any(self._free.get(b.block_id) is not b for b in self.blocks if b.ref_cnt == 0):
             raise AssertionError("a block with ref_cnt 0 is missing from the free queue")
         for h, b in self._cached.items():
             if b.block_hash != h:
-                raise AssertionError(f"cache map entry {h} points at block {b.block_id} "
-                                     f"whose hash is {b.block_hash}")
+                raise AssertionError(
+                    f"cache map entry {h} points at block {b.block_id} whose hash is {b.block_hash}"
+                )
         hashed = sum(1 for b in self.blocks if b.block_hash is not None)
         if hashed != len(self._cached):
             raise AssertionError(f"{hashed} blocks carry a hash, map has {len(self._cached)}")

@@ -42,16 +42,24 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InvalidRequestError(f"{name}={value!r} is invalid: must be an integer >= 1")
 
-        for name in ("block_size", "num_kv_blocks", "chunk_size", "max_num_batched_tokens",
-                     "max_num_seqs", "max_model_len"):
+        for name in (
+            "block_size",
+            "num_kv_blocks",
+            "chunk_size",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_model_len",
+        ):
             positive(name)
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise InvalidRequestError(
-                f"dtype={self.dtype!r} is invalid: choose auto, {', '.join(DTYPES)}")
+                f"dtype={self.dtype!r} is invalid: choose auto, {', '.join(DTYPES)}"
+            )
         if self.chunk_size > self.max_num_batched_tokens:
             raise InvalidRequestError(
                 f"chunk_size={self.chunk_size} exceeds max_num_batched_tokens="
-                f"{self.max_num_batched_tokens}")
+                f"{self.max_num_batched_tokens}"
+            )
         if self.kv_cache_memory_gb <= 0:
             raise InvalidRequestError("kv_cache_memory_gb must be > 0")
 
@@ -62,7 +70,8 @@ class EngineConfig:
         unknown = sorted(set(options) - known)
         if unknown:
             raise InvalidRequestError(
-                f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
+                f"unknown engine option(s) {unknown}; known options: {sorted(known)}"
+            )
         if model is not None:
             options["model"] = model
         return cls(**options)

@@ -38,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model)
     print(f"loaded in {time.perf_counter() - start:.1f}s from {llm.engine.model_dir}")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    convs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-             for q in QUESTIONS]
+    convs = [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS
+    ]
     # The first request fills the prefix cache; the rest run as one continuous batch.
     for batch in (convs[:1], convs[1:]):
         start = time.perf_counter()
@@ -47,12 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.perf_counter() - start
         for conv, out in zip(batch, outs, strict=True):
             print(f"\nQ: {conv[-1]['content']}\nA: {out.text.strip()}")
-            print(f"   prompt {len(out.prompt_token_ids)} tokens, cached "
-                  f"{out.num_cached_tokens}, TTFT {out.ttft * 1000:.0f} ms, "
-                  f"{len(out.token_ids)} tokens, finish={out.finish_reason}")
+            print(
+                f"   prompt {len(out.prompt_token_ids)} tokens, cached "
+                f"{out.num_cached_tokens}, TTFT {out.ttft * 1000:.0f} ms, "
+                f"{len(out.token_ids)} tokens, finish={out.finish_reason}"
+            )
         total = sum(len(o.token_ids) for o in outs)
-        print(f"-- batch of {len(batch)}: {total} tokens in {wall:.2f}s "
-              f"({total / wall:.1f} tok/s)")
+        print(f"-- batch of {len(batch)}: {total} tokens in {wall:.2f}s ({total / wall:.1f} tok/s)")
     return 0
 
 

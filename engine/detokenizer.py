@@ -10,8 +10,9 @@ class IncrementalDetokenizer:
     multi-byte character) is held back until the next token completes it.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (),
-                 include_stop_str_in_output: bool = False) -> None:
+    def __init__(
+        self, tokenizer, stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.include_stop = include_stop_str_in_output
@@ -28,7 +29,7 @@ class IncrementalDetokenizer:
             return "", None
         if not full.startswith(self.text):  # a merge changed earlier text; emit nothing new
             return "", None
-        delta = full[len(self.text):]
+        delta = full[len(self.text) :]
         matched = None
         if self.stop:
             # Only text near the new delta can complete a stop string.
@@ -42,6 +43,6 @@ class IncrementalDetokenizer:
             if hit is not None:
                 idx, matched = hit
                 end = idx + len(matched) if self.include_stop else idx
-                delta = full[len(self.text):max(end, len(self.text))]
+                delta = full[len(self.text) : max(end, len(self.text))]
         self.text += delta
         return delta, matched

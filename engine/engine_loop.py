@@ -103,13 +103,15 @@ class EngineLoop:
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params, **kwargs
-               ) -> RequestStream:
+    def submit(
+        self, request_id: str, prompt_token_ids: list[int], params, **kwargs
+    ) -> RequestStream:
         """Add a request on the loop thread; return its stream. Raises the engine's errors."""
         stream = self.open_stream(request_id)
         try:
-            self.run(lambda: self.engine.add_request(request_id, prompt_token_ids, params,
-                                                     **kwargs))
+            self.run(
+                lambda: self.engine.add_request(request_id, prompt_token_ids, params, **kwargs)
+            )
         except Exception:
             self.close_stream(request_id)
             raise
@@ -175,8 +177,9 @@ class EngineLoop:
         self.engine.fail_all(error)
         self._dispatch(StepResult(outputs=self.engine.take_pending()))
         for rid, stream in list(self._streams.items()):  # streams of requests not yet added
-            stream.put(RequestOutput(rid, [], "", 0, finished=True, finish_reason="error",
-                                     error=error))
+            stream.put(
+                RequestOutput(rid, [], "", 0, finished=True, finish_reason="error", error=error)
+            )
         self._streams.clear()
         if self._stop.is_set():
             while True:

@@ -30,13 +30,20 @@ class KVCacheManager:
         """Extend request.block_hashes to cover every full block of its tokens."""
         have = len(request.block_hashes)
         parent = request.block_hashes[-1] if have else None
-        request.block_hashes.extend(hash_prompt_blocks(
-            request.token_ids, self.block_size, self.hash_seed, request.cache_salt,
-            start=have, parent=parent))
+        request.block_hashes.extend(
+            hash_prompt_blocks(
+                request.token_ids,
+                self.block_size,
+                self.hash_seed,
+                request.cache_salt,
+                start=have,
+                parent=parent,
+            )
+        )
 
     def _hash_key(self, request: Request, i: int) -> HashKey:
         parent = request.block_hashes[i - 1] if i > 0 else self._root
-        tokens = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
+        tokens = tuple(request.token_ids[i * self.block_size : (i + 1) * self.block_size])
         extra = (request.cache_salt,) if (i == 0 and request.cache_salt) else ()
         return parent, tokens, extra
 
@@ -61,8 +68,9 @@ class KVCacheManager:
         self.pool.stats.hits += len(hits)
         return hits
 
-    def num_blocks_needed(self, request: Request, num_new_tokens: int,
-                          computed: list[KVBlock] | None = None) -> int:
+    def num_blocks_needed(
+        self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
+    ) -> int:
         """Free-queue blocks an allocate_slots call with these arguments would consume."""
         table = self._tables.get(request.request_id, [])
         computed = computed or []
@@ -71,8 +79,9 @@ class KVCacheManager:
         # Hits on evictable cached blocks also leave the free queue.
         return new + sum(1 for b in computed if b.ref_cnt == 0)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed: list[KVBlock] | None = None) -> bool:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
+    ) -> bool:
         """Make room for num_new_tokens more tokens; attach `computed` prefix hits first.
 
         Returns False (changing nothing) when the pool cannot supply the blocks.
@@ -94,14 +103,12 @@ class KVCacheManager:
             return
         self.update_block_hashes(request)
         table = self._tables.get(request.request_id, [])
-        n_full = min(num_computed_tokens // self.block_size, len(request.block_hashes),
-                     len(table))
+        n_full = min(num_computed_tokens // self.block_size, len(request.block_hashes), len(table))
         start = self._num_hashed.get(request.request_id, 0)
         self._num_hashed[request.request_id] = max(start, n_full)
         for i in range(start, n_full):
             if table[i].block_hash is None:
-                self.pool.cache_block(table[i], request.block_hashes[i],
-                                      self._hash_key(request, i))
+                self.pool.cache_block(table[i], request.block_hashes[i], self._hash_key(request, i))
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks, tail first (evicted before the head)."""

@@ -29,17 +29,23 @@ class LLM:
         """Token ids of a prompt (strings need the tokenizer)."""
         if isinstance(prompt, str):
             if self.engine.tokenizer is None:
-                raise InvalidRequestError("string prompts need a tokenizer; this engine was "
-                                          "started with skip_tokenizer_init=True")
+                raise InvalidRequestError(
+                    "string prompts need a tokenizer; this engine was "
+                    "started with skip_tokenizer_init=True"
+                )
             return self.engine.tokenizer.encode(prompt, add_special_tokens=True)
         return [int(t) for t in prompt]
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 cache_salt: str | None = None) -> list[CompletionOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[CompletionOutput]:
         """Outputs in the order of the prompts. A single prompt may be passed bare."""
         if isinstance(prompts, str) or (
-                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
@@ -54,8 +60,15 @@ class LLM:
             ids = self.encode(prompt)
             req = engine.add_request(rid, ids, p, cache_salt=cache_salt)
             order.append(rid)
-            state[rid] = {"prompt": ids, "tokens": [], "text": "", "lp": [], "arrival":
-                          req.arrival_time, "first": None, "out": None}
+            state[rid] = {
+                "prompt": ids,
+                "tokens": [],
+                "text": "",
+                "lp": [],
+                "arrival": req.arrival_time,
+                "first": None,
+                "out": None,
+            }
         while engine.has_unfinished() and any(s["out"] is None for s in state.values()):
             result = engine.step()
             now = time.monotonic()
@@ -71,14 +84,26 @@ class LLM:
                     s["lp"].extend(o.logprobs)
                 if o.finished:
                     s["out"] = CompletionOutput(
-                        rid, s["prompt"], s["tokens"], s["text"], o.finish_reason,
-                        o.num_cached_tokens, (s["first"] or now) - s["arrival"],
-                        now - s["arrival"], o.stop_reason, s["lp"] or None, o.error)
+                        rid,
+                        s["prompt"],
+                        s["tokens"],
+                        s["text"],
+                        o.finish_reason,
+                        o.num_cached_tokens,
+                        (s["first"] or now) - s["arrival"],
+                        now - s["arrival"],
+                        o.stop_reason,
+                        s["lp"] or None,
+                        o.error,
+                    )
         return [state[rid]["out"] for rid in order]
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True) -> list[CompletionOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[CompletionOutput]:
         """Apply the model's chat template to one conversation (or a list) and generate."""
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
@@ -90,7 +115,8 @@ class LLM:
     def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered through the chat template."""
         ids = self.engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)

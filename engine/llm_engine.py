@@ -38,25 +38,32 @@ class LLMEngine:
         model_max = int(hf_config.get("max_position_embeddings", 2048))
         # Sliding-window attention is not implemented: within the window it equals full
         # attention, so the context is capped at the window.
-        window = hf_config.get("sliding_window") if (
-            hf_config.get("model_type") == "mistral" or hf_config.get("use_sliding_window")
-        ) else None
+        window = (
+            hf_config.get("sliding_window")
+            if (hf_config.get("model_type") == "mistral" or hf_config.get("use_sliding_window"))
+            else None
+        )
         if window:
             model_max = min(model_max, int(window))
         self.max_model_len = self.config.max_model_len or model_max
         if self.max_model_len > model_max:
             raise InvalidRequestError(
                 f"max_model_len={self.max_model_len} exceeds this model's limit of {model_max} "
-                f"tokens (max_position_embeddings{' / sliding_window' if window else ''})")
-        self.tokenizer = None if self.config.skip_tokenizer_init else load_tokenizer(
-            self.model_dir)
+                f"tokens (max_position_embeddings{' / sliding_window' if window else ''})"
+            )
+        self.tokenizer = None if self.config.skip_tokenizer_init else load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, hf_config, self.tokenizer)
         self.runner = ModelRunner(self.config, self.model_dir, self.max_model_len)
         self.pool = BlockPool(self.runner.num_blocks, self.config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, self.config.block_size, self.config.hash_seed)
-        self.scheduler = Scheduler(SchedulerConfig(
-            self.config.max_num_batched_tokens, self.config.chunk_size, self.config.max_num_seqs,
-        ), self.kv)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                self.config.max_num_batched_tokens,
+                self.config.chunk_size,
+                self.config.max_num_seqs,
+            ),
+            self.kv,
+        )
         self._rng = random.Random(self.config.seed)
         self._seeds: dict[str, int] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -64,25 +71,36 @@ class LLMEngine:
         self._held: dict[str, float] = {}  # prefilled request id -> hold time (prefill role)
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams | None = None, cache_salt: str | None = None,
-                    arrival_time: float | None = None, seed: int | None = None,
-                    prefill_only: bool = False) -> Request:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        seed: int | None = None,
+        prefill_only: bool = False,
+    ) -> Request:
         """Queue a tokenized prompt; raises InvalidRequestError/CapacityError on bad input.
 
         seed overrides the sampling seed (a request moved between engines keeps its seed).
         prefill_only: finish after the first token and hold the blocks until release_held().
         """
-        req = self._new_request(request_id, prompt_token_ids, params, cache_salt, arrival_time,
-                                seed, prefill_only)
+        req = self._new_request(
+            request_id, prompt_token_ids, params, cache_salt, arrival_time, seed, prefill_only
+        )
         self.scheduler.add(req)
         return req
 
-    def _new_request(self, request_id, prompt_token_ids, params, cache_salt, arrival_time,
-                     seed, prefill_only) -> Request:
+    def _new_request(
+        self, request_id, prompt_token_ids, params, cache_salt, arrival_time, seed, prefill_only
+    ) -> Request:
         params = params or SamplingParams()
-        if (request_id in self.scheduler.requests or request_id in self._pending
-                or request_id in self._held):
+        if (
+            request_id in self.scheduler.requests
+            or request_id in self._pending
+            or request_id in self._held
+        ):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise InvalidRequestError("prompt is empty")
@@ -92,19 +110,29 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
-            raise PromptTooLongError(f"prompt has {n} tokens; max_model_len is "
-                                     f"{self.max_model_len} (need room for one new token)")
+            raise PromptTooLongError(
+                f"prompt has {n} tokens; max_model_len is "
+                f"{self.max_model_len} (need room for one new token)"
+            )
         need = -(-(n + 1) // self.config.block_size)
         if need > self.pool.num_blocks:
-            raise CapacityError(f"prompt needs {need} KV blocks; this engine has only "
-                                f"{self.pool.num_blocks}")
-        req = Request(request_id, [int(t) for t in prompt_token_ids], params,
-                      arrival_time=arrival_time, cache_salt=cache_salt, prefill_only=prefill_only)
+            raise CapacityError(
+                f"prompt needs {need} KV blocks; this engine has only {self.pool.num_blocks}"
+            )
+        req = Request(
+            request_id,
+            [int(t) for t in prompt_token_ids],
+            params,
+            arrival_time=arrival_time,
+            cache_salt=cache_salt,
+            prefill_only=prefill_only,
+        )
         if seed is None:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self._seeds[request_id] = seed
         self._detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.include_stop_str_in_output)
+            self.tokenizer, params.stop, params.include_stop_str_in_output
+        )
         return req
 
     def seed_of(self, request_id: str) -> int:
@@ -130,23 +158,32 @@ class LLMEngine:
         return dict(self._held)
 
     # ---- disaggregation: the decode side ---------------------------------------------------
-    def reserve_remote(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, seed: int, cache_salt: str | None = None,
-                       arrival_time: float | None = None) -> tuple[list[int], int]:
+    def reserve_remote(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> tuple[list[int], int]:
         """Reserve blocks for a prompt whose KV will arrive from a prefill engine.
 
         Reuses this engine's own cached prefix. Returns (block ids of the whole prompt,
         number of leading blocks already present); the rest must be received.
         Raises NoFreeBlocksError when the blocks are not free now.
         """
-        req = self._new_request(request_id, prompt_token_ids, params, cache_salt, arrival_time,
-                                seed, False)
+        req = self._new_request(
+            request_id, prompt_token_ids, params, cache_salt, arrival_time, seed, False
+        )
         hits = self.kv.get_computed_blocks(req)
         req.num_computed_tokens = len(hits) * self.config.block_size
         if not self.kv.allocate_slots(req, req.num_tokens - req.num_computed_tokens, hits):
             self._forget(request_id)
-            raise NoFreeBlocksError(f"not enough free KV blocks for {req.num_tokens} tokens "
-                                f"({self.pool.num_free_blocks} free)")
+            raise NoFreeBlocksError(
+                f"not enough free KV blocks for {req.num_tokens} tokens "
+                f"({self.pool.num_free_blocks} free)"
+            )
         req.num_cached_tokens = req.num_computed_tokens
         self.scheduler.add_remote(req)
         return self.kv.block_ids(request_id), len(hits)
@@ -157,8 +194,9 @@ class LLMEngine:
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_blocks(req, req.num_computed_tokens)
         self.scheduler.activate_remote(req)
-        self._pending[request_id] = self._append_token(req, int(first_token), None,
-                                                       time.monotonic())
+        self._pending[request_id] = self._append_token(
+            req, int(first_token), None, time.monotonic()
+        )
 
     def fail_remote(self, request_id: str, error: str) -> None:
         """The KV never arrived: free the reservation and report the error."""
@@ -224,8 +262,10 @@ class LLMEngine:
                 in_tables[b] = in_tables.get(b, 0) + 1
         for block in self.pool.blocks:
             if block.ref_cnt != in_tables.get(block.block_id, 0):
-                raise AssertionError(f"block {block.block_id}: ref_cnt {block.ref_cnt} but "
-                                     f"{in_tables.get(block.block_id, 0)} live references")
+                raise AssertionError(
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt} but "
+                    f"{in_tables.get(block.block_id, 0)} live references"
+                )
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.pool.take_events()
@@ -251,10 +291,14 @@ class LLMEngine:
 
     def _row(self, req: Request, n: int) -> BatchRow:
         samples = req.num_computed_tokens + n == req.num_tokens
-        sample = SampleRequest(req.params, self._seeds[req.request_id], req.num_tokens) if (
-            samples) else None
-        return BatchRow(req.token_ids, req.num_computed_tokens, n,
-                        self.kv.block_ids(req.request_id), sample)
+        sample = (
+            SampleRequest(req.params, self._seeds[req.request_id], req.num_tokens)
+            if (samples)
+            else None
+        )
+        return BatchRow(
+            req.token_ids, req.num_computed_tokens, n, self.kv.block_ids(req.request_id), sample
+        )
 
     def _append_token(self, req: Request, token: int, logprob, now: float) -> RequestOutput:
         req.token_ids.append(token)
@@ -266,8 +310,13 @@ class LLMEngine:
             status = RequestStatus.FINISHED_PREFILLED
             self._held[req.request_id] = now
         if status is None:
-            return RequestOutput(req.request_id, [token], text, req.num_cached_tokens or 0,
-                                 logprobs=[logprob] if logprob else None)
+            return RequestOutput(
+                req.request_id,
+                [token],
+                text,
+                req.num_cached_tokens or 0,
+                logprobs=[logprob] if logprob else None,
+            )
         if status == RequestStatus.FINISHED_STOPPED:
             req.stop_reason = stop_str if stop_str is not None else token
         self.scheduler.finish(req, status, free_blocks=not req.prefill_only)
@@ -288,6 +337,13 @@ class LLMEngine:
     def _final_output(self, req: Request, tokens: list[int], text: str) -> RequestOutput:
         self._seeds.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
-        return RequestOutput(req.request_id, tokens, text, req.num_cached_tokens or 0,
-                             finished=True, finish_reason=FINISH_REASONS[req.status],
-                             stop_reason=req.stop_reason, error=req.error)
+        return RequestOutput(
+            req.request_id,
+            tokens,
+            text,
+            req.num_cached_tokens or 0,
+            finished=True,
+            finish_reason=FINISH_REASONS[req.status],
+            stop_reason=req.stop_reason,
+            error=req.error,
+        )

@@ -50,10 +50,12 @@ def known_aliases() -> list[str]:
 
 
 def _usage(name: str, reason: str) -> str:
-    return (f"cannot resolve model {name!r}: {reason}. Accepted forms: a directory containing "
-            f"config.json (Hugging Face format), a path to a .gguf file (llama architecture; "
-            f"converted once and cached under {cache_root()}), or one of the known aliases "
-            f"{known_aliases()} (case-insensitive; default {DEFAULT_MODEL!r}).")
+    return (
+        f"cannot resolve model {name!r}: {reason}. Accepted forms: a directory containing "
+        f"config.json (Hugging Face format), a path to a .gguf file (llama architecture; "
+        f"converted once and cached under {cache_root()}), or one of the known aliases "
+        f"{known_aliases()} (case-insensitive; default {DEFAULT_MODEL!r})."
+    )
 
 
 def packaged_gguf_path(alias: str) -> Path:
@@ -66,8 +68,13 @@ def packaged_gguf_path(alias: str) -> Path:
         path = Path(location) / filename
         if path.is_file():
             return path
-    raise ModelNotFoundError(_usage(alias, f"the alias needs the Python package {package!r} "
-                                           f"providing {filename}, which is not installed"))
+    raise ModelNotFoundError(
+        _usage(
+            alias,
+            f"the alias needs the Python package {package!r} "
+            f"providing {filename}, which is not installed",
+        )
+    )
 
 
 def cache_dir_for(gguf_path: Path) -> Path:
@@ -113,9 +120,18 @@ def _convert_into_cache(gguf_path: Path, target: Path) -> Path:
             start = time.perf_counter()
             convert_gguf_to_hf(gguf_path, tmp)
             st = gguf_path.stat()
-            (tmp / _SOURCE_FILE).write_text(json.dumps(
-                {"gguf": str(gguf_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                 "converter_version": CONVERTER_VERSION}, indent=2) + "\n")
+            (tmp / _SOURCE_FILE).write_text(
+                json.dumps(
+                    {
+                        "gguf": str(gguf_path),
+                        "size": st.st_size,
+                        "mtime_ns": st.st_mtime_ns,
+                        "converter_version": CONVERTER_VERSION,
+                    },
+                    indent=2,
+                )
+                + "\n"
+            )
             # mkdtemp (and safetensors) create owner-only modes; a cache entry is readable.
             tmp.chmod(0o755)
             for child in tmp.iterdir():
@@ -124,8 +140,9 @@ def _convert_into_cache(gguf_path: Path, target: Path) -> Path:
             # atomic within one filesystem (tmp shares target's parent); it fails if target
             # already exists and is non-empty, which the except branch treats as "lost a race".
             os.replace(tmp, target)
-            logger.info("converted %s -> %s in %.1fs", gguf_path, target,
-                        time.perf_counter() - start)
+            logger.info(
+                "converted %s -> %s in %.1fs", gguf_path, target, time.perf_counter() - start
+            )
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
             if _is_complete(target):

@@ -39,18 +39,30 @@ class ModelRunner:
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model, self.hf_config = load_model(
-            model_dir, self.dtype, self.device, max_model_len, config.use_gguf_blocks)
+            model_dir, self.dtype, self.device, max_model_len, config.use_gguf_blocks
+        )
         args = self.model.args
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks or self._blocks_for_budget()
         # Per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (head-major storage)
         self.kv_caches = [
-            allocate_kv_cache(self.num_blocks, self.block_size, args.num_kv_heads,
-                              args.head_dim, self.dtype, self.device)
-            for _ in range(args.num_layers)]
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks,
-                    self.block_size, self.kv_cache_bytes() / 2**30)
+            allocate_kv_cache(
+                self.num_blocks,
+                self.block_size,
+                args.num_kv_heads,
+                args.head_dim,
+                self.dtype,
+                self.device,
+            )
+            for _ in range(args.num_layers)
+        ]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            self.num_blocks,
+            self.block_size,
+            self.kv_cache_bytes() / 2**30,
+        )
 
     def block_bytes(self) -> int:
         """Bytes one block occupies across all layers (keys and values)."""
@@ -64,8 +76,10 @@ class ModelRunner:
     def _blocks_for_budget(self) -> int:
         n = int(self.config.kv_cache_memory_gb * 2**30) // self.block_bytes()
         if n < 1:
-            raise CapacityError(f"kv_cache_memory_gb={self.config.kv_cache_memory_gb} is too "
-                                f"small for one block of {self.block_bytes()} bytes")
+            raise CapacityError(
+                f"kv_cache_memory_gb={self.config.kv_cache_memory_gb} is too "
+                f"small for one block of {self.block_bytes()} bytes"
+            )
         return n
 
     @torch.inference_mode()
@@ -76,14 +90,18 @@ class ModelRunner:
         logit_rows: list[int] = []
         samples: list[SampleRequest] = []
         for row in rows:
-            input_ids.extend(row.token_ids[row.start:row.start + row.n])
+            input_ids.extend(row.token_ids[row.start : row.start + row.n])
             positions.extend(range(row.start, row.start + row.n))
             if row.sample is not None:
                 logit_rows.append(len(input_ids) - 1)
                 samples.append(row.sample)
         meta = build_metadata(
-            [r.n for r in rows], [r.start + r.n for r in rows], [r.block_ids for r in rows],
-            self.block_size, self.device)
+            [r.n for r in rows],
+            [r.start + r.n for r in rows],
+            [r.block_ids for r in rows],
+            self.block_size,
+            self.device,
+        )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         rows = None  # every row samples (all decode): no selection needed

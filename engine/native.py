@@ -23,8 +23,7 @@ import torch  # noqa: F401 - loads torch's libgomp before any kernel library
 
 logger = logging.getLogger(__name__)
 
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared",
-          "-fPIC"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 CPU_FLAGS = ("avx2", "fma", "f16c")
 
 
@@ -39,8 +38,11 @@ def cpu_supports() -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("flags")).split()
+        flags = next(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        ).split()
     except (OSError, StopIteration):
         return False
     return all(f in flags for f in CPU_FLAGS)
@@ -53,8 +55,13 @@ def _build(source: Path, target: Path) -> None:
     os.close(fd)
     try:
         compiler = os.environ.get("CC", "cc")
-        subprocess.run([compiler, *CFLAGS, "-o", tmp, str(source)], check=True,
-                       capture_output=True, text=True, timeout=120)
+        subprocess.run(
+            [compiler, *CFLAGS, "-o", tmp, str(source)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)
     finally:
@@ -66,8 +73,9 @@ def _build(source: Path, target: Path) -> None:
 def load_native(source: Path) -> ctypes.CDLL | None:
     """The compiled library of a C source file, or None (logged once) where it cannot run."""
     if not cpu_supports():
-        logger.info("%s needs an x86-64 CPU with %s; using the torch path", source.name,
-                    "/".join(CPU_FLAGS))
+        logger.info(
+            "%s needs an x86-64 CPU with %s; using the torch path", source.name, "/".join(CPU_FLAGS)
+        )
         return None
     digest = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
     target = kernel_dir() / f"{source.stem}-{digest}.so"
@@ -77,6 +85,7 @@ def load_native(source: Path) -> ctypes.CDLL | None:
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        logger.warning("could not build %s (%s); using the torch path", source.name,
-                       str(detail).strip()[:500])
+        logger.warning(
+            "could not build %s (%s); using the torch path", source.name, str(detail).strip()[:500]
+        )
         return None

@@ -26,9 +26,16 @@ class RequestOutput:
         """This output followed by a later one of the same request (e.g. within one step)."""
         logprobs = (self.logprobs or []) + (later.logprobs or [])
         return RequestOutput(
-            self.request_id, self.new_token_ids + later.new_token_ids,
-            self.new_text + later.new_text, later.num_cached_tokens, later.finished,
-            later.finish_reason, later.stop_reason, logprobs or None, later.error)
+            self.request_id,
+            self.new_token_ids + later.new_token_ids,
+            self.new_text + later.new_text,
+            later.num_cached_tokens,
+            later.finished,
+            later.finish_reason,
+            later.stop_reason,
+            logprobs or None,
+            later.error,
+        )
 
 
 @dataclass(slots=True)

@@ -67,15 +67,17 @@ def sample(logits: torch.Tensor, requests: list[SampleRequest]) -> list[int]:
         filtered = _filter_logits(logits[row], req.params)
         probs = filtered.softmax(-1)
         gen = torch.Generator(device=logits.device).manual_seed(
-            position_seed(req.seed, req.position))
+            position_seed(req.seed, req.position)
+        )
         # Exponential race (Gumbel-max in disguise): argmax p_i / E_i ~ Categorical(p).
         noise = torch.empty_like(probs).exponential_(generator=gen)
         tokens[row] = int((probs / noise).argmax())
     return tokens
 
 
-def compute_logprobs(logits: torch.Tensor, tokens: list[int],
-                     requests: list[SampleRequest]) -> list[TokenLogprobs | None]:
+def compute_logprobs(
+    logits: torch.Tensor, tokens: list[int], requests: list[SampleRequest]
+) -> list[TokenLogprobs | None]:
     """Logprobs for the rows whose params ask for them (None elsewhere)."""
     out: list[TokenLogprobs | None] = [None] * len(tokens)
     rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]

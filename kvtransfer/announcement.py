@@ -26,9 +26,16 @@ class Announcement:
 
     def encode(self) -> bytes:
         """msgpack bytes."""
-        return msgpack.packb({"v": ANNOUNCEMENT_VERSION, "epoch": self.epoch,
-                              "layers_per_message": self.layers_per_message, "mode": self.mode,
-                              "descriptor": self.descriptor.encode()}, use_bin_type=True)
+        return msgpack.packb(
+            {
+                "v": ANNOUNCEMENT_VERSION,
+                "epoch": self.epoch,
+                "layers_per_message": self.layers_per_message,
+                "mode": self.mode,
+                "descriptor": self.descriptor.encode(),
+            },
+            use_bin_type=True,
+        )
 
     @classmethod
     def decode(cls, raw: bytes) -> Announcement:
@@ -39,13 +46,22 @@ class Announcement:
             raise DescriptorError(f"announcement is not valid msgpack: {e}") from e
         version = obj.get("v") if isinstance(obj, dict) else None
         if version != ANNOUNCEMENT_VERSION:
-            raise DescriptorError(f"announcement version {version!r} is not "
-                                  f"{ANNOUNCEMENT_VERSION}; are both workers the same build?")
+            raise DescriptorError(
+                f"announcement version {version!r} is not "
+                f"{ANNOUNCEMENT_VERSION}; are both workers the same build?"
+            )
         epoch, lpm = obj.get("epoch"), obj.get("layers_per_message")
-        if (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0
-                or isinstance(lpm, bool) or not isinstance(lpm, int) or lpm < 1):
-            raise DescriptorError(f"announcement has a bad epoch or layers_per_message: "
-                                  f"{epoch!r}, {lpm!r}")
+        if (
+            isinstance(epoch, bool)
+            or not isinstance(epoch, int)
+            or epoch < 0
+            or isinstance(lpm, bool)
+            or not isinstance(lpm, int)
+            or lpm < 1
+        ):
+            raise DescriptorError(
+                f"announcement has a bad epoch or layers_per_message: {epoch!r}, {lpm!r}"
+            )
         mode = obj.get("mode")
         if mode not in (MODE_PACKED, MODE_RUNS):
             raise DescriptorError(f"announcement has an unknown payload mode {mode!r}")

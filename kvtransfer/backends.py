@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 
-def _make_gloo(store: dist.Store, rank: int, timeout: timedelta, device: torch.device,
-               local_host: str) -> Any:
+def _make_gloo(
+    store: dist.Store, rank: int, timeout: timedelta, device: torch.device, local_host: str
+) -> Any:
     opts = dist.ProcessGroupGloo._Options()
     # Bind to the interface that reaches the peer, not whatever the hostname resolves to.
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
@@ -25,8 +26,9 @@ def _make_gloo(store: dist.Store, rank: int, timeout: timedelta, device: torch.d
     return dist.ProcessGroupGloo(store, rank, 2, opts)  # blocks until both ranks connect
 
 
-def _make_nccl(store: dist.Store, rank: int, timeout: timedelta, device: torch.device,
-               local_host: str) -> Any:
+def _make_nccl(
+    store: dist.Store, rank: int, timeout: timedelta, device: torch.device, local_host: str
+) -> Any:
     from torch.distributed import ProcessGroupNCCL  # absent from CPU builds
 
     opts = ProcessGroupNCCL.Options()
@@ -52,11 +54,14 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
     if name == "auto":
         name = "nccl" if device.type == "cuda" else "gloo"
     if name not in BACKENDS:
-        raise ValueError(f"unknown transfer backend {name!r}; choose 'auto' or one of "
-                         f"{sorted(BACKENDS)}")
+        raise ValueError(
+            f"unknown transfer backend {name!r}; choose 'auto' or one of {sorted(BACKENDS)}"
+        )
     if BACKEND_DEVICE[name] != device.type:
-        raise ValueError(f"backend {name!r} moves {BACKEND_DEVICE[name]} tensors but the KV cache "
-                         f"is on {device}; use backend='auto'")
+        raise ValueError(
+            f"backend {name!r} moves {BACKEND_DEVICE[name]} tensors but the KV cache "
+            f"is on {device}; use backend='auto'"
+        )
     if name == "nccl" and not dist.is_nccl_available():
         raise ValueError("backend 'nccl' requested but this torch build has no NCCL")
     return name

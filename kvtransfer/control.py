@@ -107,8 +107,10 @@ class RpcClient:
             reply = conn.recv()
         except (EOFError, OSError) as exc:
             conn.close()
-            raise PeerUnavailable(f"peer at {self.address['host']}:{self.address['port']} "
-                                  f"is unreachable ({exc.__class__.__name__})") from exc
+            raise PeerUnavailable(
+                f"peer at {self.address['host']}:{self.address['port']} "
+                f"is unreachable ({exc.__class__.__name__})"
+            ) from exc
         self._checkin(conn)
         if reply[0] == "ok":
             return reply[1]
@@ -130,11 +132,14 @@ class RpcClient:
             if self._idle:
                 return self._idle.pop()
         try:
-            return Client((self.address["host"], self.address["port"]),
-                          authkey=bytes.fromhex(self.address["authkey"]))
+            return Client(
+                (self.address["host"], self.address["port"]),
+                authkey=bytes.fromhex(self.address["authkey"]),
+            )
         except OSError as exc:
-            raise PeerUnavailable(f"cannot connect to {self.address['host']}:"
-                                  f"{self.address['port']}: {exc}") from exc
+            raise PeerUnavailable(
+                f"cannot connect to {self.address['host']}:{self.address['port']}: {exc}"
+            ) from exc
 
     def _checkin(self, conn: Connection) -> None:
         with self._lock:

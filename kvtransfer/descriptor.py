@@ -56,8 +56,14 @@ class TransferDescriptor:
 
     def __post_init__(self) -> None:
         # Normalise sequences to tuples so a descriptor is immutable and compares by value.
-        for name in ("block_hashes", "missing", "src_block_ids", "dst_block_ids", "layers",
-                     "block_shape"):
+        for name in (
+            "block_hashes",
+            "missing",
+            "src_block_ids",
+            "dst_block_ids",
+            "layers",
+            "block_shape",
+        ):
             value = getattr(self, name)
             if isinstance(value, str | bytes) or not isinstance(value, Sequence):
                 raise DescriptorError(f"{name} must be a list of ints, got {type(value).__name__}")
@@ -110,8 +116,10 @@ class TransferDescriptor:
         if not isinstance(data, Mapping):
             raise DescriptorError(f"descriptor must be a map, got {type(data).__name__}")
         if data.get("v") != WIRE_VERSION:
-            raise DescriptorError(f"descriptor version {data.get('v')!r} is not supported "
-                                  f"(expected {WIRE_VERSION}); are both workers the same build?")
+            raise DescriptorError(
+                f"descriptor version {data.get('v')!r} is not supported "
+                f"(expected {WIRE_VERSION}); are both workers the same build?"
+            )
         names = {f.name for f in fields(cls)}
         missing = sorted(names - data.keys())
         if missing:
@@ -137,27 +145,33 @@ class TransferDescriptor:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise DescriptorError(f"request_id must be a non-empty str, got {self.request_id!r}")
         if self.dtype not in DTYPES:
-            raise DescriptorError(f"dtype {self.dtype!r} is not supported; use one of "
-                                  f"{sorted(DTYPES)}")
+            raise DescriptorError(
+                f"dtype {self.dtype!r} is not supported; use one of {sorted(DTYPES)}"
+            )
         _check_ints("block_shape", self.block_shape, low=1)
         if len(self.block_shape) != 3:
-            raise DescriptorError("block_shape must be (block_size, num_kv_heads, head_dim), "
-                                  f"got {len(self.block_shape)} values")
+            raise DescriptorError(
+                "block_shape must be (block_size, num_kv_heads, head_dim), "
+                f"got {len(self.block_shape)} values"
+            )
         _check_int("num_prompt_tokens", self.num_prompt_tokens, low=1)
         _check_int("first_token", self.first_token, low=0)
         _check_ints("layers", self.layers, low=0)
         if len(self.layers) != 2 or self.layers[0] >= self.layers[1]:
-            raise DescriptorError(f"layers must be (start, end) with start < end, got "
-                                  f"{self.layers}")
+            raise DescriptorError(
+                f"layers must be (start, end) with start < end, got {self.layers}"
+            )
 
         block_size = self.block_shape[0]
         num_full = self.num_prompt_tokens // block_size
         num_blocks = -(-self.num_prompt_tokens // block_size)
         _check_ints("block_hashes", self.block_hashes, low=0, high=UINT64_MAX)
         if len(self.block_hashes) != num_full:
-            raise DescriptorError(f"block_hashes has {len(self.block_hashes)} entries but a "
-                                  f"{self.num_prompt_tokens}-token prompt has {num_full} full "
-                                  f"blocks of {block_size}")
+            raise DescriptorError(
+                f"block_hashes has {len(self.block_hashes)} entries but a "
+                f"{self.num_prompt_tokens}-token prompt has {num_full} full "
+                f"blocks of {block_size}"
+            )
         _check_ints("missing", self.missing, low=0, high=num_blocks - 1)
         if any(a >= b for a, b in zip(self.missing, self.missing[1:], strict=False)):
             raise DescriptorError("missing must be strictly increasing prompt block indices")
@@ -165,8 +179,10 @@ class TransferDescriptor:
             ids = getattr(self, name)
             _check_ints(name, ids, low=0)
             if len(ids) != len(self.missing):
-                raise DescriptorError(f"{name} has {len(ids)} entries but missing has "
-                                      f"{len(self.missing)}; they must be aligned")
+                raise DescriptorError(
+                    f"{name} has {len(ids)} entries but missing has "
+                    f"{len(self.missing)}; they must be aligned"
+                )
             if len(set(ids)) != len(ids):
                 raise DescriptorError(f"{name} contains duplicate block ids")
         if not isinstance(self.sampling, dict):
@@ -202,5 +218,7 @@ def _check_plain(path: str, value: Any) -> None:
                 raise DescriptorError(f"{path} has a non-str key {key!r}")
             _check_plain(f"{path}.{key}", item)
         return
-    raise DescriptorError(f"{path} holds a {type(value).__name__}; only plain msgpack types "
-                          "(None, bool, int, float, str, bytes, list, dict) may travel")
+    raise DescriptorError(
+        f"{path} holds a {type(value).__name__}; only plain msgpack types "
+        "(None, bool, int, float, str, bytes, list, dict) may travel"
+    )

@@ -29,14 +29,16 @@ class TransferEndpoint:
 
     role = ""
 
-    def __init__(self, worker_id: str, engine_options: dict | None = None,
-                 transfer: dict | None = None) -> None:
+    def __init__(
+        self, worker_id: str, engine_options: dict | None = None, transfer: dict | None = None
+    ) -> None:
         self.worker_id = worker_id
         self.options = TransferOptions(**(transfer or {}))
         self.engine = LLMEngine(**(engine_options or {}))
         self.loop = EngineLoop(self.engine).start()
-        self.registry = GroupRegistry(self.engine.runner.device, self.options.backend,
-                                      timeout=self.options.timeout_seconds)
+        self.registry = GroupRegistry(
+            self.engine.runner.device, self.options.backend, timeout=self.options.timeout_seconds
+        )
         self.transfer = KVTransfer(self.registry)
         self.leases = LeaseTable()
         self._lock = threading.Lock()
@@ -46,18 +48,29 @@ class TransferEndpoint:
 
     def info(self) -> dict:
         cfg = self.engine.config
-        return {"worker_id": self.worker_id, "role": self.role, "block_size": cfg.block_size,
-                "hash_seed": cfg.hash_seed, "num_kv_blocks": self.engine.pool.num_blocks,
-                "max_model_len": self.engine.max_model_len,
-                "model": str(self.engine.model_dir), "backend": self.registry.backend}
+        return {
+            "worker_id": self.worker_id,
+            "role": self.role,
+            "block_size": cfg.block_size,
+            "hash_seed": cfg.hash_seed,
+            "num_kv_blocks": self.engine.pool.num_blocks,
+            "max_model_len": self.engine.max_model_len,
+            "model": str(self.engine.model_dir),
+            "backend": self.registry.backend,
+        }
 
     def stats(self) -> dict:
         eng = self.engine
-        return {"worker_id": self.worker_id, "role": self.role,
-                "num_requests": eng.num_unfinished(), "kv_usage": eng.pool.usage(),
-                "free_blocks": eng.pool.num_free_blocks, "num_blocks": eng.pool.num_blocks,
-                "cache_queries": eng.pool.stats.queries,
-                "cache_hits": eng.pool.stats.hits}
+        return {
+            "worker_id": self.worker_id,
+            "role": self.role,
+            "num_requests": eng.num_unfinished(),
+            "kv_usage": eng.pool.usage(),
+            "free_blocks": eng.pool.num_free_blocks,
+            "num_blocks": eng.pool.num_blocks,
+            "cache_queries": eng.pool.stats.queries,
+            "cache_hits": eng.pool.stats.hits,
+        }
 
     def kv_events(self) -> list[dict]:
         """Take the stored/removed block-hash events since the last call, oldest first."""
@@ -89,8 +102,13 @@ class TransferEndpoint:
         if result.kv_events:
             with self._lock:
                 self._events.extend(
-                    {"kind": e.kind, "block_hashes": list(e.block_hashes),
-                     "parent_hash": e.parent_hash} for e in result.kv_events)
+                    {
+                        "kind": e.kind,
+                        "block_hashes": list(e.block_hashes),
+                        "parent_hash": e.parent_hash,
+                    }
+                    for e in result.kv_events
+                )
         self._expire_leases()
 
     def _expire_leases(self) -> None:

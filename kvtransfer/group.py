@@ -29,8 +29,13 @@ class GroupRegistry:
     group itself is built by the first transfer (`kvtransfer.transfer.KVTransfer`).
     """
 
-    def __init__(self, device: torch.device | str, backend: str = "auto",
-                 host: str = "127.0.0.1", timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        device: torch.device | str,
+        backend: str = "auto",
+        host: str = "127.0.0.1",
+        timeout: float = 10.0,
+    ) -> None:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -62,15 +67,23 @@ class GroupRegistry:
         """Start the pair's store on a free port (rank 0); returns the msgpack-able address."""
         self._check_new(peer_id)
         td = timedelta(seconds=self.timeout)
-        tcp = dist.TCPStore(self.host_address, 0, is_master=True, wait_for_workers=False,
-                            timeout=td)  # port 0: the OS picks a free port
+        tcp = dist.TCPStore(
+            self.host_address, 0, is_master=True, wait_for_workers=False, timeout=td
+        )  # port 0: the OS picks a free port
         name = uuid.uuid4().hex
-        group = PeerGroup(peer_id, HOST_RANK, name, self.backend, self.device, self.timeout,
-                          self.host_address, tcp)
+        group = PeerGroup(
+            peer_id,
+            HOST_RANK,
+            name,
+            self.backend,
+            self.device,
+            self.timeout,
+            self.host_address,
+            tcp,
+        )
         group.store.set(EPOCH_KEY, "0")  # in-process server: cannot hang
         self._add(group)
-        return {"host": self.host_address, "port": tcp.port, "group": name,
-                "backend": self.backend}
+        return {"host": self.host_address, "port": tcp.port, "group": name, "backend": self.backend}
 
     def join(self, peer_id: str, address: Mapping[str, Any]) -> None:
         """Connect to a peer's store from its `host()` address (rank 1); PeerLost if unreachable."""
@@ -78,14 +91,27 @@ class GroupRegistry:
         self._check_new(peer_id)
         td = timedelta(seconds=self.timeout)
         try:
-            tcp = call_bounded(lambda: dist.TCPStore(host, port, is_master=False,
-                                                     wait_for_workers=False, timeout=td),
-                               self.timeout * 1.5 + 1.0)
+            tcp = call_bounded(
+                lambda: dist.TCPStore(
+                    host, port, is_master=False, wait_for_workers=False, timeout=td
+                ),
+                self.timeout * 1.5 + 1.0,
+            )
         except (StoreHung, RuntimeError) as e:
-            raise PeerLost(f"cannot reach the store of peer {peer_id!r} at {host}:{port} within "
-                           f"{self.timeout}s: {str(e) or 'no answer'}") from e
-        group = PeerGroup(peer_id, JOIN_RANK, name, self.backend, self.device, self.timeout,
-                          route_to(host, port), tcp)
+            raise PeerLost(
+                f"cannot reach the store of peer {peer_id!r} at {host}:{port} within "
+                f"{self.timeout}s: {str(e) or 'no answer'}"
+            ) from e
+        group = PeerGroup(
+            peer_id,
+            JOIN_RANK,
+            name,
+            self.backend,
+            self.device,
+            self.timeout,
+            route_to(host, port),
+            tcp,
+        )
         self._add(group)
 
     def get(self, peer_id: str) -> PeerGroup:
@@ -136,6 +162,8 @@ def _check_address(address: Mapping[str, Any], backend: str) -> tuple[str, int, 
     if not isinstance(name, str) or not name:
         raise AddressError(f"peer address group must be a non-empty str, got {name!r}")
     if address["backend"] != backend:
-        raise AddressError(f"peer uses backend {address['backend']!r} but this worker uses "
-                           f"{backend!r}; both sides' KV caches must be on the same device type")
+        raise AddressError(
+            f"peer uses backend {address['backend']!r} but this worker uses "
+            f"{backend!r}; both sides' KV caches must be on the same device type"
+        )
     return host, port, name

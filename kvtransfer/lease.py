@@ -58,8 +58,10 @@ class LeaseTable:
         with self._lock:
             if request_id in self._leases:
                 held = self._leases[request_id]
-                raise LeaseError(f"request {request_id!r} already holds a lease (owner "
-                                 f"{held.owner!r}); release it before granting again")
+                raise LeaseError(
+                    f"request {request_id!r} already holds a lease (owner "
+                    f"{held.owner!r}); release it before granting again"
+                )
             lease = Lease(request_id, owner, self._clock() + seconds)
             self._leases[request_id] = lease
             return lease
@@ -74,8 +76,10 @@ class LeaseTable:
                 raise LeaseError(f"request {request_id!r} holds no lease to renew")
             if held.expires_at <= now:
                 # Its blocks may be reclaimed by the next expired() call: renewing would race it.
-                raise LeaseError(f"lease of request {request_id!r} lapsed at {held.expires_at} "
-                                 f"(now {now}); it can no longer be renewed")
+                raise LeaseError(
+                    f"lease of request {request_id!r} lapsed at {held.expires_at} "
+                    f"(now {now}); it can no longer be renewed"
+                )
             lease = Lease(request_id, held.owner, now + seconds)
             self._leases[request_id] = lease
             return lease

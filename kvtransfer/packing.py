@@ -28,8 +28,7 @@ DEFAULT_MESSAGE_BYTES = 32 << 20
 def is_head_major(kv_cache: Sequence[torch.Tensor], layers: tuple[int, int]) -> bool:
     """Whether every layer in [layers) is stored head-major and contiguous
     ([2, kvh, num_blocks, bs, d] storage, engine.attention.kv_layout)."""
-    return all(kv_cache[layer].permute(0, 3, 1, 2, 4).is_contiguous()
-               for layer in range(*layers))
+    return all(kv_cache[layer].permute(0, 3, 1, 2, 4).is_contiguous() for layer in range(*layers))
 
 
 def runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -49,11 +48,15 @@ def runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
 def run_region(kv: torch.Tensor, k: int, head: int, start: int, n: int) -> torch.Tensor:
     """Blocks [start, start + n) of `head`'s keys (k=0) or values (k=1) of one layer:
     [n, bs, d]; contiguous when the layer is head-major."""
-    return kv.permute(0, 3, 1, 2, 4)[k, head, start:start + n]
+    return kv.permute(0, 3, 1, 2, 4)[k, head, start : start + n]
 
 
-def run_slices(kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor,
-               spans: Sequence[tuple[int, int, int]], side: int) -> Iterator[torch.Tensor]:
+def run_slices(
+    kv_cache: Sequence[torch.Tensor],
+    desc: TransferDescriptor,
+    spans: Sequence[tuple[int, int, int]],
+    side: int,
+) -> Iterator[torch.Tensor]:
     """The run regions of a head-major cache as flat uint8 slices, in wire order: layer, then
     k/v, then kv head, then span. `side` 0 takes each span's src start, 1 its dst start.
 
@@ -69,34 +72,45 @@ def run_slices(kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor,
             base = row * kv.shape[1]
             for span in spans:
                 offset = (base + span[side]) * block_bytes
-                yield flat[offset:offset + span[2] * block_bytes]
+                yield flat[offset : offset + span[2] * block_bytes]
 
 
-def check_cache(kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor,
-                block_ids: Sequence[int], side: str) -> None:
+def check_cache(
+    kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor, block_ids: Sequence[int], side: str
+) -> None:
     """Raise DescriptorError unless `desc` fits `kv_cache` on this `side` ("sender"/"receiver")."""
     start, end = desc.layers
     if end > len(kv_cache):
-        raise DescriptorError(f"request {desc.request_id}: layers {desc.layers} exceed the "
-                              f"{side}'s {len(kv_cache)}-layer KV cache")
+        raise DescriptorError(
+            f"request {desc.request_id}: layers {desc.layers} exceed the "
+            f"{side}'s {len(kv_cache)}-layer KV cache"
+        )
     first = kv_cache[start]
     for layer in range(start, end):
         kv = kv_cache[layer]
         if kv.dim() != 5 or kv.shape[0] != 2 or tuple(kv.shape[2:]) != desc.block_shape:
-            raise DescriptorError(f"request {desc.request_id}: {side} layer {layer} has shape "
-                                  f"{tuple(kv.shape)}, expected [2, num_blocks, "
-                                  f"{', '.join(map(str, desc.block_shape))}]")
+            raise DescriptorError(
+                f"request {desc.request_id}: {side} layer {layer} has shape "
+                f"{tuple(kv.shape)}, expected [2, num_blocks, "
+                f"{', '.join(map(str, desc.block_shape))}]"
+            )
         if kv.dtype != desc.torch_dtype:
-            raise DescriptorError(f"request {desc.request_id}: {side} KV cache is "
-                                  f"{dtype_name(kv.dtype)} but the transfer is {desc.dtype}")
+            raise DescriptorError(
+                f"request {desc.request_id}: {side} KV cache is "
+                f"{dtype_name(kv.dtype)} but the transfer is {desc.dtype}"
+            )
         if kv.device != first.device or kv.shape[1] != first.shape[1]:
-            raise DescriptorError(f"request {desc.request_id}: {side} layers differ in device "
-                                  "or block count; kvtransfer needs one uniform cache")
+            raise DescriptorError(
+                f"request {desc.request_id}: {side} layers differ in device "
+                "or block count; kvtransfer needs one uniform cache"
+            )
     num_blocks = first.shape[1]
     bad = [b for b in block_ids if b >= num_blocks]
     if bad:
-        raise DescriptorError(f"request {desc.request_id}: {side} block ids {bad[:8]} are out "
-                              f"of range for a cache of {num_blocks} blocks")
+        raise DescriptorError(
+            f"request {desc.request_id}: {side} block ids {bad[:8]} are out "
+            f"of range for a cache of {num_blocks} blocks"
+        )
 
 
 def wire_order(desc: TransferDescriptor) -> tuple[list[int], list[int]]:
@@ -160,8 +174,9 @@ class Staging:
         return buf[:nbytes]
 
 
-def pack(kv_cache: Sequence[torch.Tensor], layers: tuple[int, int], src: torch.Tensor,
-         out: torch.Tensor) -> None:
+def pack(
+    kv_cache: Sequence[torch.Tensor], layers: tuple[int, int], src: torch.Tensor, out: torch.Tensor
+) -> None:
     """out[j] = the src blocks of layer layers[0] + j, head-major: [2, kvh, n, bs, d].
 
     The engine stores each layer head-major (engine.attention.kv_layout), so a block of one
@@ -171,14 +186,14 @@ def pack(kv_cache: Sequence[torch.Tensor], layers: tuple[int, int], src: torch.T
         hm = kv_cache[layer].permute(0, 3, 1, 2, 4)  # [2, kvh, nb, bs, d]
         if hm.is_contiguous():  # as rows [2 * kvh, nb, bs * d]: ~15% faster gather on CPU
             rows, piece = hm.shape[0] * hm.shape[1], hm.shape[3] * hm.shape[4]
-            torch.index_select(hm.view(rows, -1, piece), 1, src,
-                               out=out[j].view(rows, -1, piece))
+            torch.index_select(hm.view(rows, -1, piece), 1, src, out=out[j].view(rows, -1, piece))
         else:
             torch.index_select(hm, 2, src, out=out[j])
 
 
-def unpack(buf: torch.Tensor, kv_cache: Sequence[torch.Tensor], layers: tuple[int, int],
-           dst: torch.Tensor) -> None:
+def unpack(
+    buf: torch.Tensor, kv_cache: Sequence[torch.Tensor], layers: tuple[int, int], dst: torch.Tensor
+) -> None:
     """Write buf[j] ([2, kvh, n, bs, d], head-major) into the dst blocks of layer
     layers[0] + j."""
     for j, layer in enumerate(range(*layers)):

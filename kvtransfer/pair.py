@@ -75,8 +75,17 @@ class PeerGroup:
     """Everything this worker holds for one peer: the pair's store, the backend group of the
     current epoch and transfer scratch buffers. One transfer at a time (see `session`)."""
 
-    def __init__(self, peer_id: str, rank: int, name: str, backend: str, device: torch.device,
-                 timeout: float, local_host: str, tcp_store: dist.TCPStore) -> None:
+    def __init__(
+        self,
+        peer_id: str,
+        rank: int,
+        name: str,
+        backend: str,
+        device: torch.device,
+        timeout: float,
+        local_host: str,
+        tcp_store: dist.TCPStore,
+    ) -> None:
         self.peer_id = peer_id
         self.rank = rank
         self.name = name
@@ -110,8 +119,10 @@ class PeerGroup:
                     raise PeerLost(f"peer {self.peer_id!r} was removed; join/host it again")
                 if self._stuck is not None:
                     if not self._stuck.wait(wait):
-                        raise TransferTimeout(f"peer {self.peer_id!r} still does not answer its "
-                                              "store; remove() it if it is gone")
+                        raise TransferTimeout(
+                            f"peer {self.peer_id!r} still does not answer its "
+                            "store; remove() it if it is gone"
+                        )
                     self._stuck = None  # the peer answered after all: usable again
                 yield self
             finally:
@@ -129,9 +140,11 @@ class PeerGroup:
             if self.pg_epoch is not None and self._failed_epoch is None:
                 self._failed_epoch = self.pg_epoch
             self._abort()
-            raise TransferTimeout(f"{what}: peer {self.peer_id!r} did not answer within "
-                                  f"{self.timeout}s; transfers with it wait for that answer "
-                                  "first (remove() it if it is gone)") from None
+            raise TransferTimeout(
+                f"{what}: peer {self.peer_id!r} did not answer within "
+                f"{self.timeout}s; transfers with it wait for that answer "
+                "first (remove() it if it is gone)"
+            ) from None
 
     def epoch(self) -> int:
         """The pair's current epoch as recorded in the store."""
@@ -153,8 +166,7 @@ class PeerGroup:
 
     def announce(self, frame: bytes) -> None:
         """Queue an announcement frame for the peer."""
-        self._bounded("announcing a transfer",
-                      lambda: self.store.queue_push(ANNOUNCE_KEY, frame))
+        self._bounded("announcing a transfer", lambda: self.store.queue_push(ANNOUNCE_KEY, frame))
 
     def next_announcement(self, wait: float) -> bytes | None:
         """Pop the oldest announcement frame, waiting up to `wait` seconds; None if none came."""
@@ -177,8 +189,7 @@ class PeerGroup:
 
     def num_announcements(self) -> int:
         """Announcements queued and not yet popped."""
-        return self._bounded("counting announcements",
-                             lambda: self.store.queue_len(ANNOUNCE_KEY))
+        return self._bounded("counting announcements", lambda: self.store.queue_len(ANNOUNCE_KEY))
 
     def connect(self, epoch: int) -> Any:
         """The backend group for `epoch`, built now if needed (blocks until the peer joins)."""
@@ -210,8 +221,9 @@ class PeerGroup:
         # the bound catches a hung store host, which the backend would wait on forever.
         self.pg = self._bounded("building the group", build, timeout=self.timeout * 2.5 + 1.0)
         self.pg_epoch = epoch
-        logger.debug("kvtransfer: group %s with %s ready (epoch %d)", self.name, self.peer_id,
-                     epoch)
+        logger.debug(
+            "kvtransfer: group %s with %s ready (epoch %d)", self.name, self.peer_id, epoch
+        )
         return self.pg
 
     def fail(self, epoch: int | None) -> None:
@@ -231,8 +243,10 @@ class PeerGroup:
 
     def _advance(self, epoch: int) -> None:
         # Compare-and-set: when both sides report the same failure, the epoch moves only once.
-        self._bounded("advancing the pair epoch",
-                      lambda: self.store.compare_set(EPOCH_KEY, str(epoch), str(epoch + 1)))
+        self._bounded(
+            "advancing the pair epoch",
+            lambda: self.store.compare_set(EPOCH_KEY, str(epoch), str(epoch + 1)),
+        )
 
     # ---- teardown -------------------------------------------------------------------------
     def close(self) -> None:

@@ -125,16 +125,22 @@ def _blocking(group: PeerGroup, what: str, timeout: float, *, store: bool) -> It
         if group.closed:
             raise PeerLost(f"{what}: peer {peer!r} was removed during the transfer") from e
         if store:
-            raise PeerLost(f"{what}: the store of peer {peer!r} is unreachable, its process is "
-                           f"gone; remove() it [{e}]") from e
+            raise PeerLost(
+                f"{what}: the store of peer {peer!r} is unreachable, its process is "
+                f"gone; remove() it [{e}]"
+            ) from e
         if elapsed >= 0.9 * timeout:
-            raise TransferTimeout(f"{what}: no progress from peer {peer!r} for {elapsed:.1f}s "
-                                  f"(deadline {timeout}s); the group was torn down and the next "
-                                  f"transfer rebuilds it [{e}]") from e
-        raise TransferError(f"{what}: the connection to peer {peer!r} broke after "
-                            f"{elapsed:.2f}s (it reset the group or died); the group was torn "
-                            "down and the next transfer rebuilds it, or raises PeerLost if the "
-                            f"peer is gone [{e}]") from e
+            raise TransferTimeout(
+                f"{what}: no progress from peer {peer!r} for {elapsed:.1f}s "
+                f"(deadline {timeout}s); the group was torn down and the next "
+                f"transfer rebuilds it [{e}]"
+            ) from e
+        raise TransferError(
+            f"{what}: the connection to peer {peer!r} broke after "
+            f"{elapsed:.2f}s (it reset the group or died); the group was torn "
+            "down and the next transfer rebuilds it, or raises PeerLost if the "
+            f"peer is gone [{e}]"
+        ) from e
 
 
 def _wait(work: Any, timeout: float) -> None:
@@ -151,9 +157,15 @@ class KVTransfer:
     a time; `timeout` bounds every blocking step (no progress for that long fails the transfer).
     """
 
-    def __init__(self, registry: GroupRegistry, *, message_bytes: int = DEFAULT_MESSAGE_BYTES,
-                 pipeline: bool = True, max_runs: int = MAX_RUNS,
-                 min_run_bytes: int = MIN_RUN_BYTES) -> None:
+    def __init__(
+        self,
+        registry: GroupRegistry,
+        *,
+        message_bytes: int = DEFAULT_MESSAGE_BYTES,
+        pipeline: bool = True,
+        max_runs: int = MAX_RUNS,
+        min_run_bytes: int = MIN_RUN_BYTES,
+    ) -> None:
         if message_bytes < 1:
             raise ValueError(f"message_bytes must be >= 1, got {message_bytes}")
         if max_runs < 0:
@@ -167,8 +179,14 @@ class KVTransfer:
         self.min_run_bytes = min_run_bytes  # ... and those regions average at least this many
 
     # ---- sender -------------------------------------------------------------------------
-    def send(self, peer_id: str, kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor, *,
-             timeout: float | None = None) -> TransferStats:
+    def send(
+        self,
+        peer_id: str,
+        kv_cache: Sequence[torch.Tensor],
+        desc: TransferDescriptor,
+        *,
+        timeout: float | None = None,
+    ) -> TransferStats:
         """Send desc's blocks (src_block_ids, layer range) of `kv_cache` to `peer_id`.
 
         Returns once the payload has left this process; the receiver confirms application
@@ -176,8 +194,10 @@ class KVTransfer:
         """
         group = self.registry.get(peer_id)
         if not group.is_host:
-            raise TransferError(f"peer {peer_id!r} was joined, not hosted: only the host side "
-                                "(prefill, rank 0) of a pair sends")
+            raise TransferError(
+                f"peer {peer_id!r} was joined, not hosted: only the host side "
+                "(prefill, rank 0) of a pair sends"
+            )
         check_cache(kv_cache, desc, desc.src_block_ids, "sender")
         timeout = self.registry.timeout if timeout is None else timeout
         lpm = layers_per_message(desc, self.message_bytes)
@@ -195,14 +215,22 @@ class KVTransfer:
                 if mode == MODE_RUNS:
                     num_messages, payload = self._send_runs(pg, group, kv_cache, desc, timeout)
                 else:
-                    num_messages, payload = self._send_payload(pg, group, kv_cache, desc, lpm,
-                                                               timeout)
+                    num_messages, payload = self._send_payload(
+                        pg, group, kv_cache, desc, lpm, timeout
+                    )
             except BaseException:
                 group.fail(epoch)
                 raise
             seconds = time.perf_counter() - start
-        return TransferStats(desc.request_id, desc.num_blocks, desc.num_layers, num_messages,
-                             payload, len(frame), seconds)
+        return TransferStats(
+            desc.request_id,
+            desc.num_blocks,
+            desc.num_layers,
+            num_messages,
+            payload,
+            len(frame),
+            seconds,
+        )
 
     def payload_mode(self, kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor) -> str:
         """The mode send() uses for desc from kv_cache: MODE_RUNS if desc's blocks form
@@ -217,8 +245,14 @@ class KVTransfer:
             return MODE_RUNS
         return MODE_PACKED
 
-    def _send_runs(self, pg: Any, group: PeerGroup, kv_cache: Sequence[torch.Tensor],
-                   desc: TransferDescriptor, timeout: float) -> tuple[int, int]:
+    def _send_runs(
+        self,
+        pg: Any,
+        group: PeerGroup,
+        kv_cache: Sequence[torch.Tensor],
+        desc: TransferDescriptor,
+        timeout: float,
+    ) -> tuple[int, int]:
         """Zero-copy: each (layer, k/v, head, run) region of the cache is one message."""
         window = _run_window(group) if self.pipeline else 1
         inflight: deque[Any] = deque()  # send works, message order
@@ -234,8 +268,15 @@ class KVTransfer:
                 _wait(inflight.popleft(), timeout)
         return count, payload
 
-    def _send_payload(self, pg: Any, group: PeerGroup, kv_cache: Sequence[torch.Tensor],
-                      desc: TransferDescriptor, lpm: int, timeout: float) -> tuple[int, int]:
+    def _send_payload(
+        self,
+        pg: Any,
+        group: PeerGroup,
+        kv_cache: Sequence[torch.Tensor],
+        desc: TransferDescriptor,
+        lpm: int,
+        timeout: float,
+    ) -> tuple[int, int]:
         staging = self._staging(group)
         src = torch.tensor(wire_order(desc)[0], dtype=torch.long, device=group.device)
         plan = _plan(desc, lpm)
@@ -262,14 +303,18 @@ class KVTransfer:
         """Announced transfers from `peer_id` not yet received (stale ones included)."""
         group = self.registry.get(peer_id)
         timeout = self.registry.timeout
-        with group.session(timeout), _blocking(group, "reading announcements", timeout,
-                                               store=True):
+        with group.session(timeout), _blocking(group, "reading announcements", timeout, store=True):
             return group.num_announcements()
 
-    def recv(self, peer_id: str, kv_cache: Sequence[torch.Tensor], *, wait: float,
-             timeout: float | None = None,
-             accept: Callable[[TransferDescriptor], bool] | None = None,
-             ) -> tuple[TransferDescriptor, TransferStats]:
+    def recv(
+        self,
+        peer_id: str,
+        kv_cache: Sequence[torch.Tensor],
+        *,
+        wait: float,
+        timeout: float | None = None,
+        accept: Callable[[TransferDescriptor], bool] | None = None,
+    ) -> tuple[TransferDescriptor, TransferStats]:
         """Receive the next transfer from `peer_id` into its dst_block_ids of `kv_cache`.
 
         Waits up to `wait` seconds for an announcement (TransferTimeout otherwise; the group
@@ -279,8 +324,10 @@ class KVTransfer:
         """
         group = self.registry.get(peer_id)
         if group.is_host:
-            raise TransferError(f"peer {peer_id!r} was hosted, not joined: only the joined side "
-                                "(decode, rank 1) of a pair receives")
+            raise TransferError(
+                f"peer {peer_id!r} was hosted, not joined: only the joined side "
+                "(decode, rank 1) of a pair receives"
+            )
         timeout = self.registry.timeout if timeout is None else timeout
         with group.session(wait):
             start = time.perf_counter()
@@ -293,28 +340,41 @@ class KVTransfer:
                 with _blocking(group, "building the group", timeout, store=False):
                     pg = group.connect(frame.epoch)
                 recv_payload = self._recv_runs if mode == MODE_RUNS else self._recv_payload
-                num_messages, payload = recv_payload(pg, group, kv_cache, frame, timeout,
-                                                     drain=refusal is not None)
+                num_messages, payload = recv_payload(
+                    pg, group, kv_cache, frame, timeout, drain=refusal is not None
+                )
             except BaseException:
                 group.fail(frame.epoch)
                 raise
             seconds = time.perf_counter() - start
         if refusal is not None:
-            raise TransferRejected(f"request {desc.request_id} from peer {peer_id!r} refused "
-                                   f"({refusal}); its payload was drained")
-        return desc, TransferStats(desc.request_id, desc.num_blocks, desc.num_layers,
-                                   num_messages, payload, frame.nbytes, seconds)
+            raise TransferRejected(
+                f"request {desc.request_id} from peer {peer_id!r} refused "
+                f"({refusal}); its payload was drained"
+            )
+        return desc, TransferStats(
+            desc.request_id,
+            desc.num_blocks,
+            desc.num_layers,
+            num_messages,
+            payload,
+            frame.nbytes,
+            seconds,
+        )
 
-    def _next_frame(self, group: PeerGroup, deadline: float,
-                    timeout: float) -> tuple[Announcement, str]:
+    def _next_frame(
+        self, group: PeerGroup, deadline: float, timeout: float
+    ) -> tuple[Announcement, str]:
         """Pop announcements until one of the current epoch arrives or the deadline passes."""
         while True:
             if group.closed:
                 raise PeerLost(f"peer {group.peer_id!r} was removed while waiting")
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
-                raise TransferTimeout(f"no transfer announced by peer {group.peer_id!r} in time; "
-                                      "the group is intact, call recv() again to keep waiting")
+                raise TransferTimeout(
+                    f"no transfer announced by peer {group.peer_id!r} in time; "
+                    "the group is intact, call recv() again to keep waiting"
+                )
             with _blocking(group, "waiting for an announcement", timeout, store=True):
                 # Short slices, so that a concurrent remove() is noticed promptly.
                 raw = group.next_announcement(min(remaining, ANNOUNCE_SLICE_S))
@@ -325,8 +385,10 @@ class KVTransfer:
                     mode = frame.mode
                 except DescriptorError as e:
                     group.fail(None)  # its payload cannot be sized: the stream is lost
-                    raise TransferError(f"peer {group.peer_id!r} announced a malformed "
-                                        f"transfer ({e}); the group was reset") from e
+                    raise TransferError(
+                        f"peer {group.peer_id!r} announced a malformed "
+                        f"transfer ({e}); the group was reset"
+                    ) from e
                 # Steady state: the frame is for our live group, no further round trip. Else
                 # ask the store: a frame older than the pair's epoch was announced before a
                 # failure and its sender has given up on it; building a group for it would
@@ -334,8 +396,15 @@ class KVTransfer:
                 if frame.epoch == group.pg_epoch or frame.epoch >= group.epoch():
                     return frame, mode
 
-    def _recv_payload(self, pg: Any, group: PeerGroup, kv_cache: Sequence[torch.Tensor],
-                      frame: Announcement, timeout: float, drain: bool) -> tuple[int, int]:
+    def _recv_payload(
+        self,
+        pg: Any,
+        group: PeerGroup,
+        kv_cache: Sequence[torch.Tensor],
+        frame: Announcement,
+        timeout: float,
+        drain: bool,
+    ) -> tuple[int, int]:
         desc = frame.descriptor
         staging = self._staging(group)
         dst = torch.tensor(wire_order(desc)[1], dtype=torch.long, device=group.device)
@@ -363,8 +432,15 @@ class KVTransfer:
                     # after the unpack above, on CPU the unpack is already done
         return len(plan), payload
 
-    def _recv_runs(self, pg: Any, group: PeerGroup, kv_cache: Sequence[torch.Tensor],
-                   frame: Announcement, timeout: float, drain: bool) -> tuple[int, int]:
+    def _recv_runs(
+        self,
+        pg: Any,
+        group: PeerGroup,
+        kv_cache: Sequence[torch.Tensor],
+        frame: Announcement,
+        timeout: float,
+        drain: bool,
+    ) -> tuple[int, int]:
         """Receive a "runs" payload: straight into a head-major cache, else (or when draining)
         into SCRATCH_WINDOW scratch chunks of one staging slot, copying each into the cache."""
         desc = frame.descriptor
@@ -386,7 +462,7 @@ class KVTransfer:
             else:
                 _, _, _, (_, _, n) = messages[i]
                 offset = (i % window) * chunk
-                buf = scratch[offset:offset + n * block_bytes]
+                buf = scratch[offset : offset + n * block_bytes]
             posted.append((buf, pg.recv([buf], 1 - group.rank, TAG)))
 
         with _blocking(group, f"receiving request {desc.request_id}", timeout, store=False):
@@ -397,7 +473,8 @@ class KVTransfer:
                 _wait(work, timeout)
                 if scratch is not None and not drain:
                     run_region(kv_cache[layer], k, head, d0, n).copy_(
-                        buf.view(desc.torch_dtype).view(n, block_size, head_dim))
+                        buf.view(desc.torch_dtype).view(n, block_size, head_dim)
+                    )
                 payload += buf.numel()
                 if i + window < len(messages):
                     post(i + window)  # reuses buf's chunk: stream-ordered after the copy
@@ -415,8 +492,9 @@ def _plan(desc: TransferDescriptor, lpm: int) -> list[tuple[int, int]]:
     return plan_messages(desc, lpm) if desc.num_blocks else []
 
 
-def _run_messages(desc: TransferDescriptor,
-                  ) -> Iterator[tuple[int, int, int, tuple[int, int, int]]]:
+def _run_messages(
+    desc: TransferDescriptor,
+) -> Iterator[tuple[int, int, int, tuple[int, int, int]]]:
     """(layer, k/v, kv head, (src start, dst start, n)) of each "runs" message, in wire order."""
     spans = runs(*wire_order(desc))
     for layer in range(*desc.layers):
@@ -426,8 +504,11 @@ def _run_messages(desc: TransferDescriptor,
                     yield layer, k, head, span
 
 
-def _refusal(kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor,
-             accept: Callable[[TransferDescriptor], bool] | None) -> str | None:
+def _refusal(
+    kv_cache: Sequence[torch.Tensor],
+    desc: TransferDescriptor,
+    accept: Callable[[TransferDescriptor], bool] | None,
+) -> str | None:
     """Why the receiver must not apply `desc` to `kv_cache`, or None if it may."""
     try:
         check_cache(kv_cache, desc, desc.dst_block_ids, "receiver")

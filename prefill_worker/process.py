@@ -10,8 +10,9 @@ from kvtransfer.control import serve_until_closed
 from prefill_worker.worker import PrefillWorker
 
 
-def main(worker_id: str, engine_options: dict, transfer: dict, conn: Connection,
-         num_threads: int = 1) -> None:
+def main(
+    worker_id: str, engine_options: dict, transfer: dict, conn: Connection, num_threads: int = 1
+) -> None:
     """Process entry point (multiprocessing target)."""
     torch.set_num_threads(num_threads)
     serve_until_closed(PrefillWorker(worker_id, engine_options, transfer), conn)

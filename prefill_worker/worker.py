@@ -42,8 +42,9 @@ class PrefillWorker(TransferEndpoint):
 
     role = "prefill"
 
-    def __init__(self, worker_id: str, engine_options: dict | None = None,
-                 transfer: dict | None = None) -> None:
+    def __init__(
+        self, worker_id: str, engine_options: dict | None = None, transfer: dict | None = None
+    ) -> None:
         super().__init__(worker_id, engine_options, transfer)
         self._senders: dict[str, queue.Queue[_SendJob | None]] = {}
         self._addresses: dict[str, dict] = {}
@@ -61,8 +62,12 @@ class PrefillWorker(TransferEndpoint):
             if decode_id not in self.registry:
                 address = self.registry.host(decode_id)
                 self._senders[decode_id] = q = queue.Queue()
-                threading.Thread(target=self._send_loop, args=(decode_id, q), daemon=True,
-                                 name=f"kv-send-{decode_id}").start()
+                threading.Thread(
+                    target=self._send_loop,
+                    args=(decode_id, q),
+                    daemon=True,
+                    name=f"kv-send-{decode_id}",
+                ).start()
                 self._addresses[decode_id] = address
             return self._addresses[decode_id]
 
@@ -78,10 +83,17 @@ class PrefillWorker(TransferEndpoint):
                 q.put(None)
         super()._disconnect(peer_id)
 
-    def prefill(self, request_id: str, prompt_token_ids: list[int], params: dict,
-                cache_salt: str | None = None, decode_id: str | None = None,
-                num_hit_blocks: int = 0, dst_block_ids: list[int] | None = None,
-                timeout: float = 600.0) -> dict:
+    def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict,
+        cache_salt: str | None = None,
+        decode_id: str | None = None,
+        num_hit_blocks: int = 0,
+        dst_block_ids: list[int] | None = None,
+        timeout: float = 600.0,
+    ) -> dict:
         """Prefill the prompt and sample its first token.
 
         With decode_id, the blocks from num_hit_blocks on are sent to dst_block_ids of that
@@ -90,11 +102,17 @@ class PrefillWorker(TransferEndpoint):
         """
         sp = SamplingParams(**params)
         seed = sp.seed if sp.seed is not None else random.getrandbits(63)  # router sets one
-        stream = self.loop.submit(request_id, prompt_token_ids, sp, cache_salt=cache_salt,
-                                  seed=seed, prefill_only=True)
+        stream = self.loop.submit(
+            request_id, prompt_token_ids, sp, cache_salt=cache_salt, seed=seed, prefill_only=True
+        )
         out = stream.get(timeout=timeout)
-        result = {"finish_reason": out.finish_reason, "first_token": None, "seed": seed,
-                  "num_cached_tokens": out.num_cached_tokens, "error": out.error}
+        result = {
+            "finish_reason": out.finish_reason,
+            "first_token": None,
+            "seed": seed,
+            "num_cached_tokens": out.num_cached_tokens,
+            "error": out.error,
+        }
         if out.finish_reason != "prefilled":
             return result
         result["first_token"] = out.new_token_ids[0]
@@ -105,15 +123,27 @@ class PrefillWorker(TransferEndpoint):
         missing = tuple(range(num_hit_blocks, num_blocks))
         if dst_block_ids is None or len(dst_block_ids) != len(missing):
             self.loop.run(self.engine.release_held, request_id)
-            raise ValueError(f"dst_block_ids must list {len(missing)} blocks "
-                             f"(prompt blocks {num_hit_blocks}..{num_blocks - 1})")
+            raise ValueError(
+                f"dst_block_ids must list {len(missing)} blocks "
+                f"(prompt blocks {num_hit_blocks}..{num_blocks - 1})"
+            )
         self.leases.grant(request_id, decode_id, self.options.lease_seconds)
         cfg = self.engine.config
-        hashes = tuple(hash_prompt_blocks(prompt_token_ids, cfg.block_size, cfg.hash_seed,
-                                          cache_salt))
-        self._sender(decode_id).put(_SendJob(
-            request_id, decode_id, missing, tuple(dst_block_ids), result["first_token"],
-            {"seed": seed, "params": params}, len(prompt_token_ids), hashes))
+        hashes = tuple(
+            hash_prompt_blocks(prompt_token_ids, cfg.block_size, cfg.hash_seed, cache_salt)
+        )
+        self._sender(decode_id).put(
+            _SendJob(
+                request_id,
+                decode_id,
+                missing,
+                tuple(dst_block_ids),
+                result["first_token"],
+                {"seed": seed, "params": params},
+                len(prompt_token_ids),
+                hashes,
+            )
+        )
         return result
 
     def ack(self, request_id: str) -> bool:
@@ -132,8 +162,12 @@ class PrefillWorker(TransferEndpoint):
         return found
 
     def stats(self) -> dict:
-        return {**super().stats(), "num_held": len(self.engine.held_requests()),
-                "bytes_sent": self.bytes_sent, "blocks_sent": self.blocks_sent}
+        return {
+            **super().stats(),
+            "num_held": len(self.engine.held_requests()),
+            "bytes_sent": self.bytes_sent,
+            "blocks_sent": self.blocks_sent,
+        }
 
     def shutdown(self) -> None:
         for decode_id in list(self._senders):
@@ -144,8 +178,9 @@ class PrefillWorker(TransferEndpoint):
     def _sender(self, decode_id: str) -> queue.Queue:
         q = self._senders.get(decode_id)
         if q is None:
-            raise ValueError(f"decode worker {decode_id!r} is not connected; "
-                             "call connect_decode first")
+            raise ValueError(
+                f"decode worker {decode_id!r} is not connected; call connect_decode first"
+            )
         return q
 
     def _send_loop(self, decode_id: str, jobs: queue.Queue) -> None:
@@ -166,12 +201,18 @@ class PrefillWorker(TransferEndpoint):
         eng = self.engine
         args = eng.runner.model.args
         desc = TransferDescriptor(
-            request_id=job.request_id, block_hashes=job.block_hashes, missing=job.missing,
-            src_block_ids=tuple(held[i] for i in job.missing), dst_block_ids=job.dst_block_ids,
-            layers=(0, args.num_layers), dtype=dtype_name(eng.runner.dtype),
+            request_id=job.request_id,
+            block_hashes=job.block_hashes,
+            missing=job.missing,
+            src_block_ids=tuple(held[i] for i in job.missing),
+            dst_block_ids=job.dst_block_ids,
+            layers=(0, args.num_layers),
+            dtype=dtype_name(eng.runner.dtype),
             block_shape=(eng.config.block_size, args.num_kv_heads, args.head_dim),
-            first_token=job.first_token, num_prompt_tokens=job.num_prompt_tokens,
-            sampling=job.sampling)
+            first_token=job.first_token,
+            num_prompt_tokens=job.num_prompt_tokens,
+            sampling=job.sampling,
+        )
         stats = self.transfer.send(job.decode_id, eng.kv_caches, desc)
         self.bytes_sent += stats.payload_bytes
         self.blocks_sent += stats.num_blocks
@@ -180,8 +221,9 @@ class PrefillWorker(TransferEndpoint):
         for lease in self.leases.expired():
             self.leases.release(lease.request_id)
             if self.engine.release_held(lease.request_id):
-                logger.warning("lease of %s ran out without an ack; blocks released",
-                               lease.request_id)
+                logger.warning(
+                    "lease of %s ran out without an ack; blocks released", lease.request_id
+                )
 
 
 def _quietly(fn, request_id: str) -> None:

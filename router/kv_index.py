@@ -88,8 +88,10 @@ class KVIndex:
             held = self._blocks.get(worker_id)
             if held is None:
                 # Refuse rather than resurrect a removed worker from late events.
-                raise UnknownWorker(f"KV events for unknown worker {worker_id!r}; "
-                                    f"call add_worker({worker_id!r}) first")
+                raise UnknownWorker(
+                    f"KV events for unknown worker {worker_id!r}; "
+                    f"call add_worker({worker_id!r}) first"
+                )
             for kind, hashes in batch:
                 if kind == "stored":
                     for h in hashes:

@@ -106,8 +106,12 @@ class CacheAware(Policy):
     def choose(self, prompt: PromptInfo, loads: list[WorkerLoad]) -> WorkerLoad:
         def key(w: WorkerLoad) -> tuple[int, int, int, str]:
             uncached = prompt.num_tokens - prompt.cached_tokens(w.worker_id)
-            return (uncached + w.queued_prefill_tokens, w.queued_prefill_tokens,
-                    prompt.index.num_blocks(w.worker_id), w.worker_id)
+            return (
+                uncached + w.queued_prefill_tokens,
+                w.queued_prefill_tokens,
+                prompt.index.num_blocks(w.worker_id),
+                w.worker_id,
+            )
 
         return min(loads, key=key)
 
@@ -125,8 +129,9 @@ class RoundRobin(Policy):
         ordered = sorted(loads, key=lambda w: w.worker_id)
         with self._lock:
             # The first id after the last one chosen; wrap around to the lowest.
-            nxt = next((w for w in ordered if self._last is None or w.worker_id > self._last),
-                       ordered[0])
+            nxt = next(
+                (w for w in ordered if self._last is None or w.worker_id > self._last), ordered[0]
+            )
             self._last = nxt.worker_id
         return nxt
 
@@ -135,8 +140,7 @@ class LeastLoaded(Policy):
     """Fewest queued prefill tokens, then fewest running requests, then lowest id."""
 
     def choose(self, prompt: PromptInfo, loads: list[WorkerLoad]) -> WorkerLoad:
-        return min(loads, key=lambda w: (w.queued_prefill_tokens, w.running_requests,
-                                         w.worker_id))
+        return min(loads, key=lambda w: (w.queued_prefill_tokens, w.running_requests, w.worker_id))
 
 
 class RandomChoice(Policy):
@@ -165,8 +169,9 @@ def make_policy(name: str = DEFAULT_POLICY, **options) -> Policy:
     try:
         cls = POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; choose one of "
-                         f"{sorted(POLICIES)}") from None
+        raise ValueError(
+            f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}"
+        ) from None
     return cls(**options)
 
 
@@ -186,13 +191,21 @@ def _check_prompt(block_hashes: Sequence[BlockHash], block_size: int, num_tokens
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     full = num_tokens // block_size
     if len(block_hashes) > full:  # fewer is fine: the router may hash only a leading part
-        raise ValueError(f"num_prompt_tokens={num_tokens} makes {full} full blocks of "
-                         f"{block_size}, but {len(block_hashes)} block hashes were given")
+        raise ValueError(
+            f"num_prompt_tokens={num_tokens} makes {full} full blocks of "
+            f"{block_size}, but {len(block_hashes)} block hashes were given"
+        )
 
 
-def choose_prefill(policy: str | Policy, prompt_block_hashes: Sequence[BlockHash],
-                   block_size: int, loads: Sequence[WorkerLoad], index: KVIndex, *,
-                   num_prompt_tokens: int | None = None) -> PrefillChoice:
+def choose_prefill(
+    policy: str | Policy,
+    prompt_block_hashes: Sequence[BlockHash],
+    block_size: int,
+    loads: Sequence[WorkerLoad],
+    index: KVIndex,
+    *,
+    num_prompt_tokens: int | None = None,
+) -> PrefillChoice:
     """Pick a healthy prefill worker with `policy` (a name in POLICIES or an instance).
 
     Without num_prompt_tokens the prompt is taken to end in a partial block after its
@@ -200,8 +213,10 @@ def choose_prefill(policy: str | Policy, prompt_block_hashes: Sequence[BlockHash
     """
     if isinstance(policy, str):
         if policy in POLICIES and POLICIES[policy].stateful:
-            raise ValueError(f"policy {policy!r} keeps state between calls: build it once "
-                             f"with make_policy({policy!r}) and pass the instance")
+            raise ValueError(
+                f"policy {policy!r} keeps state between calls: build it once "
+                f"with make_policy({policy!r}) and pass the instance"
+            )
         policy = make_policy(policy)
     if num_prompt_tokens is None:
         num_prompt_tokens = len(prompt_block_hashes) * block_size + 1
@@ -211,8 +226,13 @@ def choose_prefill(policy: str | Policy, prompt_block_hashes: Sequence[BlockHash
     return PrefillChoice(chosen.worker_id, prompt.cached_tokens(chosen.worker_id))
 
 
-def choose_decode(prompt_block_hashes: Sequence[BlockHash], num_prompt_tokens: int,
-                  block_size: int, loads: Sequence[DecodeLoad], index: KVIndex) -> DecodeChoice:
+def choose_decode(
+    prompt_block_hashes: Sequence[BlockHash],
+    num_prompt_tokens: int,
+    block_size: int,
+    loads: Sequence[DecodeLoad],
+    index: KVIndex,
+) -> DecodeChoice:
     """Pick a healthy decode worker: room for the prompt, then own prefix hits, then load.
 
     A worker "fits" when its free blocks cover every block of the prompt (its own hits may
@@ -224,8 +244,10 @@ def choose_decode(prompt_block_hashes: Sequence[BlockHash], num_prompt_tokens: i
     needed = -(-num_prompt_tokens // block_size)
     prompt = PromptInfo(prompt_block_hashes, block_size, num_prompt_tokens, index)
     hits = {w.worker_id: prompt.cached_tokens(w.worker_id) // block_size for w in healthy}
-    best = min(healthy, key=lambda w: (w.free_blocks < needed, -hits[w.worker_id],
-                                       w.running_requests, w.worker_id))
+    best = min(
+        healthy,
+        key=lambda w: (w.free_blocks < needed, -hits[w.worker_id], w.running_requests, w.worker_id),
+    )
     later = any(w.total_blocks is None or w.total_blocks >= needed for w in healthy)
     return DecodeChoice(best.worker_id, hits[best.worker_id], best.free_blocks >= needed, later)
 

@@ -39,10 +39,19 @@ CAPACITY_POLL_S = 0.2  # how often a request waiting for free decode KV blocks l
 class Router:
     """Routes requests over a fixed set of prefill and decode workers."""
 
-    def __init__(self, prefill: dict[str, Any], decode: dict[str, Any], *, block_size: int,
-                 hash_seed: str, policy: str | Policy = "cache_aware",
-                 timeout: float = 600.0, local_prefill_tokens: int = 0,
-                 max_model_len: int | None = None, wait_for_workers_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        prefill: dict[str, Any],
+        decode: dict[str, Any],
+        *,
+        block_size: int,
+        hash_seed: str,
+        policy: str | Policy = "cache_aware",
+        timeout: float = 600.0,
+        local_prefill_tokens: int = 0,
+        max_model_len: int | None = None,
+        wait_for_workers_s: float = 0.0,
+    ) -> None:
         self.prefill = dict(prefill)
         self.decode = dict(decode)
         self.block_size = block_size
@@ -73,9 +82,15 @@ class Router:
         self._active: dict[str, tuple[tuple[str, Any] | None, tuple[str, Any]]] = {}
         self._healthy: dict[str, bool] = {}  # from the controller; unknown = healthy
 
-    def set_workers(self, prefill: dict[str, Any], decode: dict[str, Any], *,
-                    block_size: int | None = None, hash_seed: str | None = None,
-                    max_model_len: int | None = None) -> None:
+    def set_workers(
+        self,
+        prefill: dict[str, Any],
+        decode: dict[str, Any],
+        *,
+        block_size: int | None = None,
+        hash_seed: str | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
         """Replace the pools new requests are routed to. A worker left out takes no new
         request once this returns; requests already on it finish (see active_counts)."""
         with self._lock, self._pick_lock:
@@ -85,8 +100,10 @@ class Router:
                 self.index.remove_worker(worker_id)
                 self.load.forget(worker_id)
                 self._healthy.pop(worker_id, None)
-            if block_size is not None and (block_size, hash_seed) != (self.block_size,
-                                                                      self.hash_seed):
+            if block_size is not None and (block_size, hash_seed) != (
+                self.block_size,
+                self.hash_seed,
+            ):
                 for worker_id in old & new:  # its hashes were computed the old way
                     self.index.remove_worker(worker_id)
                     self.index.add_worker(worker_id)
@@ -99,8 +116,7 @@ class Router:
         with self._changed:
             self._changed.notify_all()
 
-    def configure(self, policy: str, local_prefill_tokens: int,
-                  wait_for_workers_s: float) -> None:
+    def configure(self, policy: str, local_prefill_tokens: int, wait_for_workers_s: float) -> None:
         """Change the prefill policy, the conditional-disaggregation threshold and the wait
         for workers in place."""
         if policy != self.policy_name:
@@ -127,8 +143,9 @@ class Router:
                     self.index.remove_worker(worker_id)
                     self.index.add_worker(worker_id)
                     self.load.forget(worker_id)
-            self._healthy.update({w: ok for w, ok in health.get("healthy", {}).items()
-                                  if w in known})
+            self._healthy.update(
+                {w: ok for w, ok in health.get("healthy", {}).items() if w in known}
+            )
         with self._changed:
             self._changed.notify_all()
 
@@ -164,8 +181,11 @@ class Router:
         worker that does not answer is skipped (its events come with a later refresh)."""
         with self._events_lock:
             with self._lock:
-                workers = [(w, p) for w, p in [*self.prefill.items(), *self.decode.items()]
-                           if self._healthy.get(w, True)]
+                workers = [
+                    (w, p)
+                    for w, p in [*self.prefill.items(), *self.decode.items()]
+                    if self._healthy.get(w, True)
+                ]
             events = list(self._calls.map(lambda w: _ask(w, "kv_events"), workers))
             with self._lock:
                 current = {*self.prefill, *self.decode}
@@ -173,25 +193,36 @@ class Router:
                     if worker_events and worker_id in current:
                         self.index.apply(worker_id, worker_events)
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: dict,
-                 cache_salt: str | None = None) -> Iterator[dict]:
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict,
+        cache_salt: str | None = None,
+    ) -> Iterator[dict]:
         """Output dicts of one request; the last carries prefill_worker and decode_worker.
 
         Up to wait_for_workers_s, a request waits for a healthy worker in each pool and for a
         decode worker with enough free KV blocks for its prompt (running requests free them
         as they finish), instead of failing."""
-        hashes = hash_prompt_blocks(prompt_token_ids, self.block_size, self.hash_seed,
-                                    cache_salt)
+        hashes = hash_prompt_blocks(prompt_token_ids, self.block_size, self.hash_seed, cache_salt)
         deadline = time.monotonic() + self.wait_for_workers_s
         while True:
-            again = yield from self._attempt(request_id, prompt_token_ids, params, cache_salt,
-                                             hashes, deadline)
+            again = yield from self._attempt(
+                request_id, prompt_token_ids, params, cache_salt, hashes, deadline
+            )
             if not again:
                 return
 
-    def _attempt(self, request_id: str, prompt_token_ids: list[int], params: dict,
-                 cache_salt: str | None, hashes: list, deadline: float
-                 ) -> Generator[dict, None, bool]:
+    def _attempt(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict,
+        cache_salt: str | None,
+        hashes: list,
+        deadline: float,
+    ) -> Generator[dict, None, bool]:
         """Choose workers and stream the request; returns True (having streamed nothing) when
         it must be tried again: the pools changed while choosing, or the decode worker's
         blocks went to other requests between its stats and the reservation."""
@@ -223,28 +254,39 @@ class Router:
         if stale:  # choose again among the new pools
             return True
         if local:
-            yield from self._generate_local(request_id, prompt_token_ids, params, cache_salt,
-                                            decode)
+            yield from self._generate_local(
+                request_id, prompt_token_ids, params, cache_salt, decode
+            )
             return False
         uncached = n - choice.cached_tokens
         self.load.dispatched(choice.worker_id, uncached)  # load counts from dispatch
         prefilled = False
         try:
             for out in generate_disaggregated(
-                    prefill[1], decode[1], request_id, prompt_token_ids, params,
-                    prefill_id=prefill[0], decode_id=decode[0], cache_salt=cache_salt,
-                    timeout=self.timeout):
+                prefill[1],
+                decode[1],
+                request_id,
+                prompt_token_ids,
+                params,
+                prefill_id=prefill[0],
+                decode_id=decode[0],
+                cache_salt=cache_salt,
+                timeout=self.timeout,
+            ):
                 if not prefilled:
                     prefilled = True
                     self.load.prefilled(choice.worker_id, uncached)
                     self._count(n, out["num_cached_tokens"])
                 if out["finished"]:
-                    out.update(prefill_worker=prefill[0], decode_worker=decode[0],
-                               prompt_tokens=n)
+                    out.update(prefill_worker=prefill[0], decode_worker=decode[0], prompt_tokens=n)
                 yield out
         except Exception as exc:
-            if not (not prefilled and _no_free_blocks(exc) and decode_choice.can_fit_later
-                    and time.monotonic() + CAPACITY_POLL_S < deadline):
+            if not (
+                not prefilled
+                and _no_free_blocks(exc)
+                and decode_choice.can_fit_later
+                and time.monotonic() + CAPACITY_POLL_S < deadline
+            ):
                 raise
         else:
             return False
@@ -261,29 +303,48 @@ class Router:
             prefill_pool, decode_pool = dict(self.prefill), dict(self.decode)
         healthy = lambda w: self._healthy.get(w, True)  # noqa: E731
         loads = [WorkerLoad(w, self.load.queued(w), healthy=healthy(w)) for w in prefill_pool]
-        choice = choose_prefill(self.policy, hashes, self.block_size, loads, self.index,
-                                num_prompt_tokens=n)
-        stats = self._calls.map(lambda d: _ask(d, "stats") if healthy(d[0]) else None,
-                                decode_pool.items())
-        decode_loads = [DecodeLoad(w, s["free_blocks"], s["num_requests"],
-                                   total_blocks=s.get("num_blocks")) if s is not None
-                        else DecodeLoad(w, 0, 0, healthy=False)
-                        for w, s in zip(decode_pool, stats, strict=True)]
+        choice = choose_prefill(
+            self.policy, hashes, self.block_size, loads, self.index, num_prompt_tokens=n
+        )
+        stats = self._calls.map(
+            lambda d: _ask(d, "stats") if healthy(d[0]) else None, decode_pool.items()
+        )
+        decode_loads = [
+            DecodeLoad(w, s["free_blocks"], s["num_requests"], total_blocks=s.get("num_blocks"))
+            if s is not None
+            else DecodeLoad(w, 0, 0, healthy=False)
+            for w, s in zip(decode_pool, stats, strict=True)
+        ]
         decode_choice = choose_decode(hashes, n, self.block_size, decode_loads, self.index)
         return choice, decode_choice, prefill_pool, decode_pool
 
-    def _generate_local(self, request_id: str, prompt_token_ids: list[int], params: dict,
-                        cache_salt: str | None, decode: tuple[str, Any]) -> Iterator[dict]:
+    def _generate_local(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict,
+        cache_salt: str | None,
+        decode: tuple[str, Any],
+    ) -> Iterator[dict]:
         counted = False
         try:
-            for out in generate_local(decode[1], request_id, prompt_token_ids,
-                                      params, cache_salt=cache_salt, timeout=self.timeout):
+            for out in generate_local(
+                decode[1],
+                request_id,
+                prompt_token_ids,
+                params,
+                cache_salt=cache_salt,
+                timeout=self.timeout,
+            ):
                 if not counted:
                     counted = True
                     self._count(len(prompt_token_ids), out["num_cached_tokens"])
                 if out["finished"]:
-                    out.update(prefill_worker=decode[0], decode_worker=decode[0],
-                               prompt_tokens=len(prompt_token_ids))
+                    out.update(
+                        prefill_worker=decode[0],
+                        decode_worker=decode[0],
+                        prompt_tokens=len(prompt_token_ids),
+                    )
                 yield out
         finally:
             self._finish(request_id)
@@ -300,8 +361,10 @@ class Router:
 def _no_free_blocks(exc: BaseException) -> bool:
     """A decode worker refused a reservation for now (in process, over Ray, or over RPC,
     where the remote exception arrives by class name)."""
-    return (isinstance(exc, NoFreeBlocksError)
-            or getattr(exc, "kind", None) == NoFreeBlocksError.__name__)
+    return (
+        isinstance(exc, NoFreeBlocksError)
+        or getattr(exc, "kind", None) == NoFreeBlocksError.__name__
+    )
 
 
 def _ask(worker: tuple[str, Any], method: str) -> Any:

@@ -60,15 +60,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         if kind is None:
             raise InvalidRequestError("one of prompt, prompt_token_ids or messages is required")
         if self.tokenizer is None:
-            raise InvalidRequestError(f"{kind} needs a tokenizer; this server takes "
-                                      "prompt_token_ids only")
+            raise InvalidRequestError(
+                f"{kind} needs a tokenizer; this server takes prompt_token_ids only"
+            )
         if kind == "prompt":
             return self.tokenizer.encode(request.prompt) if request.prompt else []
         messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
         if not messages:
             raise InvalidRequestError("messages is empty")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=True)
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     async def Generate(self, request, context):  # noqa: N802 - gRPC method name
@@ -81,8 +83,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 raise InvalidRequestError("prompt is empty")
             limit = self.router.max_model_len
             if limit is not None and len(ids) >= limit:
-                await context.abort(grpc.StatusCode.OUT_OF_RANGE,
-                                    f"prompt has {len(ids)} tokens; max_model_len is {limit}")
+                await context.abort(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"prompt has {len(ids)} tokens; max_model_len is {limit}",
+                )
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         stream = self.router.generate(request_id, ids, params, request.cache_salt or None)
@@ -93,18 +97,24 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if out is _DONE:
                     return
                 completion += len(out["token_ids"])
-                reply = pb.GenerateResponse(request_id=request_id, token_ids=out["token_ids"],
-                                            text=out.get("text") or "")
+                reply = pb.GenerateResponse(
+                    request_id=request_id, token_ids=out["token_ids"], text=out.get("text") or ""
+                )
                 if out["finished"]:
                     if out["finish_reason"] == "error":
-                        await context.abort(grpc.StatusCode.INTERNAL,
-                                            f"request {request_id} failed: {out['error']}")
+                        await context.abort(
+                            grpc.StatusCode.INTERNAL, f"request {request_id} failed: {out['error']}"
+                        )
                     reply.finish_reason = out["finish_reason"] or ""
-                    reply.usage.CopyFrom(pb.Usage(
-                        prompt_tokens=len(ids), completion_tokens=completion,
-                        cached_tokens=out["num_cached_tokens"],
-                        prefill_worker=out.get("prefill_worker", ""),
-                        decode_worker=out.get("decode_worker", "")))
+                    reply.usage.CopyFrom(
+                        pb.Usage(
+                            prompt_tokens=len(ids),
+                            completion_tokens=completion,
+                            cached_tokens=out["num_cached_tokens"],
+                            prefill_worker=out.get("prefill_worker", ""),
+                            decode_worker=out.get("decode_worker", ""),
+                        )
+                    )
                 yield reply
                 if out["finished"]:
                     return
@@ -129,28 +139,36 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         reply = pb.ClusterStatusResponse(cache_hit_rate=self.router.hit_rate())
         for w in workers:
             queries = w.get("cache_queries", 0)
-            reply.workers.append(pb.WorkerStatus(
-                worker_id=w["worker_id"], role=w["role"], healthy=w["healthy"],
-                running_requests=w.get("num_requests", 0), kv_usage=w.get("kv_usage", 0.0),
-                cache_hit_rate=w.get("cache_hits", 0) / queries if queries else 0.0,
-                free_blocks=w.get("free_blocks", 0)))
+            reply.workers.append(
+                pb.WorkerStatus(
+                    worker_id=w["worker_id"],
+                    role=w["role"],
+                    healthy=w["healthy"],
+                    running_requests=w.get("num_requests", 0),
+                    kv_usage=w.get("kv_usage", 0.0),
+                    cache_hit_rate=w.get("cache_hits", 0) / queries if queries else 0.0,
+                    free_blocks=w.get("free_blocks", 0),
+                )
+            )
         return reply
 
 
-async def start_server(router: Router, host: str = "127.0.0.1", port: int = 50051,
-                       tokenizer=None) -> tuple[object, int]:
+async def start_server(
+    router: Router, host: str = "127.0.0.1", port: int = 50051, tokenizer=None
+) -> tuple[object, int]:
     """Start the aio server; returns (server, bound port). Port 0 picks a free one."""
     # Every open stream holds a thread while it waits for its next tokens: asyncio's default
     # pool (cpus + 4 threads) would queue streams behind each other.
     asyncio.get_running_loop().set_default_executor(
-        ThreadPoolExecutor(max_workers=STREAM_THREADS, thread_name_prefix="stream"))
+        ThreadPoolExecutor(max_workers=STREAM_THREADS, thread_name_prefix="stream")
+    )
     server = grpc.aio.server()
-    pb_grpc.add_InferenceServicer_to_server(
-        InferenceServicer(router, tokenizer), server)
+    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(router, tokenizer), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")

@@ -18,20 +18,30 @@ def make_checkpoint(root: Path, kind: str = "llama", **overrides) -> Path:
         Qwen2ForCausalLM,
     )
 
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     common.update(overrides)
     torch.manual_seed(0)
     if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, rope_theta=10000.0,
-                                             **common))
+        model = LlamaForCausalLM(
+            LlamaConfig(tie_word_embeddings=True, rope_theta=10000.0, **common)
+        )
     elif kind == "mistral":
-        model = MistralForCausalLM(MistralConfig(tie_word_embeddings=False, rope_theta=1e4,
-                                                 sliding_window=96, **common))
+        model = MistralForCausalLM(
+            MistralConfig(tie_word_embeddings=False, rope_theta=1e4, sliding_window=96, **common)
+        )
     elif kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, rope_theta=1e6,
-                                             **common))
+        model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, rope_theta=1e6, **common))
     else:
         raise ValueError(kind)
     # Larger-than-default init so logits are well separated (greedy ties are unlikely).

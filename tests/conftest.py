@@ -16,6 +16,20 @@ import torch  # noqa: E402
 # Tests run on 2 shared cores: keep torch to one thread unless told otherwise.
 torch.set_num_threads(int(os.environ.get("BATON_TEST_THREADS", "1")))
 
+# Modules that start a local Ray cluster: `pytest -m "not ray"` is the fast inner loop.
+RAY_MODULES = (
+    "tests/cluster/",
+    "tests/deploy/test_deploy_on_ray.py",
+    "tests/deploy/test_replace_at_capacity.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.path.as_posix()
+        if any(f"/{m}" in path or path.endswith(m) for m in RAY_MODULES):
+            item.add_marker(pytest.mark.ray)
+
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:

@@ -23,8 +23,10 @@ def _cpu_backend() -> AttentionBackend:
 
     lib = load_kernel()
     if lib is None:
-        raise ValueError("the cpu attention backend needs an x86-64 CPU with AVX2/FMA/F16C "
-                         "and a C compiler; use torch")
+        raise ValueError(
+            "the cpu attention backend needs an x86-64 CPU with AVX2/FMA/F16C "
+            "and a C compiler; use torch"
+        )
     return CpuAttentionBackend(lib)
 
 
@@ -49,5 +51,10 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     return BACKENDS[name]()
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "build_metadata",
-           "get_attention_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "BACKENDS",
+    "build_metadata",
+    "get_attention_backend",
+]

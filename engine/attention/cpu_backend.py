@@ -27,8 +27,24 @@ def load_kernel() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.baton_paged_decode.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, i64,
-                                       i64, i64, i64, ctypes.c_float, ptr]
+    lib.baton_paged_decode.argtypes = [
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        ctypes.c_float,
+        ptr,
+    ]
     lib.baton_paged_decode.restype = ctypes.c_int
     return lib
 
@@ -42,8 +58,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__()
         self._lib = lib
 
-    def _decode(self, q: torch.Tensor, blocks: torch.Tensor, plan: _StepPlan,
-                scale: float) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, blocks: torch.Tensor, plan: _StepPlan, scale: float
+    ) -> torch.Tensor:
         """q: [T, H, D]; blocks: [2, KVH, num_blocks, block_size, D]. Returns [Bd, H, D]."""
         if q.dtype != torch.float32 or q.device.type != "cpu":
             return super()._decode(q, blocks, plan, scale)
@@ -52,9 +69,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
         _, num_kv_heads, _, block_size, head_dim = blocks.shape
         tables = plan.decode_blocks  # [Bd, blocks] int64, contiguous
         rc = self._lib.baton_paged_decode(
-            qd.data_ptr(), blocks.data_ptr(), *blocks.stride()[:4], tables.data_ptr(),
-            tables.shape[1], plan.decode_lens.data_ptr(), qd.shape[0], qd.shape[1],
-            num_kv_heads, head_dim, block_size, scale, out.data_ptr())
+            qd.data_ptr(),
+            blocks.data_ptr(),
+            *blocks.stride()[:4],
+            tables.data_ptr(),
+            tables.shape[1],
+            plan.decode_lens.data_ptr(),
+            qd.shape[0],
+            qd.shape[1],
+            num_kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            out.data_ptr(),
+        )
         if rc != 0:  # a shape the kernel does not take (or no scratch memory)
             return super()._decode(q, blocks, plan, scale)
         return out

@@ -11,11 +11,18 @@ from __future__ import annotations
 import torch
 
 
-def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+def allocate_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """Zeroed cache for one layer: the logical view over head-major storage."""
-    storage = torch.zeros(2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype,
-                          device=device)
+    storage = torch.zeros(
+        2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device
+    )
     return storage.permute(0, 2, 3, 1, 4)
 
 

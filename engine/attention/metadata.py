@@ -32,16 +32,22 @@ class AttentionMetadata:
         return len(self.query_lens)
 
 
-def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                   block_size: int, device: torch.device) -> AttentionMetadata:
+def build_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
     """Metadata for a step, with slot_mapping derived from the block tables."""
     max_blocks = max((len(t) for t in block_tables), default=0) or 1
     table = torch.zeros(len(block_tables), max_blocks, dtype=torch.int32)
     slots: list[int] = []
-    for s, (blocks, q_len, s_len) in enumerate(zip(block_tables, query_lens, seq_lens,
-                                                   strict=True)):
+    for s, (blocks, q_len, s_len) in enumerate(
+        zip(block_tables, query_lens, seq_lens, strict=True)
+    ):
         if blocks:
-            table[s, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            table[s, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         for pos in range(s_len - q_len, s_len):
             slots.append(blocks[pos // block_size] * block_size + pos % block_size)
     starts = [0]

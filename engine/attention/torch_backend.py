@@ -43,8 +43,9 @@ def context_slots(block_tables: torch.Tensor, block_size: int, length: int) -> t
     return blocks * block_size + pos % block_size
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Scatter this step's keys and values [T, KVH, D] into the cache by slot
     ([2, KVH, slots, D], see _by_slot)."""
     cache[0].index_copy_(1, slot_mapping, k.transpose(0, 1))
@@ -102,18 +103,32 @@ class TorchAttentionBackend(AttentionBackend):
                 ctx = s_len - q_len
                 slots = mask = None
                 if ctx > 0:
-                    slots = context_slots(meta.block_tables[s:s + 1], meta.block_size, s_len)[0]
+                    slots = context_slots(meta.block_tables[s : s + 1], meta.block_size, s_len)[0]
                     if device.type != "cpu":  # the CPU path splits context and chunk instead
                         q_pos = torch.arange(ctx, s_len, device=device)
                         mask = torch.arange(s_len, device=device)[None, :] <= q_pos[:, None]
                 prefills.append(_PrefillSeq(slice(start, start + q_len), slots, mask))
             start += q_len
         all_decode = len(decode) == len(meta.query_lens)
-        return _StepPlan(decode_rows, decode_blocks, decode_mask_neg, decode_len, decode_lens,
-                         all_decode, prefills)
+        return _StepPlan(
+            decode_rows,
+            decode_blocks,
+            decode_mask_neg,
+            decode_len,
+            decode_lens,
+            all_decode,
+            prefills,
+        )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         if self._plan_for is not meta:
             self.begin_step(meta)
         plan = self._plan
@@ -129,21 +144,28 @@ class TorchAttentionBackend(AttentionBackend):
             if seq.slots is None:  # fresh prompt: this step's keys are the whole context
                 ks, vs = k[seq.rows].transpose(0, 1), v[seq.rows].transpose(0, 1)
             elif q.device.type == "cpu":  # only the cached context is gathered
-                ctx = cache.index_select(2, seq.slots[:seq.slots.shape[0] - qs.shape[2]])
+                ctx = cache.index_select(2, seq.slots[: seq.slots.shape[0] - qs.shape[2]])
                 o = _context_chunk_cpu(qs, k[seq.rows], v[seq.rows], ctx[0], ctx[1], scale)
                 out[seq.rows] = o[0].transpose(0, 1)
                 continue
             else:  # keys and values in one gather: [2, KVH, seq_len, D]
                 ks, vs = cache.index_select(2, seq.slots)
             o = F.scaled_dot_product_attention(
-                qs, ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=seq.mask,
-                is_causal=seq.mask is None, scale=scale, enable_gqa=True)
+                qs,
+                ks.unsqueeze(0),
+                vs.unsqueeze(0),
+                attn_mask=seq.mask,
+                is_causal=seq.mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )
             out[seq.rows] = o[0].transpose(0, 1)
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, blocks: torch.Tensor, plan: _StepPlan,
-                scale: float) -> torch.Tensor:
+    def _decode(
+        q: torch.Tensor, blocks: torch.Tensor, plan: _StepPlan, scale: float
+    ) -> torch.Tensor:
         """One query per sequence: batched matmul-softmax-matmul over (KVH x Bd) matrices
         (SDPA's CPU flash kernel is slow for single-token queries). Whole blocks are gathered
         (contiguous block_size x D rows per head). Returns [Bd, H, D]."""
@@ -159,10 +181,14 @@ class TorchAttentionBackend(AttentionBackend):
         qd = q if plan.all_decode else q.index_select(0, plan.decode_rows)
         if bd == 1:  # [KVH, G, D] queries against exactly the sequence's keys
             n = plan.decode_len
-            scores = torch.bmm(qd.view(num_kv_heads, group, head_dim),
-                               kd[:, :n].transpose(1, 2)).mul_(scale)  # [KVH, G, n]
-            probs = (scores.softmax(-1) if scores.dtype == torch.float32
-                     else scores.float().softmax(-1).to(vd.dtype))
+            scores = torch.bmm(
+                qd.view(num_kv_heads, group, head_dim), kd[:, :n].transpose(1, 2)
+            ).mul_(scale)  # [KVH, G, n]
+            probs = (
+                scores.softmax(-1)
+                if scores.dtype == torch.float32
+                else scores.float().softmax(-1).to(vd.dtype)
+            )
             return torch.bmm(probs, vd[:, :n]).view(1, num_kv_heads * group, head_dim)
         qd = qd.view(bd, num_kv_heads, group, head_dim)
         qd = qd.transpose(0, 1).reshape(num_kv_heads * bd, group, head_dim)
@@ -171,12 +197,21 @@ class TorchAttentionBackend(AttentionBackend):
         scores = scores.masked_fill_(plan.decode_mask_neg, float("-inf"))
         probs = scores.softmax(-1).to(vd.dtype).view(num_kv_heads * bd, group, length)
         od = torch.bmm(probs, vd)  # [KVH * Bd, G, D]
-        return od.view(num_kv_heads, bd, group, head_dim).transpose(0, 1).reshape(
-            bd, num_kv_heads * group, head_dim)
+        return (
+            od.view(num_kv_heads, bd, group, head_dim)
+            .transpose(0, 1)
+            .reshape(bd, num_kv_heads * group, head_dim)
+        )
 
 
-def _context_chunk_cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                       k_ctx: torch.Tensor, v_ctx: torch.Tensor, scale: float) -> torch.Tensor:
+def _context_chunk_cpu(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_ctx: torch.Tensor,
+    v_ctx: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """A prefill chunk after `ctx` cached tokens, as two unmasked flash-attention calls merged
     by their log-sum-exps: the cached context (every query sees every key) and the chunk
     itself (causal). On CPU this is ~15% faster than one SDPA call with an explicit mask.
@@ -190,13 +225,21 @@ def _context_chunk_cpu(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
     def heads(x: torch.Tensor) -> torch.Tensor:  # [KVH, L, D] -> [1, H, L, D]
         return x.repeat_interleave(group, dim=0).unsqueeze(0)
 
-    out_ctx, lse_ctx = flash(q, heads(k_ctx), heads(v_ctx), 0.0, False, attn_mask=None,
-                             scale=scale)
-    out_new, lse_new = flash(q, heads(k_new.transpose(0, 1)), heads(v_new.transpose(0, 1)),
-                             0.0, True, attn_mask=None, scale=scale)
+    out_ctx, lse_ctx = flash(q, heads(k_ctx), heads(v_ctx), 0.0, False, attn_mask=None, scale=scale)
+    out_new, lse_new = flash(
+        q,
+        heads(k_new.transpose(0, 1)),
+        heads(v_new.transpose(0, 1)),
+        0.0,
+        True,
+        attn_mask=None,
+        scale=scale,
+    )
     lse = torch.logaddexp(lse_ctx, lse_new)  # [1, H, n]
-    return (out_ctx * (lse_ctx - lse).exp_().unsqueeze(-1)
-            + out_new * (lse_new - lse).exp_().unsqueeze(-1)).to(q.dtype)
+    return (
+        out_ctx * (lse_ctx - lse).exp_().unsqueeze(-1)
+        + out_new * (lse_new - lse).exp_().unsqueeze(-1)
+    ).to(q.dtype)
 
 
 def _by_slot(blocks: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,9 @@ try:
     import triton
     import triton.language as tl
 except ImportError as exc:  # pragma: no cover - exercised only without triton installed
-    raise ImportError("the triton attention backend needs triton: pip install 'baton[triton]'"
-                      ) from exc
+    raise ImportError(
+        "the triton attention backend needs triton: pip install 'baton[triton]'"
+    ) from exc
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
@@ -37,13 +38,24 @@ _LOG2E = tl.constexpr(1.4426950408889634)  # softmax runs in base 2: exp(x) == e
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    key_ptr, value_ptr,  # [T, KVH, D] this step's keys / values (any strides)
-    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, KVH, D] each, same strides
+    key_ptr,
+    value_ptr,  # [T, KVH, D] this step's keys / values (any strides)
+    key_cache_ptr,
+    value_cache_ptr,  # [num_blocks, block_size, KVH, D] each, same strides
     slot_mapping_ptr,  # [T] int64 cache slot per token; < 0 means "do not write"
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_cb, stride_cs, stride_ch, stride_cd,
-    num_kv_heads, head_dim, block_size,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    num_kv_heads,
+    head_dim,
+    block_size,
     BLOCK_H: tl.constexpr,  # power of two >= num_kv_heads
     BLOCK_D: tl.constexpr,  # power of two >= head_dim
 ):
@@ -60,8 +72,7 @@ def _reshape_and_cache_kernel(
     mask = (heads < num_kv_heads) & (dims < head_dim)
 
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
-    value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd,
-                    mask=mask)
+    value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
     dst = block * stride_cb + offset * stride_cs + heads * stride_ch + dims * stride_cd
     tl.store(key_cache_ptr + dst, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + dst, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
@@ -72,16 +83,27 @@ def _reshape_and_cache_kernel(
 @triton.jit(do_not_specialize=["num_seqs"])
 def _unified_attention_kernel(
     q_ptr,  # [T, H, D]
-    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, KVH, D] each, same strides
+    key_cache_ptr,
+    value_cache_ptr,  # [num_blocks, block_size, KVH, D] each, same strides
     out_ptr,  # [T, H, D]
     block_tables_ptr,  # [S, max_blocks] int32
     seq_lens_ptr,  # [S] int32: context length after this step (cached + new)
     query_start_loc_ptr,  # [S + 1] int32
     scale,  # fp32 softmax scale
-    num_seqs, num_queries_per_kv, head_dim, block_size,
-    stride_qt, stride_qh, stride_qd,
-    stride_ot, stride_oh, stride_od,
-    stride_cb, stride_cs, stride_ch, stride_cd,
+    num_seqs,
+    num_queries_per_kv,
+    head_dim,
+    block_size,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
     stride_bt,
     BLOCK_Q: tl.constexpr,  # query tokens per tile (power of two)
     GROUP_P2: tl.constexpr,  # power of two >= num_queries_per_kv
@@ -142,10 +164,16 @@ def _unified_attention_kernel(
         pos_valid = pos < kv_end
         block = tl.load(table_row + pos // block_size, mask=pos_valid, other=0).to(tl.int64)
         kv_offs = block * stride_cb + (pos % block_size) * stride_cs + kv_head * stride_ch
-        k = tl.load(key_cache_ptr + kv_offs[None, :] + dims[:, None] * stride_cd,
-                    mask=pos_valid[None, :] & dim_valid[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        v = tl.load(value_cache_ptr + kv_offs[:, None] + dims[None, :] * stride_cd,
-                    mask=pos_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(
+            key_cache_ptr + kv_offs[None, :] + dims[:, None] * stride_cd,
+            mask=pos_valid[None, :] & dim_valid[:, None],
+            other=0.0,
+        )  # [BLOCK_D, BLOCK_N]
+        v = tl.load(
+            value_cache_ptr + kv_offs[:, None] + dims[None, :] * stride_cd,
+            mask=pos_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
         attend = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
@@ -166,8 +194,13 @@ def _pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, triton.next_power_of_2(n))
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Write key/value [T, KVH, D] into caches [num_blocks, block_size, KVH, D] at slot_mapping."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -175,16 +208,32 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     assert key_cache.stride() == value_cache.stride(), "key and value caches must share layout"
     assert slot_mapping.shape[0] == num_tokens
     _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        *key.stride(), *value.stride(), *key_cache.stride(),
-        num_kv_heads, head_dim, key_cache.shape[1],
-        BLOCK_H=_pow2(num_kv_heads), BLOCK_D=_pow2(head_dim),
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        *key_cache.stride(),
+        num_kv_heads,
+        head_dim,
+        key_cache.shape[1],
+        BLOCK_H=_pow2(num_kv_heads),
+        BLOCK_D=_pow2(head_dim),
     )
 
 
-def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      out: torch.Tensor, meta: AttentionMetadata, scale: float,
-                      block_m: int = 64, block_n: int = 64) -> None:
+def unified_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> None:
     """Causal paged attention of q [T, H, D] over the caches into out [T, H, D], one launch.
 
     block_m bounds the tile rows (query tokens x GQA group) of prefill steps; decode-only steps
@@ -206,12 +255,27 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     num_tiles = num_tokens // block_q + meta.num_seqs  # == tile_start(S), see module docstring
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _unified_attention_kernel[(num_tiles, num_kv_heads)](
-        q, key_cache, value_cache, out,
-        meta.block_tables, meta.seq_lens_tensor, meta.query_start_loc,
-        float(scale), meta.num_seqs, group, head_dim, key_cache.shape[1],
-        *q.stride(), *out.stride(), *key_cache.stride(), meta.block_tables.stride(0),
-        BLOCK_Q=block_q, GROUP_P2=group_p2, BLOCK_N=_pow2(block_n, 16),
-        BLOCK_D=_pow2(head_dim, 16), DOT_PRECISION=dot_precision,
+        q,
+        key_cache,
+        value_cache,
+        out,
+        meta.block_tables,
+        meta.seq_lens_tensor,
+        meta.query_start_loc,
+        float(scale),
+        meta.num_seqs,
+        group,
+        head_dim,
+        key_cache.shape[1],
+        *q.stride(),
+        *out.stride(),
+        *key_cache.stride(),
+        meta.block_tables.stride(0),
+        BLOCK_Q=block_q,
+        GROUP_P2=group_p2,
+        BLOCK_N=_pow2(block_n, 16),
+        BLOCK_D=_pow2(head_dim, 16),
+        DOT_PRECISION=dot_precision,
     )
 
 
@@ -224,12 +288,20 @@ class TritonAttentionBackend(AttentionBackend):
         self.block_m = block_m  # max tile rows (query tokens x GQA group) for prefill steps
         self.block_n = block_n  # keys per inner-loop step
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """Write k, v into kv_cache at meta.slot_mapping, then return attention [T, H, D]."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, KVH, D]
         reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        unified_attention(q, key_cache, value_cache, out, meta, scale,
-                          block_m=self.block_m, block_n=self.block_n)
+        unified_attention(
+            q, key_cache, value_cache, out, meta, scale, block_m=self.block_m, block_n=self.block_n
+        )
         return out

@@ -25,8 +25,9 @@ def onednn_available(weight: torch.Tensor) -> bool:
         return False
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight[:8].contiguous())
-        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, weight.shape[1], dtype=weight.dtype),
-                                           packed, None, "none", [], "")
+        torch.ops.mkldnn._linear_pointwise(
+            torch.zeros(1, weight.shape[1], dtype=weight.dtype), packed, None, "none", [], ""
+        )
         return True
     except (RuntimeError, AttributeError) as exc:
         logger.info("oneDNN packed linear unavailable (%s); using F.linear", exc)

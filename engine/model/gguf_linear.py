@@ -32,8 +32,14 @@ QUANT_MAX_ROWS = 8
 class GGUFBlockLinear(nn.Module):
     """y = x W^T + b: from the GGUF blocks up to QUANT_MAX_ROWS rows, else the dense layer."""
 
-    def __init__(self, dense: nn.Module, blocks: torch.Tensor, block_type: int,
-                 in_features: int, lib: ctypes.CDLL) -> None:
+    def __init__(
+        self,
+        dense: nn.Module,
+        blocks: torch.Tensor,
+        block_type: int,
+        in_features: int,
+        lib: ctypes.CDLL,
+    ) -> None:
         super().__init__()
         check_blocks(blocks, blocks.shape[0], in_features, block_type)
         self.dense = dense  # PackedLinear or nn.Linear holding the same float32 weight
@@ -104,12 +110,12 @@ def attach_gguf_blocks(model: nn.Module, blocks_file: Path, target: Callable) ->
             continue  # not every part of a fused matrix is quantized
         if owner_name.endswith("qkv_proj"):  # the rows as the float32 weight has them
             rows = model.qk_row_order().cpu()
-            blocks = torch.cat((blocks[rows], blocks[len(rows):]))
-        wrapped_layer = GGUFBlockLinear(layer, blocks.contiguous(), shards[shard_order[0]][1],
-                                        weight.shape[1], lib)
+            blocks = torch.cat((blocks[rows], blocks[len(rows) :]))
+        wrapped_layer = GGUFBlockLinear(
+            layer, blocks.contiguous(), shards[shard_order[0]][1], weight.shape[1], lib
+        )
         parent_name, _, attr = owner_name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr,
-                wrapped_layer)
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, wrapped_layer)
         wrapped += 1
     logger.info("%d linear layers multiply small batches from GGUF blocks", wrapped)
     return wrapped

@@ -81,24 +81,38 @@ class LlamaAttention(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            args.num_heads, args.num_kv_heads, args.head_dim)
+            args.num_heads,
+            args.num_kv_heads,
+            args.head_dim,
+        )
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
-        self.scale = args.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=args.qkv_bias)
+        self.scale = args.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias
+        )
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...],
-                kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, ...],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """[T, E] -> [T, E], or [len(rows), E] for just those rows."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D], q and k rows in rotation-pair order
-        qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(
-            t, self.num_heads + self.num_kv_heads, self.head_dim), rope)  # [T, H + KVH, D]
+        qk = apply_rope(
+            qkv[:, : self.q_size + self.kv_size].view(
+                t, self.num_heads + self.num_kv_heads, self.head_dim
+            ),
+            rope,
+        )  # [T, H + KVH, D]
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache, meta, self.scale).view(t, self.q_size)
         if rows is not None:  # only these rows' outputs are wanted (keys and values are all kept)
             out = out.index_select(0, rows)
@@ -111,8 +125,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.intermediate_size = args.intermediate_size
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size,
-                                      bias=args.mlp_bias)
+        self.gate_up_proj = nn.Linear(
+            args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias
+        )
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,9 +146,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = LlamaMLP(args)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...],
-                kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, ...],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """[T, E] -> [T, E]; with rows, [len(rows), E]: every token's keys and values are
         still computed and cached, the attention output and MLP only for those rows."""
         attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, backend, rows)
@@ -150,8 +171,11 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = (None if args.tie_word_embeddings
-                        else nn.Linear(args.hidden_size, args.vocab_size, bias=False))
+        self.lm_head = (
+            None
+            if args.tie_word_embeddings
+            else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        )
         # RoPE tables [max_positions, D / 2]: (cis,) complex for float32, else (cos, sin); set
         # by set_rope() after weights are materialized.
         self.rope_tables: tuple[torch.Tensor, ...] = ()
@@ -165,8 +189,10 @@ class LlamaForCausalLM(nn.Module):
         if dtype == torch.float32:
             self.rope_tables = (torch.polar(torch.full_like(freqs, scaling), freqs),)
         else:
-            self.rope_tables = ((freqs.cos() * scaling).to(dtype),
-                                (freqs.sin() * scaling).to(dtype))
+            self.rope_tables = (
+                (freqs.cos() * scaling).to(dtype),
+                (freqs.sin() * scaling).to(dtype),
+            )
 
     def interleave_rope_rows(self) -> None:
         """Put every layer's q and k projection rows (weights and biases) in rotation-pair
@@ -176,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
             proj = layer.self_attn.qkv_proj
             for param in (proj.weight, proj.bias):
                 if param is not None:
-                    param.data[:len(order)] = param.data[order]
+                    param.data[: len(order)] = param.data[order]
 
     def qk_row_order(self) -> torch.Tensor:
         """New row order of the q and k rows of a fused qkv projection ([q rows, k rows])."""
@@ -185,9 +211,15 @@ class LlamaForCausalLM(nn.Module):
         k = interleaved_rope_order(a.num_kv_heads, a.head_dim) + a.num_heads * a.head_dim
         return torch.cat((q, k)).to(self.embed_tokens.weight.device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
-                backend: AttentionBackend, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, E], or [len(rows), E] of just
         the rows asked for (those that sample): the last layer then skips the output
         projection and MLP of the others, which no later layer reads."""
@@ -213,5 +245,8 @@ class LlamaForCausalLM(nn.Module):
             return
         pack_linears(self.layers)
         head = self.lm_head if self.lm_head is not None else None
-        self.lm_head = (PackedLinear.from_linear(head) if head is not None
-                        else PackedLinear(self.embed_tokens.weight, None))
+        self.lm_head = (
+            PackedLinear.from_linear(head)
+            if head is not None
+            else PackedLinear(self.embed_tokens.weight, None)
+        )

@@ -29,8 +29,10 @@ def llama_args(cfg: dict) -> LlamaArgs:
     """Architecture numbers from an HF config dict; rejects unsupported model types."""
     model_type = cfg.get("model_type", "llama")
     if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"model_type {model_type!r} is not supported; "
-                         f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; "
+            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
     heads = cfg["num_attention_heads"]
     return LlamaArgs(
         vocab_size=cfg["vocab_size"],
@@ -55,7 +57,7 @@ def rope_inv_freq(model_dir: Path, cfg: dict, head_dim: int) -> tuple[torch.Tens
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     if rope_type == "default":
         exps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        return 1.0 / (theta ** exps), 1.0
+        return 1.0 / (theta**exps), 1.0
     # Scaled variants (linear, dynamic, yarn, llama3, longrope): transformers' own tables.
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -106,9 +108,13 @@ def _shard_rows(model: LlamaForCausalLM, param_name: str, shard: int) -> slice:
     return [slice(0, i), slice(i, 2 * i)][shard]
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int, use_gguf_blocks: bool = True
-               ) -> tuple[LlamaForCausalLM, dict]:
+def load_model(
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    use_gguf_blocks: bool = True,
+) -> tuple[LlamaForCausalLM, dict]:
     """Model with weights from model_dir's safetensors, on device, in dtype, in eval mode.
     On CPU in float32, a directory converted from a GGUF also multiplies small batches from
     the GGUF blocks (unless use_gguf_blocks is False)."""
@@ -138,8 +144,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
                         dest = dest[_shard_rows(model, ours, shard)]
                     tensor = f.get_tensor(name)
                     if tensor.shape != dest.shape:
-                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
-                                         f"model shape {tuple(dest.shape)}")
+                        raise ValueError(
+                            f"{name}: checkpoint shape {tuple(tensor.shape)} != "
+                            f"model shape {tuple(dest.shape)}"
+                        )
                     dest.copy_(tensor.to(dtype))
                     loaded.add(f"{ours}#{shard}")
     expected = {f"{n}#{s}" for n in params for s in _expected_shards(n)}

@@ -67,8 +67,10 @@ def hf_tensor_name(gguf_name: str) -> str:
     if gguf_name == "rope_freqs.weight":
         # llama.cpp stores Llama-3.x rope scaling as precomputed per-frequency factors; the
         # HF rope_parameters they came from cannot be recovered reliably.
-        raise UnsupportedGGUFError("GGUF has rope_freqs.weight (Llama-3 style rope scaling), "
-                                   "which this converter does not support")
+        raise UnsupportedGGUFError(
+            "GGUF has rope_freqs.weight (Llama-3 style rope scaling), "
+            "which this converter does not support"
+        )
     m = _LAYER_TENSOR.match(gguf_name)
     if m is None or m.group(2) not in _LAYER_NAMES:
         raise UnsupportedGGUFError(f"unexpected tensor {gguf_name!r} in a llama GGUF")
@@ -89,7 +91,8 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
         raise UnsupportedGGUFError(f"{rows} rows do not split into {n_heads} heads of even size")
     half = rows // n_heads // 2
     return np.ascontiguousarray(
-        w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+        w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
 
 
 def hf_row_order(name: str, rows: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
@@ -110,7 +113,8 @@ def llama_config_from_gguf(reader: Any) -> dict[str, Any]:
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise UnsupportedGGUFError(
             f"GGUF architecture {arch!r} is not supported; supported: "
-            f"{list(SUPPORTED_GGUF_ARCHITECTURES)}")
+            f"{list(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
 
     def need(key: str) -> Any:
         value = _field(reader, f"{arch}.{key}")
@@ -124,14 +128,19 @@ def llama_config_from_gguf(reader: Any) -> dict[str, Any]:
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
-        raise UnsupportedGGUFError(f"partial rotary (rope dim {rope_dim} != head dim "
-                                   f"{head_dim}) is not supported for llama")
+        raise UnsupportedGGUFError(
+            f"partial rotary (rope dim {rope_dim} != head dim "
+            f"{head_dim}) is not supported for llama"
+        )
     theta = _f32(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
-        rope = {"rope_type": "linear", "rope_theta": theta,
-                "factor": _f32(need("rope.scaling.factor"))}
+        rope = {
+            "rope_type": "linear",
+            "rope_theta": theta,
+            "factor": _f32(need("rope.scaling.factor")),
+        }
     elif scaling != "none":
         raise UnsupportedGGUFError(f"rope scaling type {scaling!r} is not supported")
 
@@ -176,23 +185,38 @@ def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     e, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     q = cfg["num_attention_heads"] * cfg["head_dim"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, e),
-                                          "model.norm.weight": (e,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, e),
+        "model.norm.weight": (e,),
+    }
     if not cfg["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (v, e)
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        layer = {"input_layernorm.weight": (e,), "post_attention_layernorm.weight": (e,),
-                 "self_attn.q_proj.weight": (q, e), "self_attn.k_proj.weight": (kv, e),
-                 "self_attn.v_proj.weight": (kv, e), "self_attn.o_proj.weight": (e, q),
-                 "mlp.gate_proj.weight": (i, e), "mlp.up_proj.weight": (i, e),
-                 "mlp.down_proj.weight": (e, i)}
+        layer = {
+            "input_layernorm.weight": (e,),
+            "post_attention_layernorm.weight": (e,),
+            "self_attn.q_proj.weight": (q, e),
+            "self_attn.k_proj.weight": (kv, e),
+            "self_attn.v_proj.weight": (kv, e),
+            "self_attn.o_proj.weight": (e, q),
+            "mlp.gate_proj.weight": (i, e),
+            "mlp.up_proj.weight": (i, e),
+            "mlp.down_proj.weight": (e, i),
+        }
         if cfg["attention_bias"]:
-            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                          "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (e,)})
+            layer.update(
+                {
+                    "self_attn.q_proj.bias": (q,),
+                    "self_attn.k_proj.bias": (kv,),
+                    "self_attn.v_proj.bias": (kv,),
+                    "self_attn.o_proj.bias": (e,),
+                }
+            )
         if cfg["mlp_bias"]:
-            layer.update({"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,),
-                          "mlp.down_proj.bias": (e,)})
+            layer.update(
+                {"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (e,)}
+            )
         shapes.update({p + k: s for k, s in layer.items()})
     return shapes
 
@@ -205,16 +229,17 @@ def llama_tensors_from_gguf(reader: Any, cfg: dict[str, Any]) -> dict[str, np.nd
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         # dequantize returns [rows, cols] (numpy order, i.e. GGUF's ne reversed) float32.
-        w = hf_row_order(name, np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32),
-                         cfg)
+        w = hf_row_order(name, np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32), cfg)
         # Own the memory (dequantize may hand back a view into the read-only mmap).
         tensors[name] = np.array(w, dtype=np.float32, order="C", copy=True)
     expected = _expected_shapes(cfg)
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing or extra:
-        raise UnsupportedGGUFError(f"GGUF tensors do not form a llama checkpoint: missing "
-                                   f"{missing[:6]}, unexpected {extra[:6]}")
+        raise UnsupportedGGUFError(
+            f"GGUF tensors do not form a llama checkpoint: missing "
+            f"{missing[:6]}, unexpected {extra[:6]}"
+        )
     for name, shape in expected.items():
         if tensors[name].shape != shape:
             raise UnsupportedGGUFError(f"{name}: shape {tensors[name].shape} != {shape}")
@@ -227,8 +252,9 @@ KEPT_BLOCK_TYPES = {3: 20, 8: 34}  # Q4_1, Q8_0
 BLOCKS_FILE = "gguf_blocks.safetensors"
 
 
-def llama_blocks_from_gguf(reader: Any, cfg: dict[str, Any]
-                           ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def llama_blocks_from_gguf(
+    reader: Any, cfg: dict[str, Any]
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """The raw blocks of every Q4_1 / Q8_0 matrix under HF names, rows in HF order (q/k rows
     un-permuted like the float32 weights: a row's blocks move with it), and their type ids."""
     blocks: dict[str, np.ndarray] = {}
@@ -239,8 +265,7 @@ def llama_blocks_from_gguf(reader: Any, cfg: dict[str, Any]
         if block_bytes is None or data.ndim != 2 or data.shape[1] % block_bytes:
             continue
         name = hf_tensor_name(t.name)
-        blocks[name] = np.array(hf_row_order(name, data, cfg), dtype=np.uint8, order="C",
-                                copy=True)
+        blocks[name] = np.array(hf_row_order(name, data, cfg), dtype=np.uint8, order="C", copy=True)
         types[name] = str(int(t.tensor_type))
     return blocks, types
 
@@ -250,12 +275,12 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+    )
     tokenizer.save_pretrained(str(out_dir))
 
 
-def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]
-                       ) -> None:
+def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> None:
     """Write a Hugging Face Llama checkpoint directory (float32) converted from a GGUF file."""
     from gguf import GGUFReader
     from safetensors.numpy import save_file
@@ -274,8 +299,11 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike[str], out_dir: str | os.Path
         save_file(blocks, str(out_dir / BLOCKS_FILE), metadata=types)
     del blocks
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    GenerationConfig(bos_token_id=cfg["bos_token_id"], eos_token_id=cfg["eos_token_id"],
-                     pad_token_id=cfg["pad_token_id"]).save_pretrained(str(out_dir))
+    GenerationConfig(
+        bos_token_id=cfg["bos_token_id"],
+        eos_token_id=cfg["eos_token_id"],
+        pad_token_id=cfg["pad_token_id"],
+    ).save_pretrained(str(out_dir))
     has_tokenizer = "tokenizer.ggml.model" in reader.fields
     del reader  # release the mmap before transformers opens the file again
     if has_tokenizer:

@@ -15,23 +15,37 @@ from cluster.local import LocalCluster, LocalOptions
 from engine import LLM, SamplingParams
 from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
-from tests.engine.test_engine_vs_hf import random_prompts
+from tests.helpers import random_prompts
 
 ray = pytest.importorskip("ray")
 EXTRA = {"skip_tokenizer_init": True, "num_kv_blocks": 512, "max_model_len": 400}
 
 
 def local(tiny_llama: str, policy: str) -> LocalCluster:
-    return LocalCluster(LocalOptions(model=tiny_llama, prefill=2, decode=1, port=0,
-                                     block_size=4, chunk_size=32, policy=policy,
-                                     engine_extra=EXTRA)).start(log=lambda _m: None)
+    return LocalCluster(
+        LocalOptions(
+            model=tiny_llama,
+            prefill=2,
+            decode=1,
+            port=0,
+            block_size=4,
+            chunk_size=32,
+            policy=policy,
+            engine_extra=EXTRA,
+        )
+    ).start(log=lambda _m: None)
 
 
 def generate(stub, ids, timeout=60, **sampling) -> list:
     sampling = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True, **sampling}
-    return list(stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids),
-                                                 sampling=pb.SamplingParams(**sampling)),
-                              timeout=timeout))
+    return list(
+        stub.Generate(
+            pb.GenerateRequest(
+                prompt_token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(**sampling)
+            ),
+            timeout=timeout,
+        )
+    )
 
 
 def free_blocks(stub) -> dict[str, int]:
@@ -51,7 +65,8 @@ def test_shared_prefix_lands_on_one_prefill_worker_with_cached_tokens(cluster, t
     system = random_prompts([80], seed=501)[0]
     prompts = [system + tail for tail in random_prompts([5, 7, 9], seed=502)]
     expected = LLM(tiny_llama, block_size=4, chunk_size=32, **EXTRA).generate(
-        prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    )
     served, cached = [], []
     for prompt, exp in zip(prompts, expected, strict=True):
         replies = generate(stub, prompt)
@@ -79,9 +94,13 @@ def test_32_concurrent_streams_and_cancel_free_blocks(cluster):
     for t in threads:
         t.join(180)
     assert sorted(done) == list(range(32))
-    call = stub.Generate(pb.GenerateRequest(
-        prompt_token_ids=pb.TokenIds(ids=[7] * 30),
-        sampling=pb.SamplingParams(max_tokens=300, ignore_eos=True)), timeout=60)
+    call = stub.Generate(
+        pb.GenerateRequest(
+            prompt_token_ids=pb.TokenIds(ids=[7] * 30),
+            sampling=pb.SamplingParams(max_tokens=300, ignore_eos=True),
+        ),
+        timeout=60,
+    )
     next(call)
     call.cancel()
     deadline = time.monotonic() + 20
@@ -92,11 +111,14 @@ def test_32_concurrent_streams_and_cancel_free_blocks(cluster):
         ray.get(ray.get_actor(name, namespace=NAMESPACE).check_integrity.remote())
 
 
-@pytest.mark.parametrize(("ids", "sampling", "code"), [
-    ([], {}, grpc.StatusCode.INVALID_ARGUMENT),
-    ([5, 6], {"top_p": 0.0}, grpc.StatusCode.INVALID_ARGUMENT),
-    ([5] * 400, {}, grpc.StatusCode.OUT_OF_RANGE),
-])
+@pytest.mark.parametrize(
+    ("ids", "sampling", "code"),
+    [
+        ([], {}, grpc.StatusCode.INVALID_ARGUMENT),
+        ([5, 6], {"top_p": 0.0}, grpc.StatusCode.INVALID_ARGUMENT),
+        ([5] * 400, {}, grpc.StatusCode.OUT_OF_RANGE),
+    ],
+)
 def test_error_codes_and_server_keeps_serving(cluster, ids, sampling, code):
     _, stub = cluster
     with pytest.raises(grpc.RpcError) as err:
@@ -110,8 +132,9 @@ def test_cache_aware_beats_round_robin_on_ray(cluster, tiny_llama):
     c, stub = cluster
     systems = random_prompts([64, 64], seed=504)
     families = [0, 0, 1, 1, 0, 0, 1, 1]
-    prompts = [systems[f] + t for f, t in zip(families, random_prompts([5] * 8, seed=505),
-                                                strict=True)]
+    prompts = [
+        systems[f] + t for f, t in zip(families, random_prompts([5] * 8, seed=505), strict=True)
+    ]
 
     def run(s) -> tuple[int, set[str]]:
         hits, used = 0, set()

@@ -11,7 +11,7 @@ from cluster.ray_peer import RayPeer
 from engine import LLM, CapacityError, InvalidRequestError, SamplingParams
 from router.handoff import generate_disaggregated
 from tests.cluster.manifests import tiny_manifest
-from tests.engine.test_engine_vs_hf import random_prompts
+from tests.helpers import random_prompts
 
 ray = pytest.importorskip("ray")
 
@@ -19,8 +19,9 @@ ray = pytest.importorskip("ray")
 @pytest.fixture(scope="module")
 def cluster(tiny_llama):
     start_local_ray(num_cpus=8, namespace=NAMESPACE)
-    engine = dict(model=tiny_llama, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256,
-                  chunk_size=16)
+    engine = dict(
+        model=tiny_llama, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256, chunk_size=16
+    )
     controller = controller_handle(create=True)
     ray.get(controller.apply.remote(tiny_manifest(tiny_llama)), timeout=600)
     yield controller, engine
@@ -33,7 +34,9 @@ def test_controller_places_and_pairs_workers(cluster):
     controller, _ = cluster
     workers = ray.get(controller.workers.remote())
     assert sorted((w["worker_id"], w["role"], w["healthy"]) for w in workers) == [
-        ("decode-0", "decode", True), ("prefill-0", "prefill", True)]
+        ("decode-0", "decode", True),
+        ("prefill-0", "prefill", True),
+    ]
     actor = ray.get_actor("prefill-0", namespace=NAMESPACE)  # named, in the baton namespace
     assert ray.get(actor.info.remote())["role"] == "prefill"
 
@@ -46,9 +49,18 @@ def test_request_through_actors_equals_colocated(cluster, tiny_llama):
     params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     expected = LLM(**engine).generate(prompts, SamplingParams(**params))
     for i, prompt in enumerate(prompts):
-        outs = list(generate_disaggregated(prefill, decode, f"ray-{i}", prompt, params,
-                                           prefill_id="prefill-0", decode_id="decode-0",
-                                           timeout=60))
+        outs = list(
+            generate_disaggregated(
+                prefill,
+                decode,
+                f"ray-{i}",
+                prompt,
+                params,
+                prefill_id="prefill-0",
+                decode_id="decode-0",
+                timeout=60,
+            )
+        )
         assert [t for o in outs for t in o["token_ids"]] == expected[i].token_ids
     stats = {w["worker_id"]: w for w in ray.get(controller.workers.remote())}
     assert stats["decode-0"]["blocks_received"] == 2 + 11  # 7 and 41 tokens, block size 4
@@ -77,15 +89,23 @@ def test_killed_worker_is_restarted_repaired_and_serves_again(cluster):
         health = ray.get(controller.check_health.remote(timeout=5.0))
         if health["restarts"] and health["healthy"]["decode-0"]:
             break
-    assert health["restarts"] == 1 and health["healthy"] == {"prefill-0": True,
-                                                              "decode-0": True}
+    assert health["restarts"] == 1 and health["healthy"] == {"prefill-0": True, "decode-0": True}
     prefill = RayPeer(ray.get(controller.handle.remote("prefill-0")))
     decode = RayPeer(ray.get(controller.handle.remote("decode-0")))
     prompt = random_prompts([23], seed=111)[0]
     params = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
     expected = LLM(**engine).generate([prompt], SamplingParams(**params))[0].token_ids
-    outs = list(generate_disaggregated(prefill, decode, "after-restart", prompt, params,
-                                       prefill_id="prefill-0", decode_id="decode-0",
-                                       timeout=60))
+    outs = list(
+        generate_disaggregated(
+            prefill,
+            decode,
+            "after-restart",
+            prompt,
+            params,
+            prefill_id="prefill-0",
+            decode_id="decode-0",
+            timeout=60,
+        )
+    )
     assert [t for o in outs for t in o["token_ids"]] == expected
     assert ray.get(controller.check_health.remote())["restarts"] == 1

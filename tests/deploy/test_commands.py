@@ -10,29 +10,57 @@ from deploy.commands import format_status, parse_pools
 def test_parse_pools():
     assert parse_pools(["prefill=2", "decode=3"]) == {"prefill": 2, "decode": 3}
     assert parse_pools(["decode=1"]) == {"decode": 1}
-    for bad, message in (("prefill", "expected prefill=N or decode=N"),
-                         ("router=2", "expected prefill=N or decode=N"),
-                         ("decode=0", "N must be an integer >= 1"),
-                         ("decode=-1", "N must be an integer >= 1"),
-                         ("decode=two", "N must be an integer >= 1")):
+    for bad, message in (
+        ("prefill", "expected prefill=N or decode=N"),
+        ("router=2", "expected prefill=N or decode=N"),
+        ("decode=0", "N must be an integer >= 1"),
+        ("decode=-1", "N must be an integer >= 1"),
+        ("decode=two", "N must be an integer >= 1"),
+    ):
         with pytest.raises(ValueError, match=message):
             parse_pools([bad])
 
 
 def test_status_table_lists_every_worker_with_role_state_health_load_kv_and_hits():
     status = {
-        "name": "local", "generation": 3, "replicas": {"prefill": 1, "decode": 1},
+        "name": "local",
+        "generation": 3,
+        "replicas": {"prefill": 1, "decode": 1},
         "router": {"address": "127.0.0.1:50051", "policy": "cache_aware", "hit_rate": 0.5},
         "workers": [
-            {"worker_id": "decode-0", "role": "decode", "state": "active", "healthy": True,
-             "num_requests": 2, "kv_usage": 0.125, "cache_hit_rate": 0.25},
-            {"worker_id": "prefill-1", "role": "prefill", "state": "draining",
-             "healthy": False, "num_requests": 1, "kv_usage": 0.5, "cache_hit_rate": 0.75},
-        ]}
+            {
+                "worker_id": "decode-0",
+                "role": "decode",
+                "state": "active",
+                "healthy": True,
+                "num_requests": 2,
+                "kv_usage": 0.125,
+                "cache_hit_rate": 0.25,
+            },
+            {
+                "worker_id": "prefill-1",
+                "role": "prefill",
+                "state": "draining",
+                "healthy": False,
+                "num_requests": 1,
+                "kv_usage": 0.5,
+                "cache_hit_rate": 0.75,
+            },
+        ],
+    }
     lines = format_status(status).splitlines()
     assert lines[0] == "cluster local  generation 3  prefill 1  decode 1"
     assert lines[1] == "router 127.0.0.1:50051  policy cache_aware  hit rate 0.50"
-    assert lines[3].split() == ["WORKER", "ROLE", "STATE", "HEALTHY", "REQUESTS", "KV",
-                                "USAGE", "HIT", "RATE"]
+    assert lines[3].split() == [
+        "WORKER",
+        "ROLE",
+        "STATE",
+        "HEALTHY",
+        "REQUESTS",
+        "KV",
+        "USAGE",
+        "HIT",
+        "RATE",
+    ]
     assert lines[4].split() == ["prefill-1", "prefill", "draining", "NO", "1", "50.0%", "0.75"]
     assert lines[5].split() == ["decode-0", "decode", "active", "yes", "2", "12.5%", "0.25"]

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 
-import grpc
 import pytest
 import yaml
 
@@ -22,12 +21,11 @@ from cluster.local_ray import start_local_ray
 from deploy.commands import baton_actors
 from engine import LLM, SamplingParams
 from router.proto import inference_pb2 as pb
-from router.proto import inference_pb2_grpc as pb_grpc
 from tests.cluster.manifests import tiny_manifest
-from tests.engine.test_engine_vs_hf import random_prompts
+from tests.deploy.streams import MAX_TOKENS, RequestStream, stream_prompt
+from tests.helpers import random_prompts
 
 ray = pytest.importorskip("ray")
-MAX_TOKENS = 24
 LONG_TOKENS = 1500  # long enough to be running when the scale-down starts draining
 
 
@@ -49,9 +47,14 @@ def down_after(ray_address):
 def baton(address: str, *args: str) -> subprocess.CompletedProcess:
     """Run `baton deploy ARGS --address ADDRESS` in a new process."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    return subprocess.run([sys.executable, "-m", "cluster.cli", "deploy", *args,
-                           "--address", address], capture_output=True, text=True, env=env,
-                          timeout=600, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "deploy", *args, "--address", address],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
 
 
 def status(address: str) -> dict:
@@ -63,60 +66,12 @@ def status(address: str) -> dict:
 def pools(st: dict) -> dict[str, list[str]]:
     """Active worker ids by role; also checks every worker is healthy."""
     assert all(w["healthy"] for w in st["workers"]), st["workers"]
-    return {role: sorted(w["worker_id"] for w in st["workers"]
-                         if w["role"] == role and w["state"] == "active")
-            for role in ("prefill", "decode")}
-
-
-def stream_prompt(k: int) -> list[int]:
-    """The k-th request's prompt: every one is new, so no cached prefix pulls it to the old
-    workers (cache-aware routing sends a new prompt to the emptier cache)."""
-    return random_prompts([9 + (7 * k) % 45], seed=10_000 + k)[0]
-
-
-class RequestStream:
-    """Threads sending greedy requests back to back until stopped; records every outcome."""
-
-    def __init__(self, address: str, threads: int = 3) -> None:
-        self.stub = pb_grpc.InferenceStub(grpc.insecure_channel(address))
-        self.results: list[tuple[int, list[int], str, str, str]] = []
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(threads)]
-
-    def __enter__(self) -> RequestStream:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(120)
-
-    def _run(self, offset: int) -> None:
-        k = offset
-        while not self._stop.is_set():
-            request = pb.GenerateRequest(
-                prompt_token_ids=pb.TokenIds(ids=stream_prompt(k)),
-                sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                           ignore_eos=True))
-            try:
-                replies = list(self.stub.Generate(request, timeout=120))
-            except grpc.RpcError as err:
-                self.errors.append(f"{err.code().name}: {err.details()}")
-                continue
-            last = replies[-1]
-            self.results.append((k, [t for r in replies for t in r.token_ids],
-                                 last.finish_reason, last.usage.prefill_worker,
-                                 last.usage.decode_worker))
-            k += len(self._threads)
-
-    def wait_for(self, count: int, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.results) < count and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert len(self.results) >= count, (len(self.results), self.errors)
+    return {
+        role: sorted(
+            w["worker_id"] for w in st["workers"] if w["role"] == role and w["state"] == "active"
+        )
+        for role in ("prefill", "decode")
+    }
 
 
 def start_long_requests(stub, count: int) -> list[tuple[list[int], dict]]:
@@ -131,9 +86,13 @@ def start_long_requests(stub, count: int) -> list[tuple[list[int], dict]]:
 
         def run(prompt=prompt, out=out) -> None:
             replies = []
-            for reply in stub.Generate(pb.GenerateRequest(
+            for reply in stub.Generate(
+                pb.GenerateRequest(
                     prompt_token_ids=pb.TokenIds(ids=prompt),
-                    sampling=pb.SamplingParams(max_tokens=LONG_TOKENS, **greedy)), timeout=300):
+                    sampling=pb.SamplingParams(max_tokens=LONG_TOKENS, **greedy),
+                ),
+                timeout=300,
+            ):
                 replies.append(reply)
                 out["streaming"].set()
             out["tokens"] = [t for r in replies for t in r.token_ids]
@@ -153,12 +112,17 @@ def test_apply_scale_under_load_change_options_and_down(ray_address, tiny_llama,
 
     first = baton(ray_address, "apply", "-f", str(path))
     assert first.returncode == 0, first.stderr
-    assert "generation 1: add 1 prefill worker(s); add 1 decode worker(s); start router" \
+    assert (
+        "generation 1: add 1 prefill worker(s); add 1 decode worker(s); start router"
         in first.stdout
+    )
     assert "prefill-0 is up" in first.stdout  # progress lines
     st = status(ray_address)
     assert (st["name"], st["generation"], pools(st)) == (
-        "deploy-test", 1, {"prefill": ["prefill-0"], "decode": ["decode-0"]})
+        "deploy-test",
+        1,
+        {"prefill": ["prefill-0"], "decode": ["decode-0"]},
+    )
 
     again = baton(ray_address, "apply", "-f", str(path))
     assert again.returncode == 0, again.stderr
@@ -172,8 +136,10 @@ def test_apply_scale_under_load_change_options_and_down(ray_address, tiny_llama,
         assert "generation 2: add 1 prefill worker(s); add 1 decode worker(s)" in up.stdout
         st = status(ray_address)
         assert (st["generation"], st["replicas"], pools(st)) == (
-            2, {"prefill": 2, "decode": 2},
-            {"prefill": ["prefill-0", "prefill-1"], "decode": ["decode-0", "decode-1"]})
+            2,
+            {"prefill": 2, "decode": 2},
+            {"prefill": ["prefill-0", "prefill-1"], "decode": ["decode-0", "decode-1"]},
+        )
         served = len(stream.results)
         stream.wait_for(served + 12)
         # Long requests, some on decode-1, which will leave: the drain must wait for them.
@@ -185,30 +151,38 @@ def test_apply_scale_under_load_change_options_and_down(ray_address, tiny_llama,
         for _, out in long_requests:
             out["thread"].join(120)
         assert "decode-1" in {out["usage"][1] for _, out in long_requests}
-        offline = LLM(tiny_llama, block_size=4, chunk_size=16, num_kv_blocks=2048,
-                      skip_tokenizer_init=True)
-        expected = offline.generate([prompt for prompt, _ in long_requests], SamplingParams(
-            max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True))
+        offline = LLM(
+            tiny_llama, block_size=4, chunk_size=16, num_kv_blocks=2048, skip_tokenizer_init=True
+        )
+        expected = offline.generate(
+            [prompt for prompt, _ in long_requests],
+            SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True),
+        )
         assert [out["tokens"] for _, out in long_requests] == [e.token_ids for e in expected]
         st = status(ray_address)
         assert (st["generation"], pools(st)) == (
-            3, {"prefill": ["prefill-0"], "decode": ["decode-0"]})
+            3,
+            {"prefill": ["prefill-0"], "decode": ["decode-0"]},
+        )
         stream.wait_for(len(stream.results) + 3)
 
-        changed = tiny_manifest(tiny_llama, name="deploy-test", num_kv_blocks=2048,
-                                max_num_seqs=64)
+        changed = tiny_manifest(tiny_llama, name="deploy-test", num_kv_blocks=2048, max_num_seqs=64)
         path.write_text(yaml.safe_dump(changed))
         replaced = baton(ray_address, "apply", "-f", str(path))
         assert replaced.returncode == 0, replaced.stderr
-        assert ("generation 4: replace 1 prefill worker(s) (options changed); replace 1 "
-                "decode worker(s) (options changed)") in replaced.stdout
+        assert (
+            "generation 4: replace 1 prefill worker(s) (options changed); replace 1 "
+            "decode worker(s) (options changed)"
+        ) in replaced.stdout
         assert pools(status(ray_address)) == {"prefill": ["prefill-2"], "decode": ["decode-2"]}
         stream.wait_for(len(stream.results) + 3)
 
     assert stream.errors == []
     ks = [k for k, *_ in stream.results]
-    expected = offline.generate([stream_prompt(k) for k in ks], SamplingParams(
-        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    expected = offline.generate(
+        [stream_prompt(k) for k in ks],
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+    )
     for (k, tokens, finish, _, _), exp in zip(stream.results, expected, strict=True):
         assert (tokens, finish) == (exp.token_ids, "length"), k
     used = {(p, d) for _, _, _, p, d in stream.results}
@@ -226,8 +200,7 @@ def test_apply_scale_under_load_change_options_and_down(ray_address, tiny_llama,
     assert nothing.returncode == 1 and "no Baton cluster runs here" in nothing.stderr
 
 
-def test_apply_refuses_bad_manifests_before_touching_the_cluster(ray_address, tiny_llama,
-                                                                 tmp_path):
+def test_apply_refuses_bad_manifests_before_touching_the_cluster(ray_address, tiny_llama, tmp_path):
     before = baton_actors()
     impossible = tiny_manifest(tiny_llama)
     impossible["spec"]["decode"]["resources"] = {"GPU": 1}
@@ -243,16 +216,21 @@ def test_apply_refuses_bad_manifests_before_touching_the_cluster(ray_address, ti
     too_big["spec"]["prefill"]["resources"] = {"CPU": 9}  # this one-node cluster has 8
     path.write_text(yaml.safe_dump(too_big))
     out = baton(ray_address, "apply", "-f", str(path))
-    assert out.returncode == 2 and "spec.prefill.resources.CPU: 9 per worker, but the Ray " \
-        "cluster has 8 in total" in out.stderr
+    assert (
+        out.returncode == 2
+        and "spec.prefill.resources.CPU: 9 per worker, but the Ray cluster has 8 in total"
+        in out.stderr
+    )
     bad_address = baton("not-an-address", "status")
-    assert bad_address.returncode == 1 and "cannot connect to a Ray cluster at " \
-        "'not-an-address'" in bad_address.stderr and "Traceback" not in bad_address.stderr
+    assert (
+        bad_address.returncode == 1
+        and "cannot connect to a Ray cluster at 'not-an-address'" in bad_address.stderr
+        and "Traceback" not in bad_address.stderr
+    )
     assert baton_actors() == before
 
 
-def test_failed_apply_leaves_nothing_behind_and_can_be_retried(ray_address, tiny_llama,
-                                                               tmp_path):
+def test_failed_apply_leaves_nothing_behind_and_can_be_retried(ray_address, tiny_llama, tmp_path):
     broken = tiny_manifest(str(tmp_path / "no-such-model"), name="retry-test")
     path = tmp_path / "broken.yaml"
     path.write_text(yaml.safe_dump(broken))
@@ -267,8 +245,10 @@ def test_failed_apply_leaves_nothing_behind_and_can_be_retried(ray_address, tiny
     path.write_text(yaml.safe_dump(tiny_manifest(tiny_llama, name="retry-test")))
     fixed = baton(ray_address, "apply", "-f", str(path))
     assert fixed.returncode == 0, fixed.stderr
-    assert "generation 1: add 1 prefill worker(s); add 1 decode worker(s); start router" \
-        in fixed.stdout  # the failed apply recorded nothing
+    assert (
+        "generation 1: add 1 prefill worker(s); add 1 decode worker(s); start router"
+        in fixed.stdout
+    )  # the failed apply recorded nothing
     assert pools(status(ray_address)) == {"prefill": ["prefill-1"], "decode": ["decode-0"]}
     assert baton(ray_address, "down").returncode == 0
     assert baton_actors() == []

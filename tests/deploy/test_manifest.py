@@ -34,35 +34,57 @@ def test_examples_are_valid(name):
 
 def test_local_example_is_the_serve_default():
     assert LocalOptions(resources={"CPU": 1}).manifest() == load_manifest(EXAMPLES / "local.yaml")
-    flagged = LocalOptions(resources={"CPU": 1}, decode=3, chunk_size=4096,
-                           kv_cache_memory_gb=0.5).manifest().spec
-    assert (flagged.decode.replicas, flagged.engine.chunk_size,
-            flagged.engine.max_num_batched_tokens, flagged.engine.num_kv_blocks,
-            flagged.engine.kv_cache_memory_gb) == (3, 4096, 4096, None, 0.5)
+    flagged = (
+        LocalOptions(resources={"CPU": 1}, decode=3, chunk_size=4096, kv_cache_memory_gb=0.5)
+        .manifest()
+        .spec
+    )
+    assert (
+        flagged.decode.replicas,
+        flagged.engine.chunk_size,
+        flagged.engine.max_num_batched_tokens,
+        flagged.engine.num_kv_blocks,
+        flagged.engine.kv_cache_memory_gb,
+    ) == (3, 4096, 4096, None, 0.5)
 
 
-@pytest.mark.parametrize(("path", "value", "expected"), [
-    ("spec.prefill.replicas", 0, r"spec.prefill.replicas: 0 is invalid: .*greater than or equal"),
-    ("spec.decode.replicas", -2, r"spec.decode.replicas: -2 is invalid"),
-    ("spec.prefill.replicas", "two", r"spec.prefill.replicas: 'two' is invalid: .*integer"),
-    ("spec.engine.block_size", "big", r"spec.engine.block_size: 'big' is invalid"),
-    ("spec.engine.blocksize", 16, r"spec.engine.blocksize: unknown field"),
-    ("spec.prefill.replicas", True, r"spec.prefill.replicas: True is invalid: .*integer"),
-    ("spec.engine.block_size", "16", r"spec.engine.block_size: '16' is invalid: .*integer"),
-    ("spec.router.wait_for_workers_seconds", -1, r"wait_for_workers_seconds: -1 is invalid"),
-    ("spec.extra", {}, r"spec.extra: unknown field"),
-    ("spec.router.policy", "fastest", r"spec.router.policy: 'fastest' is invalid: .*cache_aware"),
-    ("spec.router.port", 70000, r"spec.router.port: 70000 is invalid"),
-    ("spec.transfer.backend", "nixl", r"spec.transfer.backend: 'nixl' is invalid: .*gloo"),
-    ("spec.model.dtype", "int4", r"spec.model.dtype: 'int4' is invalid"),
-    ("spec.decode.resources", {"CPU": 0}, r"amount > 0"),
-    ("spec.decode.engine", {"block_size": 32}, r"same block_size .*prefill has 16, decode has 32"),
-    ("spec.prefill.engine", {"hash_seed": "x"}, r"same hash_seed"),
-    ("spec.engine.chunk_size", 4096, r"chunk_size 4096 exceeds max_num_batched_tokens 1024"),
-    ("apiVersion", "baton/v2", r"apiVersion: 'baton/v2' is invalid: .*baton/v1"),
-    ("kind", "Deployment", r"kind: 'Deployment' is invalid"),
-    ("metadata.name", "Bad_Name", r"metadata.name: 'Bad_Name' is invalid"),
-])
+@pytest.mark.parametrize(
+    ("path", "value", "expected"),
+    [
+        (
+            "spec.prefill.replicas",
+            0,
+            r"spec.prefill.replicas: 0 is invalid: .*greater than or equal",
+        ),
+        ("spec.decode.replicas", -2, r"spec.decode.replicas: -2 is invalid"),
+        ("spec.prefill.replicas", "two", r"spec.prefill.replicas: 'two' is invalid: .*integer"),
+        ("spec.engine.block_size", "big", r"spec.engine.block_size: 'big' is invalid"),
+        ("spec.engine.blocksize", 16, r"spec.engine.blocksize: unknown field"),
+        ("spec.prefill.replicas", True, r"spec.prefill.replicas: True is invalid: .*integer"),
+        ("spec.engine.block_size", "16", r"spec.engine.block_size: '16' is invalid: .*integer"),
+        ("spec.router.wait_for_workers_seconds", -1, r"wait_for_workers_seconds: -1 is invalid"),
+        ("spec.extra", {}, r"spec.extra: unknown field"),
+        (
+            "spec.router.policy",
+            "fastest",
+            r"spec.router.policy: 'fastest' is invalid: .*cache_aware",
+        ),
+        ("spec.router.port", 70000, r"spec.router.port: 70000 is invalid"),
+        ("spec.transfer.backend", "nixl", r"spec.transfer.backend: 'nixl' is invalid: .*gloo"),
+        ("spec.model.dtype", "int4", r"spec.model.dtype: 'int4' is invalid"),
+        ("spec.decode.resources", {"CPU": 0}, r"amount > 0"),
+        (
+            "spec.decode.engine",
+            {"block_size": 32},
+            r"same block_size .*prefill has 16, decode has 32",
+        ),
+        ("spec.prefill.engine", {"hash_seed": "x"}, r"same hash_seed"),
+        ("spec.engine.chunk_size", 4096, r"chunk_size 4096 exceeds max_num_batched_tokens 1024"),
+        ("apiVersion", "baton/v2", r"apiVersion: 'baton/v2' is invalid: .*baton/v1"),
+        ("kind", "Deployment", r"kind: 'Deployment' is invalid"),
+        ("metadata.name", "Bad_Name", r"metadata.name: 'Bad_Name' is invalid"),
+    ],
+)
 def test_bad_manifests_name_field_value_and_rule(path, value, expected):
     with pytest.raises(ManifestError, match=expected):
         parse_manifest(with_change(path, value))
@@ -81,11 +103,13 @@ def test_missing_and_malformed_documents():
 
 def test_impossible_resources():
     gpu = load_manifest(EXAMPLES / "gpu.yaml")
-    with pytest.raises(ManifestError, match=r"spec.prefill.resources.GPU: 1 per worker, but "
-                                            r"the Ray cluster has 0 in total"):
+    with pytest.raises(
+        ManifestError,
+        match=r"spec.prefill.resources.GPU: 1 per worker, but "
+        r"the Ray cluster has 0 in total",
+    ):
         check_resources(gpu, {"CPU": 16})
-    with pytest.raises(ManifestError, match="4 GPU needed for all replicas, the Ray cluster "
-                                            "has 2"):
+    with pytest.raises(ManifestError, match="4 GPU needed for all replicas, the Ray cluster has 2"):
         check_resources(gpu, {"CPU": 16, "GPU": 2})
     check_resources(gpu, {"CPU": 16, "GPU": 4})  # fits
 
@@ -94,8 +118,11 @@ def test_a_worker_bundle_must_fit_on_one_node():
     cpu = parse_manifest(with_change("spec.decode.resources", {"CPU": 12}))
     nodes = [{"CPU": 8.0}, {"CPU": 8.0}, {"CPU": 8.0}]
     check_resources(cpu, {"CPU": 24.0})  # the totals alone allow it
-    with pytest.raises(ManifestError, match=r"spec.decode.resources.CPU: 12 per worker, but "
-                                            r"no node has more than 8"):
+    with pytest.raises(
+        ManifestError,
+        match=r"spec.decode.resources.CPU: 12 per worker, but "
+        r"no node has more than 8",
+    ):
         check_resources(cpu, {"CPU": 24.0}, nodes)
     mixed = parse_manifest(with_change("spec.decode.resources", {"CPU": 4, "GPU": 1}))
     split = [{"CPU": 8.0}, {"CPU": 1.0, "GPU": 1.0}]

@@ -5,9 +5,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 from dataclasses import dataclass, field
 
 from kvtransfer.control import RpcClient
+from router.handoff import generate_disaggregated
 
 
 @dataclass
@@ -40,16 +42,19 @@ class WorkerProcess:
         self.client.close()
 
 
-def start_worker(role: str, worker_id: str, engine_options: dict, transfer: dict
-                 ) -> WorkerProcess:
+def start_worker(role: str, worker_id: str, engine_options: dict, transfer: dict) -> WorkerProcess:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     if role == "prefill":
         from prefill_worker.process import main
     else:
         from decode_worker.process import main
-    proc = ctx.Process(target=main, args=(worker_id, engine_options, transfer, child),
-                       daemon=True, name=f"{role}-{worker_id}")
+    proc = ctx.Process(
+        target=main,
+        args=(worker_id, engine_options, transfer, child),
+        daemon=True,
+        name=f"{role}-{worker_id}",
+    )
     proc.start()
     if not parent.poll(180):
         proc.kill()
@@ -61,3 +66,46 @@ def pair(prefill: WorkerProcess, decode: WorkerProcess) -> None:
     """Connect a prefill and a decode worker: pair group + control channels both ways."""
     address = prefill.client.connect_decode(decode.worker_id, decode.address)
     decode.client.connect_prefill(prefill.worker_id, address, prefill.address)
+
+
+def run_concurrently(
+    prefill, decode, prompts, params, prefix="r", timeout=60.0
+) -> dict[str, list[dict]]:
+    """Run every prompt through the hand-off at once; a request whose control call fails
+    (a killed worker) reports what the decode side says of it, or the error."""
+    results: dict[str, list[dict]] = {}
+
+    def one(i: int) -> None:
+        rid = f"{prefix}{i}"
+        try:
+            results[rid] = list(
+                generate_disaggregated(
+                    prefill.client,
+                    decode.client,
+                    rid,
+                    prompts[i],
+                    params[i],
+                    prefill_id=prefill.worker_id,
+                    decode_id=decode.worker_id,
+                    timeout=timeout,
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - a worker died under the request
+            outs: list[dict] = []
+            try:
+                while not (outs and outs[-1]["finished"]):
+                    outs += decode.client.poll(rid, 1.0)
+            except Exception:  # noqa: BLE001
+                outs = outs or [{"finish_reason": "error", "error": str(exc)}]
+            results[rid] = outs
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 30)
+    return results
+
+
+def tokens(outs: list[dict]) -> list[int]:
+    return [t for o in outs for t in o["token_ids"]]

@@ -18,7 +18,7 @@ from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
 from router.router import Router
 from router.server import start_server
-from tests.engine.test_engine_vs_hf import random_prompts
+from tests.helpers import random_prompts
 
 
 @contextmanager
@@ -27,12 +27,16 @@ def serving(prefill_options: dict, decode_options: dict, max_model_len: int | No
     (stub, channel, (prefill, decode)) and tears everything down."""
     p, d = PrefillWorker("p0", prefill_options), DecodeWorker("d0", decode_options)
     d.connect_prefill("p0", p.connect_decode("d0", d), p)
-    router = Router({"p0": p}, {"d0": d}, block_size=prefill_options["block_size"],
-                    hash_seed="baton", max_model_len=max_model_len)
+    router = Router(
+        {"p0": p},
+        {"d0": d},
+        block_size=prefill_options["block_size"],
+        hash_seed="baton",
+        max_model_len=max_model_len,
+    )
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    srv, port = asyncio.run_coroutine_threadsafe(
-        start_server(router, port=0), loop).result(30)
+    srv, port = asyncio.run_coroutine_threadsafe(start_server(router, port=0), loop).result(30)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield pb_grpc.InferenceStub(channel), channel, (p, d)
@@ -46,23 +50,31 @@ def serving(prefill_options: dict, decode_options: dict, max_model_len: int | No
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    options = dict(model=tiny_llama, skip_tokenizer_init=True, block_size=4,
-                   num_kv_blocks=256, chunk_size=16, max_model_len=200)
+    options = dict(
+        model=tiny_llama,
+        skip_tokenizer_init=True,
+        block_size=4,
+        num_kv_blocks=256,
+        chunk_size=16,
+        max_model_len=200,
+    )
     with serving(options, options, max_model_len=200) as (stub, channel, workers):
         yield stub, channel, options, workers
 
 
 def generate(stub, ids, **sampling) -> list:
-    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids),
-                             sampling=pb.SamplingParams(**sampling))
+    req = pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(**sampling)
+    )
     return list(stub.Generate(req, timeout=60))
 
 
 def test_streamed_tokens_equal_offline_engine_and_usage(server):
     stub, _, options, _ = server
     prompt = random_prompts([30], seed=301)[0]
-    expected = LLM(**options).generate([prompt], SamplingParams(max_tokens=7, temperature=0.0,
-                                                                ignore_eos=True))[0]
+    expected = LLM(**options).generate(
+        [prompt], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    )[0]
     replies = generate(stub, prompt, max_tokens=7, temperature=0.0, ignore_eos=True)
     assert [t for r in replies for t in r.token_ids] == expected.token_ids
     assert len(replies) >= 2  # streamed, not one final message
@@ -74,15 +86,24 @@ def test_streamed_tokens_equal_offline_engine_and_usage(server):
     assert again[-1].usage.cached_tokens == 28  # 7 full blocks, last token recomputed
 
 
-@pytest.mark.parametrize(("request_kwargs", "code", "text"), [
-    (dict(prompt_token_ids=pb.TokenIds(ids=[])), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-    (dict(), grpc.StatusCode.INVALID_ARGUMENT, "required"),
-    (dict(prompt="hello"), grpc.StatusCode.INVALID_ARGUMENT, "tokenizer"),
-    (dict(prompt_token_ids=pb.TokenIds(ids=[5]), sampling=pb.SamplingParams(temperature=-1)),
-     grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    (dict(prompt_token_ids=pb.TokenIds(ids=[5] * 250)), grpc.StatusCode.OUT_OF_RANGE,
-     "max_model_len"),
-])
+@pytest.mark.parametrize(
+    ("request_kwargs", "code", "text"),
+    [
+        (dict(prompt_token_ids=pb.TokenIds(ids=[])), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+        (dict(), grpc.StatusCode.INVALID_ARGUMENT, "required"),
+        (dict(prompt="hello"), grpc.StatusCode.INVALID_ARGUMENT, "tokenizer"),
+        (
+            dict(prompt_token_ids=pb.TokenIds(ids=[5]), sampling=pb.SamplingParams(temperature=-1)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "temperature",
+        ),
+        (
+            dict(prompt_token_ids=pb.TokenIds(ids=[5] * 250)),
+            grpc.StatusCode.OUT_OF_RANGE,
+            "max_model_len",
+        ),
+    ],
+)
 def test_errors_have_status_codes_and_server_keeps_serving(server, request_kwargs, code, text):
     stub, _, _, workers = server
     with pytest.raises(grpc.RpcError) as err:
@@ -101,10 +122,17 @@ def test_health_status_and_cancel_frees_blocks(server):
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     status = stub.ClusterStatus(pb.ClusterStatusRequest())
     assert sorted((w.worker_id, w.role, w.healthy) for w in status.workers) == [
-        ("d0", "decode", True), ("p0", "prefill", True)]
-    call = stub.Generate(pb.GenerateRequest(
-        request_id="long", prompt_token_ids=pb.TokenIds(ids=[9] * 20),
-        sampling=pb.SamplingParams(max_tokens=150, ignore_eos=True)), timeout=60)
+        ("d0", "decode", True),
+        ("p0", "prefill", True),
+    ]
+    call = stub.Generate(
+        pb.GenerateRequest(
+            request_id="long",
+            prompt_token_ids=pb.TokenIds(ids=[9] * 20),
+            sampling=pb.SamplingParams(max_tokens=150, ignore_eos=True),
+        ),
+        timeout=60,
+    )
     next(call)
     call.cancel()
     for _ in range(100):
@@ -118,8 +146,9 @@ def test_health_status_and_cancel_frees_blocks(server):
 def test_32_concurrent_streams_all_complete(server):
     stub, _, options, (p, d) = server
     prompts = random_prompts([5 + i for i in range(32)], seed=302)
-    expected = LLM(**options).generate(prompts, SamplingParams(max_tokens=5, temperature=0.0,
-                                                               ignore_eos=True))
+    expected = LLM(**options).generate(
+        prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    )
     got: dict[int, list[int]] = {}
 
     def one(i: int) -> None:
@@ -139,8 +168,10 @@ def test_32_concurrent_streams_all_complete(server):
 
 def test_deadline_exceeded_aborts_and_frees_blocks(server):
     stub, _, _, (p, d) = server
-    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[11] * 20),
-                                 sampling=pb.SamplingParams(max_tokens=179, ignore_eos=True))
+    request = pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=[11] * 20),
+        sampling=pb.SamplingParams(max_tokens=179, ignore_eos=True),
+    )
     with pytest.raises(grpc.RpcError) as err:  # 179 decode steps take well over 0.2 s
         list(stub.Generate(request, timeout=0.2))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -153,15 +184,20 @@ def test_deadline_exceeded_aborts_and_frees_blocks(server):
 
 def test_admission_refusal_is_resource_exhausted(tiny_llama):
     # The decode worker has 16 blocks (64 tokens): a 100-token prompt cannot be reserved.
-    options = dict(model=tiny_llama, skip_tokenizer_init=True, block_size=4, chunk_size=16,
-                   max_model_len=200)
+    options = dict(
+        model=tiny_llama, skip_tokenizer_init=True, block_size=4, chunk_size=16, max_model_len=200
+    )
     with serving(dict(options, num_kv_blocks=256), dict(options, num_kv_blocks=16)) as (
-            stub, _, (p, d)):
+        stub,
+        _,
+        (p, d),
+    ):
         with pytest.raises(grpc.RpcError) as err:
             generate(stub, [5] * 100, max_tokens=2)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "KV blocks" in err.value.details()
         assert generate(stub, [5] * 20, max_tokens=2, ignore_eos=True)[-1].finish_reason == (
-            "length")
+            "length"
+        )
         d.check_integrity()
         p.check_integrity()

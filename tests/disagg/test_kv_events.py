@@ -5,12 +5,16 @@ from __future__ import annotations
 from engine.block_hash import hash_prompt_blocks
 from prefill_worker.worker import PrefillWorker
 from router.kv_index import KVIndex
-from tests.engine.test_engine_vs_hf import random_prompts
+from tests.helpers import random_prompts
 
 
 def test_prefill_worker_events_build_the_router_index(tiny_llama):
-    worker = PrefillWorker("p0", dict(model=tiny_llama, skip_tokenizer_init=True, block_size=4,
-                                      num_kv_blocks=8, hash_seed="s"))
+    worker = PrefillWorker(
+        "p0",
+        dict(
+            model=tiny_llama, skip_tokenizer_init=True, block_size=4, num_kv_blocks=8, hash_seed="s"
+        ),
+    )
     try:
         a, b = random_prompts([13, 21], seed=5)
         params = {"max_tokens": 1, "temperature": 0.0}

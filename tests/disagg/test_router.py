@@ -11,15 +11,21 @@ from engine import LLM, SamplingParams
 from prefill_worker.worker import PrefillWorker
 from router.policy import make_policy
 from router.router import Router
-from tests.engine.test_engine_vs_hf import random_prompts
+from tests.helpers import random_prompts
 
 PARAMS = {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def options(tiny_llama) -> dict:
-    return dict(model=tiny_llama, skip_tokenizer_init=True, block_size=4, num_kv_blocks=512,
-                chunk_size=32, hash_seed="t")
+    return dict(
+        model=tiny_llama,
+        skip_tokenizer_init=True,
+        block_size=4,
+        num_kv_blocks=512,
+        chunk_size=32,
+        hash_seed="t",
+    )
 
 
 def make_router(options: dict, policy: str) -> tuple[Router, list]:
@@ -73,8 +79,9 @@ def test_cache_aware_beats_round_robin_and_keeps_both_busy(options):
     aware_rate, aware_served = results["cache_aware"]
     rr_rate, rr_served = results["round_robin"]
     # Each family sticks to one worker, and the two families use different workers.
-    by_family = [{w for w, f in zip(aware_served, FAMILIES, strict=True) if f == fam}
-                 for fam in (0, 1)]
+    by_family = [
+        {w for w, f in zip(aware_served, FAMILIES, strict=True) if f == fam} for fam in (0, 1)
+    ]
     assert by_family == [{"p0"}, {"p1"}]
     # Round robin alternates workers, so each family's prompt is prefilled on both.
     assert rr_served == ["p0", "p1"] * 4

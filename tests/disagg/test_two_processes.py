@@ -10,15 +10,21 @@ import pytest
 
 from engine import LLM, SamplingParams
 from router.handoff import generate_disaggregated
-from tests.disagg.cluster import pair, start_worker
-from tests.engine.test_engine_vs_hf import random_prompts
+from tests.disagg.cluster import pair, run_concurrently, start_worker, tokens
+from tests.helpers import random_prompts
 
 TRANSFER = {"timeout_seconds": 5.0, "lease_seconds": 4.0}
 
 
 def engine_options(model: str) -> dict:
-    return dict(model=model, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256,
-                chunk_size=16, max_num_batched_tokens=64)
+    return dict(
+        model=model,
+        skip_tokenizer_init=True,
+        block_size=4,
+        num_kv_blocks=256,
+        chunk_size=16,
+        max_num_batched_tokens=64,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -31,47 +37,16 @@ def workers(tiny_llama):
     prefill.stop()
 
 
-def run_concurrently(prefill, decode, prompts, params, prefix="r", timeout=60.0
-                     ) -> dict[str, list[dict]]:
-    """Run every prompt through the hand-off at once; a request whose control call fails
-    (a killed worker) reports what the decode side says of it, or the error."""
-    results: dict[str, list[dict]] = {}
-
-    def one(i: int) -> None:
-        rid = f"{prefix}{i}"
-        try:
-            results[rid] = list(generate_disaggregated(
-                prefill.client, decode.client, rid, prompts[i], params[i],
-                prefill_id=prefill.worker_id, decode_id=decode.worker_id, timeout=timeout))
-        except Exception as exc:  # noqa: BLE001 - a worker died under the request
-            outs: list[dict] = []
-            try:
-                while not (outs and outs[-1]["finished"]):
-                    outs += decode.client.poll(rid, 1.0)
-            except Exception:  # noqa: BLE001
-                outs = outs or [{"finish_reason": "error", "error": str(exc)}]
-            results[rid] = outs
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 30)
-    return results
-
-
-def tokens(outs: list[dict]) -> list[int]:
-    return [t for o in outs for t in o["token_ids"]]
-
-
 def check_clean(prefill, decode) -> None:
     prefill.client.check_integrity()
     decode.client.check_integrity()
     # The decode worker's acknowledgement reaches the prefill worker after the request's
     # last token: its held blocks are freed a moment later.
     deadline = time.monotonic() + 10
-    while (any(w.client.stats()["free_blocks"] != 256 for w in (prefill, decode))
-           and time.monotonic() < deadline):
+    while (
+        any(w.client.stats()["free_blocks"] != 256 for w in (prefill, decode))
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.05)
     for w in (prefill, decode):
         assert w.client.stats()["free_blocks"] == 256
@@ -81,11 +56,20 @@ def check_clean(prefill, decode) -> None:
 def test_disaggregated_equals_colocated(workers, tiny_llama, sampled):
     prefill, decode = workers
     prompts = random_prompts([5, 23, 40, 9, 61], seed=61 + sampled)  # 40 and 61 > one chunk
-    params = [dict(max_tokens=8, ignore_eos=True, temperature=0.9 if sampled else 0.0,
-                   top_p=0.9, seed=100 + i) for i in range(len(prompts))]
+    params = [
+        dict(
+            max_tokens=8,
+            ignore_eos=True,
+            temperature=0.9 if sampled else 0.0,
+            top_p=0.9,
+            seed=100 + i,
+        )
+        for i in range(len(prompts))
+    ]
     colocated = LLM(tiny_llama, skip_tokenizer_init=True, block_size=4, chunk_size=16)
-    expected = [o.token_ids for o in colocated.generate(
-        prompts, [SamplingParams(**p) for p in params])]
+    expected = [
+        o.token_ids for o in colocated.generate(prompts, [SamplingParams(**p) for p in params])
+    ]
     got = run_concurrently(prefill, decode, prompts, params, prefix=f"s{sampled}-")
     for i in range(len(prompts)):
         outs = got[f"s{sampled}-{i}"]
@@ -116,8 +100,16 @@ def test_abort_on_either_side_frees_both(workers):
     prompt = random_prompts([30], seed=81)[0]
     params = dict(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     # Abort on the decode side while decoding.
-    stream = generate_disaggregated(prefill.client, decode.client, "ab-d", prompt, params,
-                                    prefill_id="p0", decode_id="d0", timeout=60)
+    stream = generate_disaggregated(
+        prefill.client,
+        decode.client,
+        "ab-d",
+        prompt,
+        params,
+        prefill_id="p0",
+        decode_id="d0",
+        timeout=60,
+    )
     assert next(stream)["token_ids"]
     assert decode.client.abort("ab-d")
     rest = list(stream)
@@ -133,8 +125,9 @@ def test_abort_on_either_side_frees_both(workers):
 
 def test_killing_prefill_mid_transfer_frees_reserved_blocks(tiny_llama):
     # Long prompts in small steps: the kill lands while prompts are prefilling / moving.
-    opts = dict(engine_options(tiny_llama), block_size=16, num_kv_blocks=1024,
-                max_num_batched_tokens=32)
+    opts = dict(
+        engine_options(tiny_llama), block_size=16, num_kv_blocks=1024, max_num_batched_tokens=32
+    )
     prefill = start_worker("prefill", "p0", opts, TRANSFER)
     decode = start_worker("decode", "d0", opts, TRANSFER)
     try:
@@ -142,8 +135,11 @@ def test_killing_prefill_mid_transfer_frees_reserved_blocks(tiny_llama):
         prompts = random_prompts([2000] * 6, seed=91)
         params = [dict(max_tokens=4, temperature=0.0, ignore_eos=True)] * 6
         results: dict[str, list[dict]] = {}
-        worker = threading.Thread(target=lambda: results.update(
-            run_concurrently(prefill, decode, prompts, params, prefix="k", timeout=30)))
+        worker = threading.Thread(
+            target=lambda: results.update(
+                run_concurrently(prefill, decode, prompts, params, prefix="k", timeout=30)
+            )
+        )
         worker.start()
         time.sleep(0.3)  # requests are reserved and prefilling / transferring
         prefill.kill()
@@ -162,9 +158,18 @@ def test_killing_prefill_mid_transfer_frees_reserved_blocks(tiny_llama):
         try:
             address = fresh.client.connect_decode("d0", decode.address)
             decode.client.connect_prefill("p1", address, fresh.address)
-            outs = list(generate_disaggregated(
-                fresh.client, decode.client, "after", prompts[0], params[0], prefill_id="p1",
-                decode_id="d0", timeout=60))
+            outs = list(
+                generate_disaggregated(
+                    fresh.client,
+                    decode.client,
+                    "after",
+                    prompts[0],
+                    params[0],
+                    prefill_id="p1",
+                    decode_id="d0",
+                    timeout=60,
+                )
+            )
             assert outs[-1]["finish_reason"] == "length" and len(tokens(outs)) == 4
         finally:
             fresh.stop()

@@ -9,24 +9,38 @@ from engine.attention.kv_layout import allocate_kv_cache
 from engine.attention.metadata import AttentionMetadata, build_metadata
 
 
-def shuffled_step(query_lens: list[int], seq_lens: list[int], block_size: int,
-                  num_blocks: int, gen: torch.Generator, device: torch.device
-                  ) -> AttentionMetadata:
+def shuffled_step(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    num_blocks: int,
+    gen: torch.Generator,
+    device: torch.device,
+) -> AttentionMetadata:
     """Metadata whose sequences own shuffled, non-contiguous cache blocks."""
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, used = [], 0
     for seq_len in seq_lens:
         n = -(-seq_len // block_size)
-        tables.append(perm[used:used + n])
+        tables.append(perm[used : used + n])
         used += n
     assert used <= num_blocks
     return build_metadata(query_lens, seq_lens, tables, block_size, device)
 
 
-def random_inputs(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                  block_size: int, num_blocks: int, dtype: torch.dtype, gen: torch.Generator,
-                  device: torch.device) -> tuple[torch.Tensor, ...]:
+def random_inputs(
+    num_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_blocks: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    device: torch.device,
+) -> tuple[torch.Tensor, ...]:
     """q, k, v and a cache pre-filled with random values (stale data must never be read)."""
+
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 

@@ -18,29 +18,44 @@ def step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, se
     gen = torch.Generator().manual_seed(seed)
     cpu = torch.device("cpu")
     meta = shuffled_step(query_lens, seq_lens, block_size, 64, gen, cpu)
-    q, k, v, cache = random_inputs(sum(query_lens), num_heads, num_kv_heads, head_dim,
-                                   block_size, 64, torch.float32, gen, cpu)
+    q, k, v, cache = random_inputs(
+        sum(query_lens), num_heads, num_kv_heads, head_dim, block_size, 64, torch.float32, gen, cpu
+    )
     return q, k, v, cache, meta
 
 
-@pytest.mark.parametrize(("query_lens", "seq_lens"), [
-    ([1], [37]),  # one sequence
-    ([1, 1, 1, 1], [1, 6, 37, 64]),  # all decode: first token, inside a block, many blocks
-    ([7, 1, 20, 1], [7, 9, 29, 50]),  # decodes mixed with a fresh prefill and a chunk
-])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), [
-    (9, 3, 64, 8),  # SmolLM2's heads
-    (4, 4, 16, 4),  # plain multi-head attention
-    (8, 1, 32, 16),  # one KV head for a group of 8
-    (2, 1, 96, 8),  # head_dim over 64: the value sums run in two register tiles
-    (4, 2, 12, 4),  # head_dim not a multiple of 8: the kernel declines, torch takes over
-])
-def test_decode_kernel_equals_torch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim,
-                                    block_size):
-    q, k, v, cache, meta = step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim,
-                                block_size, seed=len(seq_lens) + head_dim)
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"),
+    [
+        ([1], [37]),  # one sequence
+        ([1, 1, 1, 1], [1, 6, 37, 64]),  # all decode: first token, inside a block, many blocks
+        ([7, 1, 20, 1], [7, 9, 29, 50]),  # decodes mixed with a fresh prefill and a chunk
+    ],
+)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [
+        (9, 3, 64, 8),  # SmolLM2's heads
+        (4, 4, 16, 4),  # plain multi-head attention
+        (8, 1, 32, 16),  # one KV head for a group of 8
+        (2, 1, 96, 8),  # head_dim over 64: the value sums run in two register tiles
+        (4, 2, 12, 4),  # head_dim not a multiple of 8: the kernel declines, torch takes over
+    ],
+)
+def test_decode_kernel_equals_torch(
+    query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size
+):
+    q, k, v, cache, meta = step(
+        query_lens,
+        seq_lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        seed=len(seq_lens) + head_dim,
+    )
     ref_cache, cpu_cache = cache.clone(), cache.clone()
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, scale)
     out = CpuAttentionBackend(lib).forward(q, k, v, cpu_cache, meta, scale)
     assert torch.equal(cpu_cache, ref_cache)

@@ -8,17 +8,19 @@ import pytest
 
 from engine import LLM, InvalidRequestError, LLMEngine, SamplingParams
 from engine.engine_loop import EngineLoop
-from tests.engine.test_engine_vs_hf import random_prompts
+from tests.helpers import random_prompts
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 def test_threads_submit_concurrently_and_get_their_own_tokens(tiny_llama):
     prompts = random_prompts([7, 19, 4, 30, 12, 9], seed=51)
-    expected = [o.token_ids for o in LLM(tiny_llama, skip_tokenizer_init=True).generate(
-        prompts, GREEDY)]
-    loop = EngineLoop(LLMEngine(tiny_llama, skip_tokenizer_init=True, block_size=4,
-                                num_kv_blocks=128)).start()
+    expected = [
+        o.token_ids for o in LLM(tiny_llama, skip_tokenizer_init=True).generate(prompts, GREEDY)
+    ]
+    loop = EngineLoop(
+        LLMEngine(tiny_llama, skip_tokenizer_init=True, block_size=4, num_kv_blocks=128)
+    ).start()
     got: dict[int, list[int]] = {}
 
     def client(i: int) -> None:

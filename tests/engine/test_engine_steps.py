@@ -6,23 +6,21 @@ from __future__ import annotations
 import pytest
 
 from engine import CapacityError, InvalidRequestError, LLMEngine, PromptTooLongError, SamplingParams
-from tests.engine.test_engine_vs_hf import random_prompts
+from tests.helpers import random_prompts, run_to_completion
 
 DECODE = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
 
 
-def run_to_completion(engine: LLMEngine) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for rid, out in engine.step().outputs.items():
-            tokens.setdefault(rid, []).extend(out.new_token_ids)
-    return tokens
-
-
 def test_cached_prefix_then_chunked_prefill_interleaved_with_decodes(tiny_llama):
     """5,000 cached tokens; a 7,000-token prompt arrives while B, C, D decode."""
-    engine = LLMEngine(tiny_llama, skip_tokenizer_init=True, block_size=8, chunk_size=1024,
-                       max_num_batched_tokens=2048, num_kv_blocks=2000)
+    engine = LLMEngine(
+        tiny_llama,
+        skip_tokenizer_init=True,
+        block_size=8,
+        chunk_size=1024,
+        max_num_batched_tokens=2048,
+        num_kv_blocks=2000,
+    )
     prefix, tail, extra = random_prompts([5000, 2000, 3], seed=21)
     engine.add_request("warm", prefix + extra, SamplingParams(max_tokens=1, temperature=0))
     run_to_completion(engine)
@@ -46,8 +44,14 @@ def test_cached_prefix_then_chunked_prefill_interleaved_with_decodes(tiny_llama)
 
 
 def test_abort_frees_blocks_immediately(tiny_llama):
-    engine = LLMEngine(tiny_llama, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64,
-                       chunk_size=8, enable_prefix_caching=False)
+    engine = LLMEngine(
+        tiny_llama,
+        skip_tokenizer_init=True,
+        block_size=4,
+        num_kv_blocks=64,
+        chunk_size=8,
+        enable_prefix_caching=False,
+    )
     engine.add_request("x", random_prompts([30])[0], DECODE)
     engine.add_request("y", random_prompts([6])[0], DECODE)
     engine.step()
@@ -62,8 +66,9 @@ def test_abort_frees_blocks_immediately(tiny_llama):
 
 
 def test_admission_errors(tiny_llama):
-    engine = LLMEngine(tiny_llama, skip_tokenizer_init=True, block_size=4, num_kv_blocks=8,
-                       max_model_len=100)
+    engine = LLMEngine(
+        tiny_llama, skip_tokenizer_init=True, block_size=4, num_kv_blocks=8, max_model_len=100
+    )
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.add_request("a", [], DECODE)
     with pytest.raises(PromptTooLongError, match="max_model_len is 100"):
@@ -82,18 +87,21 @@ def test_admission_errors(tiny_llama):
 
 
 def test_stop_token_ids_and_max_model_len(tiny_llama):
-    engine = LLMEngine(tiny_llama, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64,
-                       max_model_len=24)
+    engine = LLMEngine(
+        tiny_llama, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64, max_model_len=24
+    )
     prompt = random_prompts([20], seed=4)[0]
     engine.add_request("free", prompt, DECODE)
     free = run_to_completion(engine)["free"]
     assert len(free) == 4  # capped by max_model_len 24
-    engine.add_request("stop", prompt, SamplingParams(max_tokens=50, temperature=0.0,
-                                                      ignore_eos=True,
-                                                      stop_token_ids=(free[2],)))
+    engine.add_request(
+        "stop",
+        prompt,
+        SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True, stop_token_ids=(free[2],)),
+    )
     outputs = []
     while engine.has_unfinished():
         outputs += engine.step().outputs.values()
-    assert [t for o in outputs for t in o.new_token_ids] == free[:free.index(free[2]) + 1]
+    assert [t for o in outputs for t in o.new_token_ids] == free[: free.index(free[2]) + 1]
     assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == free[2]
     engine.check_integrity()

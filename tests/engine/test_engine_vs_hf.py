@@ -6,18 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-
-
-def random_prompts(lengths: list[int], seed: int = 1, vocab: int = 512) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
-                      max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
+from tests.helpers import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -26,8 +15,14 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 @pytest.mark.parametrize("chunk_size", [1, 7, 64])
 def test_greedy_batch_matches_hf(kind, chunk_size, request, hf_models):
     path = request.getfixturevalue(kind)
-    llm = LLM(path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=128,
-              chunk_size=chunk_size, max_num_batched_tokens=max(chunk_size, 64))
+    llm = LLM(
+        path,
+        skip_tokenizer_init=True,
+        block_size=4,
+        num_kv_blocks=128,
+        chunk_size=chunk_size,
+        max_num_batched_tokens=max(chunk_size, 64),
+    )
     prompts = random_prompts([5, 17, 33, 2, 70])
     outs = llm.generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outs, strict=True):
@@ -58,8 +53,14 @@ def test_prefix_hits_give_same_tokens(kind, request, hf_models):
 
 def test_preemption_recomputes_exactly(tiny_llama, hf_models):
     # 12 blocks of 4 tokens cannot hold four 20-token sequences: requests get preempted.
-    llm = LLM(tiny_llama, skip_tokenizer_init=True, block_size=4, num_kv_blocks=12,
-              chunk_size=8, enable_prefix_caching=False)
+    llm = LLM(
+        tiny_llama,
+        skip_tokenizer_init=True,
+        block_size=4,
+        num_kv_blocks=12,
+        chunk_size=8,
+        enable_prefix_caching=False,
+    )
     prompts = random_prompts([9, 10, 11, 12], seed=3)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     engine = llm.engine
@@ -81,11 +82,12 @@ def test_preemption_recomputes_exactly(tiny_llama, hf_models):
 def test_logprobs_match_hf(tiny_qwen2, hf_models):
     llm = LLM(tiny_qwen2, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64, chunk_size=8)
     prompt = random_prompts([21], seed=5)[0]
-    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=5,
-                                                ignore_eos=True))[0]
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=5, ignore_eos=True)
+    )[0]
     full = torch.tensor([prompt + out.token_ids[:-1]])
     with torch.no_grad():
-        logits = hf_models(tiny_qwen2)(full).logits[0, len(prompt) - 1:]
+        logits = hf_models(tiny_qwen2)(full).logits[0, len(prompt) - 1 :]
     ref = torch.log_softmax(logits.float(), -1)
     assert len(out.logprobs) == 4
     for step, lp in enumerate(out.logprobs):

@@ -16,8 +16,7 @@ from engine import LLM, SamplingParams
 from engine.model.gguf_kernel import gguf_dequantize, gguf_matmul, load_kernel
 from engine.model.gguf_linear import QUANT_MAX_ROWS, GGUFBlockLinear
 from engine.weights.gguf_convert import BLOCKS_FILE, convert_gguf_to_hf
-from tests.engine.test_engine_vs_hf import hf_greedy, random_prompts
-from tests.engine.test_model_resolver import _llamacpp_permute
+from tests.helpers import hf_greedy, llamacpp_permute, random_prompts
 
 Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 LAYERS, E, HEADS, KV_HEADS, FF, VOCAB = 2, 64, 4, 2, 96, 128  # head_dim 16
@@ -39,8 +38,9 @@ def test_dequantize_is_bit_exact_and_matmul_matches_dense(qtype):
     assert torch.equal(gguf_dequantize(lib, blocks, 96, int(qtype)), weight)
     for rows in range(1, 10):  # every remainder of the kernel's 4-row tile
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
-        torch.testing.assert_close(gguf_matmul(lib, x, blocks, int(qtype)), x @ weight.T,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            gguf_matmul(lib, x, blocks, int(qtype)), x @ weight.T, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_layer_uses_blocks_up_to_the_row_limit_then_the_dense_weight():
@@ -71,25 +71,34 @@ def write_quantized_llama_gguf(path: Path, v_type=Q4_1) -> None:
     """A tiny tied-embedding Llama: Q4_1 layer matrices (attn_v: v_type), a Q8_0 embedding,
     float32 norms."""
     w = gguf.GGUFWriter(path, arch="llama")
-    for add, value in ((w.add_block_count, LAYERS), (w.add_context_length, 256),
-                       (w.add_embedding_length, E), (w.add_feed_forward_length, FF),
-                       (w.add_head_count, HEADS), (w.add_head_count_kv, KV_HEADS),
-                       (w.add_rope_dimension_count, E // HEADS), (w.add_rope_freq_base, 1e4),
-                       (w.add_layer_norm_rms_eps, 1e-5), (w.add_vocab_size, VOCAB)):
+    for add, value in (
+        (w.add_block_count, LAYERS),
+        (w.add_context_length, 256),
+        (w.add_embedding_length, E),
+        (w.add_feed_forward_length, FF),
+        (w.add_head_count, HEADS),
+        (w.add_head_count_kv, KV_HEADS),
+        (w.add_rope_dimension_count, E // HEADS),
+        (w.add_rope_freq_base, 1e4),
+        (w.add_layer_norm_rms_eps, 1e-5),
+        (w.add_vocab_size, VOCAB),
+    ):
         add(value)
     rng = np.random.default_rng(7)
 
     def matrix(rows: int, cols: int, qtype, heads: int | None = None) -> tuple:
         m = (rng.standard_normal((rows, cols)) * 0.2).astype(np.float32)
         if heads:
-            m = _llamacpp_permute(m, heads)
+            m = llamacpp_permute(m, heads)
         if qtype == gguf.GGMLQuantizationType.F32:
             return m, None
         return quantize(m, qtype), qtype
 
     kv = KV_HEADS * E // HEADS
-    tensors = {"token_embd.weight": matrix(VOCAB, E, Q8_0),
-               "output_norm.weight": (np.ones(E, np.float32), None)}
+    tensors = {
+        "token_embd.weight": matrix(VOCAB, E, Q8_0),
+        "output_norm.weight": (np.ones(E, np.float32), None),
+    }
     for i in range(LAYERS):
         tensors |= {
             f"blk.{i}.attn_norm.weight": (np.ones(E, np.float32), None),
@@ -156,4 +165,5 @@ def test_a_fused_matrix_with_a_float_part_stays_dense(tmp_path, hf_models):
     prompt = random_prompts([11], seed=32, vocab=VOCAB)[0]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert llm.generate([prompt], params)[0].token_ids == hf_greedy(
-        hf_models(str(tmp_path / "hf")), prompt, 8)
+        hf_models(str(tmp_path / "hf")), prompt, 8
+    )

@@ -18,6 +18,7 @@ from engine import model_resolver
 from engine.errors import ModelNotFoundError
 from engine.model_resolver import DEFAULT_MODEL, cache_dir_for, resolve_model
 from engine.weights.gguf_convert import UnsupportedGGUFError, convert_gguf_to_hf
+from tests.helpers import llamacpp_permute
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -51,8 +52,13 @@ def smollm(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_converted_dir_layout(smollm: dict) -> None:
     d = smollm["dir"]
     assert d.parent == smollm["cache"]
-    for name in ("config.json", "model.safetensors", "generation_config.json",
-                 "tokenizer.json", "tokenizer_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         assert (d / name).is_file(), name
     cfg = json.loads((d / "config.json").read_text())
     assert (cfg["model_type"], cfg["num_hidden_layers"], cfg["hidden_size"]) == ("llama", 30, 576)
@@ -81,9 +87,12 @@ def test_tensors_equal_transformers_gguf_path(smollm: dict) -> None:
     ours = load_file(str(smollm["dir"] / "model.safetensors"))
     reader = gguf.GGUFReader(smollm["gguf"])
     fields = reader.fields
-    processor = TENSOR_PROCESSORS["llama"](config={
-        "num_attention_heads": int(fields["llama.attention.head_count"].contents()),
-        "num_key_value_heads": int(fields["llama.attention.head_count_kv"].contents())})
+    processor = TENSOR_PROCESSORS["llama"](
+        config={
+            "num_attention_heads": int(fields["llama.attention.head_count"].contents()),
+            "num_key_value_heads": int(fields["llama.attention.head_count_kv"].contents()),
+        }
+    )
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30)
     to_gguf = {hf: name_map.get_name(hf.removesuffix(".weight")) + ".weight" for hf in ours}
     raw = {t.name: t for t in reader.tensors}
@@ -108,10 +117,13 @@ def test_transformers_model_from_converted_dir_answers_paris(smollm: dict) -> No
     model = LlamaForCausalLM.from_pretrained(smollm["dir"], dtype=torch.float32).eval()
     inputs = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    answer = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
 
 
@@ -124,8 +136,9 @@ def test_tokenizer_round_trips_and_has_chat_template(smollm: dict) -> None:
     assert ids and tok.decode(ids) == text
     assert tok.chat_template and "<|im_start|>" in tok.chat_template
     assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}],
-                                     add_generation_prompt=True, tokenize=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -156,9 +169,11 @@ def test_directory_with_config_is_returned_as_is(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["unknown-name", "empty-dir", "non-gguf-file"])
 def test_unresolvable_inputs_raise_helpful_error(tmp_path: Path, kind: str) -> None:
-    name = {"unknown-name": "no-such-model-xyz",
-            "empty-dir": str(tmp_path),
-            "non-gguf-file": str(tmp_path / "weights.bin")}[kind]
+    name = {
+        "unknown-name": "no-such-model-xyz",
+        "empty-dir": str(tmp_path),
+        "non-gguf-file": str(tmp_path / "weights.bin"),
+    }[kind]
     if kind == "non-gguf-file":
         Path(name).write_bytes(b"x")
     with pytest.raises(ModelNotFoundError) as info:
@@ -181,21 +196,11 @@ def test_cache_root_follows_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
 E, HEADS, KV_HEADS, FF, VOCAB = 16, 4, 2, 24, 32  # head_dim 4
 
 
-def _llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf does to HF q/k rows (written out independently)."""
-    d = w.shape[0] // n_heads
-    out = np.empty_like(w)
-    for h in range(n_heads):
-        for i in range(d // 2):
-            out[h * d + 2 * i] = w[h * d + i]  # first half of each head -> even rows
-            out[h * d + 2 * i + 1] = w[h * d + d // 2 + i]  # second half -> odd rows
-    return out
-
-
 def _hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     shapes = {
-        "model.embed_tokens.weight": (VOCAB, E), "model.norm.weight": (E,),
+        "model.embed_tokens.weight": (VOCAB, E),
+        "model.norm.weight": (E,),
         "lm_head.weight": (VOCAB, E),
         "model.layers.0.input_layernorm.weight": (E,),
         "model.layers.0.post_attention_layernorm.weight": (E,),
@@ -211,7 +216,8 @@ def _hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
 
 
 _TO_GGUF = {
-    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
     "model.layers.0.input_layernorm.weight": "blk.0.attn_norm.weight",
     "model.layers.0.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
@@ -239,9 +245,9 @@ def _write_tiny_llama_gguf(path: Path, hf: dict[str, np.ndarray]) -> None:
     w.add_vocab_size(VOCAB)
     for name, arr in hf.items():
         if name.endswith("q_proj.weight"):
-            arr = _llamacpp_permute(arr, HEADS)
+            arr = llamacpp_permute(arr, HEADS)
         elif name.endswith("k_proj.weight"):
-            arr = _llamacpp_permute(arr, KV_HEADS)
+            arr = llamacpp_permute(arr, KV_HEADS)
         w.add_tensor(_TO_GGUF[name], arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -278,8 +284,9 @@ def test_non_llama_gguf_is_rejected(tmp_path: Path) -> None:
         convert_gguf_to_hf(src, tmp_path / "out")
 
 
-def test_cache_key_follows_gguf_path_size_and_mtime(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_key_follows_gguf_path_size_and_mtime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path / "cache"))
     src = tmp_path / "tiny.gguf"
     _write_tiny_llama_gguf(src, _hf_weights(0))
@@ -312,8 +319,9 @@ def _fake_convert(gguf_path: object, out_dir: object) -> None:
     (out / "config.json").write_text("{}")
 
 
-def test_crash_mid_conversion_leaves_no_cache_entry(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_crash_mid_conversion_leaves_no_cache_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     src, target = _fake_gguf(tmp_path, monkeypatch)
 
     def crash(gguf_path: object, out_dir: object) -> None:
@@ -333,11 +341,15 @@ def test_crash_mid_conversion_leaves_no_cache_entry(tmp_path: Path,
     assert resolve_model(str(src)) == target
     assert not stale.exists()
     assert sorted(p.name for p in target.iterdir()) == [
-        "baton_source.json", "config.json", "model.safetensors"]
+        "baton_source.json",
+        "config.json",
+        "model.safetensors",
+    ]
 
 
-def test_losing_a_conversion_race_uses_the_winner(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_losing_a_conversion_race_uses_the_winner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     src, target = _fake_gguf(tmp_path, monkeypatch)
 
     def other_process_wins(gguf_path: object, out_dir: object) -> None:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import CapacityError, LLMEngine, SamplingParams
-from tests.engine.test_engine_steps import run_to_completion
-from tests.engine.test_engine_vs_hf import random_prompts
+from tests.helpers import random_prompts, run_to_completion
 
 OPTS = dict(skip_tokenizer_init=True, block_size=4, chunk_size=16)
 
@@ -44,8 +43,15 @@ def disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts, params) -> dic
 @pytest.mark.parametrize("sampled", [False, True])
 def test_disaggregated_equals_colocated(tiny_llama, sampled):
     prompts = random_prompts([5, 23, 40, 9], seed=31)
-    params = [SamplingParams(max_tokens=9, ignore_eos=True, temperature=1.0 if sampled else 0,
-                             seed=7 + i if sampled else None) for i in range(4)]
+    params = [
+        SamplingParams(
+            max_tokens=9,
+            ignore_eos=True,
+            temperature=1.0 if sampled else 0,
+            seed=7 + i if sampled else None,
+        )
+        for i in range(4)
+    ]
     colocated = LLMEngine(tiny_llama, num_kv_blocks=128, **OPTS)
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         colocated.add_request(str(i), p, sp)

@@ -25,8 +25,12 @@ def test_pairs_rope_equals_rotate_half_after_reordering(dtype, tol):
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
     freqs = torch.outer(pos.float(), inv_freq)  # [T, D / 2]
     emb = torch.cat((freqs, freqs), dim=-1)
-    ref, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None],
-                                  emb.cos()[None] * scaling, emb.sin()[None] * scaling)
+    ref, _ = apply_rotary_pos_emb(
+        x.transpose(0, 1)[None],
+        x.transpose(0, 1)[None],
+        emb.cos()[None] * scaling,
+        emb.sin()[None] * scaling,
+    )
     ref = ref[0].transpose(0, 1)  # [T, heads, D], rotate-half layout
 
     order = interleaved_rope_order(heads, d).view(heads, d)[0]  # the same within every head

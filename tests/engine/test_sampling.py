@@ -6,21 +6,30 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.sampler import SampleRequest, _filter_logits, sample
-from tests.engine.test_engine_vs_hf import random_prompts
+from tests.helpers import random_prompts
 
 
 def test_seeded_sampling_same_alone_and_in_batch(tiny_llama):
-    llm = LLM(tiny_llama, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256,
-              chunk_size=16)
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256, chunk_size=16)
     prompts = random_prompts([11, 25, 6, 40], seed=11)
-    params = [SamplingParams(max_tokens=12, temperature=1.3, top_p=0.95, top_k=50, seed=100 + i,
-                             ignore_eos=True) for i in range(4)]
+    params = [
+        SamplingParams(
+            max_tokens=12, temperature=1.3, top_p=0.95, top_k=50, seed=100 + i, ignore_eos=True
+        )
+        for i in range(4)
+    ]
     alone = [llm.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params, strict=True)]
     batch = [o.token_ids for o in llm.generate(prompts, params)]
     assert alone == batch
     # Different seeds really give different streams (the test above could not fail otherwise).
-    other = llm.generate([prompts[0]], [SamplingParams(max_tokens=12, temperature=1.3, top_p=0.95,
-                                                       top_k=50, seed=999, ignore_eos=True)])
+    other = llm.generate(
+        [prompts[0]],
+        [
+            SamplingParams(
+                max_tokens=12, temperature=1.3, top_p=0.95, top_k=50, seed=999, ignore_eos=True
+            )
+        ],
+    )
     assert other[0].token_ids != alone[0]
 
 

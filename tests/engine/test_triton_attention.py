@@ -41,7 +41,8 @@ from tests.engine.paged_inputs import random_inputs, shuffled_step  # noqa: E402
 KERNELS_RUN_HERE = not ON_CPU or not isinstance(triton.language.zeros, JITFunction)
 needs_kernels = pytest.mark.skipif(
     not KERNELS_RUN_HERE,
-    reason="triton was imported before TRITON_INTERPRET=1; see test_kernels_in_fresh_process")
+    reason="triton was imported before TRITON_INTERPRET=1; see test_kernels_in_fresh_process",
+)
 
 DEVICE = torch.device("cpu" if ON_CPU else "cuda")
 # fp32: exact-ish on CPU (numpy dots); CUDA reductions reorder sums, so allow a little more.
@@ -60,32 +61,57 @@ def _backend() -> TritonAttentionBackend:
     return TritonAttentionBackend(block_m=16, block_n=16)
 
 
-def _step(query_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int,
-          gen: torch.Generator) -> AttentionMetadata:
+def _step(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    num_blocks: int,
+    gen: torch.Generator,
+) -> AttentionMetadata:
     return shuffled_step(query_lens, seq_lens, block_size, num_blocks, gen, DEVICE)
 
 
-def _inputs(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
-            block_size: int, num_blocks: int, dtype: torch.dtype, gen: torch.Generator
-            ) -> tuple[torch.Tensor, ...]:
-    return random_inputs(num_tokens, num_heads, num_kv_heads, head_dim, block_size,
-                         num_blocks, dtype, gen, DEVICE)
+def _inputs(
+    num_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_blocks: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, ...]:
+    return random_inputs(
+        num_tokens, num_heads, num_kv_heads, head_dim, block_size, num_blocks, dtype, gen, DEVICE
+    )
 
 
 @needs_kernels
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), [
-    (4, 2, 16, 4),  # GQA, power-of-two sizes
-    (6, 2, 24, 8),  # group of 3 and head_dim 24: both padded and masked in the kernel
-    (2, 2, 32, 4),  # plain multi-head attention
-])
-def test_mixed_step_matches_torch_fp32(num_heads: int, num_kv_heads: int, head_dim: int,
-                                       block_size: int) -> None:
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [
+        (4, 2, 16, 4),  # GQA, power-of-two sizes
+        (6, 2, 24, 8),  # group of 3 and head_dim 24: both padded and masked in the kernel
+        (2, 2, 32, 4),  # plain multi-head attention
+    ],
+)
+def test_mixed_step_matches_torch_fp32(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
     gen = torch.Generator().manual_seed(0)
     num_blocks = 32
     meta = _step(QUERY_LENS, SEQ_LENS, block_size, num_blocks, gen)
-    q, k, v, cache = _inputs(sum(QUERY_LENS), num_heads, num_kv_heads, head_dim, block_size,
-                             num_blocks, torch.float32, gen)
-    scale = head_dim ** -0.5
+    q, k, v, cache = _inputs(
+        sum(QUERY_LENS),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        torch.float32,
+        gen,
+    )
+    scale = head_dim**-0.5
     ref_cache, tri_cache = cache.clone(), cache.clone()
 
     ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, scale)
@@ -98,23 +124,31 @@ def test_mixed_step_matches_torch_fp32(num_heads: int, num_kv_heads: int, head_d
 
 
 @needs_kernels
-@pytest.mark.parametrize(("dtype", "atol"), [
-    (torch.float16, 2e-3),
-    # The interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584).
-    pytest.param(torch.bfloat16, 2e-2, marks=pytest.mark.skipif(
-        ON_CPU, reason="Triton interpreter: tl.dot does not support bfloat16")),
-])
+@pytest.mark.parametrize(
+    ("dtype", "atol"),
+    [
+        (torch.float16, 2e-3),
+        # The interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584).
+        pytest.param(
+            torch.bfloat16,
+            2e-2,
+            marks=pytest.mark.skipif(
+                ON_CPU, reason="Triton interpreter: tl.dot does not support bfloat16"
+            ),
+        ),
+    ],
+)
 def test_low_precision_matches_fp32_reference(dtype: torch.dtype, atol: float) -> None:
     gen = torch.Generator().manual_seed(1)
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 4, 2, 16, 4, 32
     meta = _step(QUERY_LENS, SEQ_LENS, block_size, num_blocks, gen)
-    q, k, v, cache = _inputs(sum(QUERY_LENS), num_heads, num_kv_heads, head_dim, block_size,
-                             num_blocks, dtype, gen)
-    scale = head_dim ** -0.5
+    q, k, v, cache = _inputs(
+        sum(QUERY_LENS), num_heads, num_kv_heads, head_dim, block_size, num_blocks, dtype, gen
+    )
+    scale = head_dim**-0.5
     # Oracle: the same (already rounded) inputs upcast to fp32.
     ref_cache = cache.float()
-    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), ref_cache, meta,
-                                          scale)
+    ref = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), ref_cache, meta, scale)
     tri_cache = cache.clone()
 
     out = _backend().forward(q, k, v, tri_cache, meta, scale)
@@ -130,8 +164,9 @@ def test_decode_only_step_matches_torch() -> None:
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 4, 2, 16, 8, 24
     seq_lens = [1, 9, 16, 17, 40, 3]
     meta = _step([1] * len(seq_lens), seq_lens, block_size, num_blocks, gen)
-    q, k, v, cache = _inputs(len(seq_lens), num_heads, num_kv_heads, head_dim, block_size,
-                             num_blocks, torch.float32, gen)
+    q, k, v, cache = _inputs(
+        len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, num_blocks, torch.float32, gen
+    )
     ref_cache, tri_cache = cache.clone(), cache.clone()
 
     ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, 0.25)
@@ -152,16 +187,16 @@ def test_strided_qkv_views_match_torch() -> None:
     qkv = qkv.to(DEVICE)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
-    k = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
-    v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
-    cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32,
-                              DEVICE)
+    cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, torch.float32, DEVICE)
     cache.copy_(torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen))
     ref_cache, tri_cache = cache.clone(), cache.clone()
 
-    ref = TorchAttentionBackend().forward(q.contiguous(), k.contiguous(), v.contiguous(),
-                                          ref_cache, meta, 0.25)
+    ref = TorchAttentionBackend().forward(
+        q.contiguous(), k.contiguous(), v.contiguous(), ref_cache, meta, 0.25
+    )
     out = _backend().forward(q, k, v, tri_cache, meta, 0.25)
 
     assert torch.equal(tri_cache, ref_cache)
@@ -179,8 +214,9 @@ def test_prefill_then_decode_reads_what_it_wrote() -> None:
     torch_backend, triton_backend = TorchAttentionBackend(), _backend()
     for query_lens, seq_lens in [([9, 13], [9, 13]), ([1, 1], [10, 14])]:
         meta = build_metadata(query_lens, seq_lens, tables, block_size, DEVICE)
-        q, k, v, _ = _inputs(sum(query_lens), num_heads, num_kv_heads, head_dim, block_size,
-                             1, torch.float32, gen)
+        q, k, v, _ = _inputs(
+            sum(query_lens), num_heads, num_kv_heads, head_dim, block_size, 1, torch.float32, gen
+        )
         ref = torch_backend.forward(q, k, v, ref_cache, meta, 0.25)
         out = triton_backend.forward(q, k, v, tri_cache, meta, 0.25)
         assert torch.equal(tri_cache, ref_cache)
@@ -216,6 +252,10 @@ def test_kernels_in_fresh_process() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
-        timeout=600)
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]

@@ -22,8 +22,14 @@ LAYERS, BLOCK_SHAPE = 4, (4, 2, 8)  # (block_size, num_kv_heads, head_dim)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def make_cache(num_blocks: int, seed: int, dtype: str = "float32", layers: int = LAYERS,
-               device: str = "cpu", head_major: bool = False) -> list[torch.Tensor]:
+def make_cache(
+    num_blocks: int,
+    seed: int,
+    dtype: str = "float32",
+    layers: int = LAYERS,
+    device: str = "cpu",
+    head_major: bool = False,
+) -> list[torch.Tensor]:
     """Per layer [2, num_blocks, bs, kvh, d] of seeded random values (same on any device).
 
     `head_major`: the same values, stored like the engine's cache (engine.attention.kv_layout:
@@ -31,17 +37,26 @@ def make_cache(num_blocks: int, seed: int, dtype: str = "float32", layers: int =
     """
     g = torch.Generator().manual_seed(seed)
     shape = (2, num_blocks, *BLOCK_SHAPE)
-    out = [torch.randn(shape, generator=g).to(device=device, dtype=DTYPES[dtype])
-           for _ in range(layers)]
+    out = [
+        torch.randn(shape, generator=g).to(device=device, dtype=DTYPES[dtype])
+        for _ in range(layers)
+    ]
     if head_major:
         out = [t.permute(0, 3, 1, 2, 4).contiguous().permute(0, 2, 3, 1, 4) for t in out]
     return out
 
 
-def make_descriptor(request_id: str, src: list[int], dst: list[int], *,
-                    missing: list[int] | None = None, num_prompt_tokens: int | None = None,
-                    layers: tuple[int, int] = (0, LAYERS), dtype: str = "float32",
-                    first_token: int = 7) -> TransferDescriptor:
+def make_descriptor(
+    request_id: str,
+    src: list[int],
+    dst: list[int],
+    *,
+    missing: list[int] | None = None,
+    num_prompt_tokens: int | None = None,
+    layers: tuple[int, int] = (0, LAYERS),
+    dtype: str = "float32",
+    first_token: int = 7,
+) -> TransferDescriptor:
     """A descriptor for a prompt whose blocks `missing` (default: all) move src -> dst."""
     block_size = BLOCK_SHAPE[0]
     if missing is None:
@@ -50,11 +65,18 @@ def make_descriptor(request_id: str, src: list[int], dst: list[int], *,
         num_prompt_tokens = (max(missing) + 1) * block_size - 1  # last block partial
     num_full = num_prompt_tokens // block_size
     return TransferDescriptor(
-        request_id=request_id, block_hashes=[(0x9E3779B97F4A7C15 * (i + 1)) % (1 << 64)
-                                             for i in range(num_full)],
-        missing=missing, src_block_ids=src, dst_block_ids=dst, layers=layers, dtype=dtype,
-        block_shape=BLOCK_SHAPE, first_token=first_token, num_prompt_tokens=num_prompt_tokens,
-        sampling={"seed": 1234, "temperature": 0.7, "top_p": 0.9, "max_tokens": 16})
+        request_id=request_id,
+        block_hashes=[(0x9E3779B97F4A7C15 * (i + 1)) % (1 << 64) for i in range(num_full)],
+        missing=missing,
+        src_block_ids=src,
+        dst_block_ids=dst,
+        layers=layers,
+        dtype=dtype,
+        block_shape=BLOCK_SHAPE,
+        first_token=first_token,
+        num_prompt_tokens=num_prompt_tokens,
+        sampling={"seed": 1234, "temperature": 0.7, "top_p": 0.9, "max_tokens": 16},
+    )
 
 
 def _sender_main(conn: Any, cfg: dict[str, Any]) -> None:
@@ -64,12 +86,19 @@ def _sender_main(conn: Any, cfg: dict[str, Any]) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     registry = GroupRegistry(device, timeout=cfg["timeout"])  # gloo on CPU, NCCL on CUDA
-    caches = {dtype: make_cache(cfg["num_blocks"], cfg["seed"], dtype, device=device,
-                                head_major=cfg["head_major"])
-              for dtype in DTYPES}
-    transfer = KVTransfer(registry, message_bytes=cfg["message_bytes"],
-                          pipeline=cfg["pipeline"], max_runs=cfg["max_runs"],
-                          min_run_bytes=cfg["min_run_bytes"])
+    caches = {
+        dtype: make_cache(
+            cfg["num_blocks"], cfg["seed"], dtype, device=device, head_major=cfg["head_major"]
+        )
+        for dtype in DTYPES
+    }
+    transfer = KVTransfer(
+        registry,
+        message_bytes=cfg["message_bytes"],
+        pipeline=cfg["pipeline"],
+        max_runs=cfg["max_runs"],
+        min_run_bytes=cfg["min_run_bytes"],
+    )
     conn.send(("ready", os.getpid()))
     while True:
         cmd, *args = conn.recv()
@@ -84,11 +113,18 @@ def _sender_main(conn: Any, cfg: dict[str, Any]) -> None:
             desc = TransferDescriptor.from_dict(desc_dict)
             try:
                 stats = transfer.send(peer_id, caches[desc.dtype], desc, timeout=timeout)
-                conn.send(("sent", {"payload_bytes": stats.payload_bytes,
-                                    "control_bytes": stats.control_bytes,
-                                    "wire_bytes": stats.wire_bytes,
-                                    "num_blocks": stats.num_blocks,
-                                    "num_messages": stats.num_messages}))
+                conn.send(
+                    (
+                        "sent",
+                        {
+                            "payload_bytes": stats.payload_bytes,
+                            "control_bytes": stats.control_bytes,
+                            "wire_bytes": stats.wire_bytes,
+                            "num_blocks": stats.num_blocks,
+                            "num_messages": stats.num_messages,
+                        },
+                    )
+                )
             except TransferError as e:
                 conn.send(("error", type(e).__name__, str(e)))
 
@@ -96,17 +132,34 @@ def _sender_main(conn: Any, cfg: dict[str, Any]) -> None:
 class SenderProcess:
     """Handle on a spawned sender (prefill-side) process."""
 
-    def __init__(self, *, seed: int = 1, num_blocks: int = 32, timeout: float = 5.0,
-                 message_bytes: int = 32 << 20, pipeline: bool = True,
-                 device: str = "cpu", head_major: bool = False, max_runs: int = 8,
-                 min_run_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        seed: int = 1,
+        num_blocks: int = 32,
+        timeout: float = 5.0,
+        message_bytes: int = 32 << 20,
+        pipeline: bool = True,
+        device: str = "cpu",
+        head_major: bool = False,
+        max_runs: int = 8,
+        min_run_bytes: int = 0,
+    ) -> None:
         # min_run_bytes 0: test caches are tiny (128 B regions per block), so any run qualifies.
         self.seed, self.num_blocks = seed, num_blocks
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        cfg = {"seed": seed, "num_blocks": num_blocks, "timeout": timeout,
-               "message_bytes": message_bytes, "pipeline": pipeline, "device": device,
-               "head_major": head_major, "max_runs": max_runs, "min_run_bytes": min_run_bytes}
+        cfg = {
+            "seed": seed,
+            "num_blocks": num_blocks,
+            "timeout": timeout,
+            "message_bytes": message_bytes,
+            "pipeline": pipeline,
+            "device": device,
+            "head_major": head_major,
+            "max_runs": max_runs,
+            "min_run_bytes": min_run_bytes,
+        }
         self.proc = ctx.Process(target=_sender_main, args=(child, cfg), daemon=True)
         self.proc.start()
         self._ready = False
@@ -194,3 +247,22 @@ def joined_receiver(sender: SenderProcess, timeout: float = 5.0):
         yield registry, KVTransfer(registry)
     finally:
         registry.close()
+
+
+SENDER_BLOCKS, RECEIVER_BLOCKS = 24, 20
+
+
+MESSAGE_BYTES = 4096  # small on purpose: 4 blocks x 2 layers fill one message
+
+
+def assert_exact(kv, before, expected, desc):
+    """dst blocks of the layer range equal the sender's src blocks; everything else unchanged."""
+    start, end = desc.layers
+    moved = dict(zip(desc.dst_block_ids, desc.src_block_ids, strict=True))
+    for layer in range(LAYERS):
+        for block in range(kv[layer].shape[1]):
+            if start <= layer < end and block in moved:
+                want = expected[layer][:, moved[block]]
+            else:
+                want = before[layer][:, block]
+            assert torch.equal(kv[layer][:, block], want), (layer, block)

@@ -12,10 +12,18 @@ from kvtransfer.announcement import Announcement
 
 def make(**overrides) -> TransferDescriptor:
     fields = dict(
-        request_id="req-1", block_hashes=[1, (1 << 64) - 1, 12345], missing=[1, 3],
-        src_block_ids=[10, 4], dst_block_ids=[0, 7], layers=(2, 30), dtype="bfloat16",
-        block_shape=(16, 3, 64), first_token=42, num_prompt_tokens=50,
-        sampling={"seed": 7, "temperature": 0.5, "stop": ["\n"], "logit_bias": {"3": -1.0}})
+        request_id="req-1",
+        block_hashes=[1, (1 << 64) - 1, 12345],
+        missing=[1, 3],
+        src_block_ids=[10, 4],
+        dst_block_ids=[0, 7],
+        layers=(2, 30),
+        dtype="bfloat16",
+        block_shape=(16, 3, 64),
+        first_token=42,
+        num_prompt_tokens=50,
+        sampling={"seed": 7, "temperature": 0.5, "stop": ["\n"], "logit_bias": {"3": -1.0}},
+    )
     fields.update(overrides)
     return TransferDescriptor(**fields)
 
@@ -28,8 +36,12 @@ def test_round_trip_bytes_and_dict():
     assert back == desc
     assert back.block_hashes == (1, (1 << 64) - 1, 12345)
     assert back.layers == (2, 30) and back.block_shape == (16, 3, 64)
-    assert back.sampling == {"seed": 7, "temperature": 0.5, "stop": ["\n"],
-                             "logit_bias": {"3": -1.0}}
+    assert back.sampling == {
+        "seed": 7,
+        "temperature": 0.5,
+        "stop": ["\n"],
+        "logit_bias": {"3": -1.0},
+    }
     assert TransferDescriptor.from_dict(desc.to_dict()) == desc
 
 
@@ -55,30 +67,33 @@ def test_partial_last_block_may_move():
         make(missing=[4], src_block_ids=[1], dst_block_ids=[2])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"src_block_ids": [10]}, "src_block_ids has 1 entries but missing has 2"),
-    ({"dst_block_ids": [0, 7, 9]}, "dst_block_ids has 3 entries but missing has 2"),
-    ({"dst_block_ids": [5, 5]}, "dst_block_ids contains duplicate"),
-    ({"block_hashes": [1, 2]}, "block_hashes has 2 entries but a 50-token prompt has 3 full"),
-    ({"block_hashes": [1, 2, 1 << 64]}, r"block_hashes\[2\] = .* out of range"),
-    ({"block_hashes": [1, 2, -1]}, r"block_hashes\[2\] = -1 is out of range"),
-    ({"missing": [3, 1]}, "strictly increasing"),
-    ({"dtype": "float64"}, "dtype 'float64' is not supported"),
-    ({"dtype": "int8"}, "dtype 'int8' is not supported"),
-    ({"layers": (5, 5)}, "start < end"),
-    ({"layers": (0, 1, 2)}, "start < end"),
-    ({"block_shape": (16, 3)}, "block_shape must be"),
-    ({"block_shape": (16, 0, 64)}, r"block_shape\[1\] = 0 is out of range"),
-    ({"request_id": ""}, "request_id must be a non-empty str"),
-    ({"first_token": -1}, "first_token = -1"),
-    ({"first_token": True}, "first_token must be an int"),
-    ({"num_prompt_tokens": 0}, "num_prompt_tokens = 0"),
-    ({"src_block_ids": [1.0, 2]}, r"src_block_ids\[0\] must be an int"),
-    ({"missing": "12"}, "missing must be a list of ints"),
-    ({"sampling": [1, 2]}, "sampling must be a dict"),
-    ({"sampling": {"seed": object()}}, "sampling.seed holds a object"),
-    ({"sampling": {1: 2}}, "non-str key"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"src_block_ids": [10]}, "src_block_ids has 1 entries but missing has 2"),
+        ({"dst_block_ids": [0, 7, 9]}, "dst_block_ids has 3 entries but missing has 2"),
+        ({"dst_block_ids": [5, 5]}, "dst_block_ids contains duplicate"),
+        ({"block_hashes": [1, 2]}, "block_hashes has 2 entries but a 50-token prompt has 3 full"),
+        ({"block_hashes": [1, 2, 1 << 64]}, r"block_hashes\[2\] = .* out of range"),
+        ({"block_hashes": [1, 2, -1]}, r"block_hashes\[2\] = -1 is out of range"),
+        ({"missing": [3, 1]}, "strictly increasing"),
+        ({"dtype": "float64"}, "dtype 'float64' is not supported"),
+        ({"dtype": "int8"}, "dtype 'int8' is not supported"),
+        ({"layers": (5, 5)}, "start < end"),
+        ({"layers": (0, 1, 2)}, "start < end"),
+        ({"block_shape": (16, 3)}, "block_shape must be"),
+        ({"block_shape": (16, 0, 64)}, r"block_shape\[1\] = 0 is out of range"),
+        ({"request_id": ""}, "request_id must be a non-empty str"),
+        ({"first_token": -1}, "first_token = -1"),
+        ({"first_token": True}, "first_token must be an int"),
+        ({"num_prompt_tokens": 0}, "num_prompt_tokens = 0"),
+        ({"src_block_ids": [1.0, 2]}, r"src_block_ids\[0\] must be an int"),
+        ({"missing": "12"}, "missing must be a list of ints"),
+        ({"sampling": [1, 2]}, "sampling must be a dict"),
+        ({"sampling": {"seed": object()}}, "sampling.seed holds a object"),
+        ({"sampling": {1: 2}}, "non-str key"),
+    ],
+)
 def test_invalid_fields_are_rejected(overrides, message):
     with pytest.raises(DescriptorError, match=message):
         make(**overrides)
@@ -133,7 +148,8 @@ def test_announcement_round_trip_and_errors():
     with pytest.raises(DescriptorError, match="bad epoch or layers_per_message"):
         Announcement.decode(msgpack.packb({"v": 2, "epoch": -1, "layers_per_message": 1}))
     with pytest.raises(DescriptorError, match="bytes expected"):
-        Announcement.decode(msgpack.packb({"v": 2, "epoch": 0, "layers_per_message": 1,
-                                           "mode": "packed"}))
+        Announcement.decode(
+            msgpack.packb({"v": 2, "epoch": 0, "layers_per_message": 1, "mode": "packed"})
+        )
     with pytest.raises(DescriptorError, match="not valid msgpack"):
         Announcement.decode(b"\xc1")

@@ -86,8 +86,9 @@ def test_sender_killed_while_sending(registry, procs):
         return True
 
     start = time.perf_counter()
-    with pytest.raises(TransferError, match="receiving request big: the connection to peer 'p' "
-                                            "broke"):
+    with pytest.raises(
+        TransferError, match="receiving request big: the connection to peer 'p' broke"
+    ):
         rx.recv("p", kv, wait=10.0, accept=kill_mid_transfer)
     assert time.perf_counter() - start < DEADLINE
     # The next call finds the peer's store gone: the peer is lost, not just reset.
@@ -139,13 +140,20 @@ def test_two_senders_one_dies_the_other_keeps_working(registry, procs):
     def receive_from(proc, peer, kv, rounds):
         try:
             for i in range(rounds):
-                roundtrip(proc, rx, peer, make_descriptor(f"{peer}{i}", [i, 15 - i],
-                                                          [2 * i, 2 * i + 1]), kv)
+                roundtrip(
+                    proc,
+                    rx,
+                    peer,
+                    make_descriptor(f"{peer}{i}", [i, 15 - i], [2 * i, 2 * i + 1]),
+                    kv,
+                )
         except BaseException as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=receive_from, args=(a, "a", kv_a, 3)),
-               threading.Thread(target=receive_from, args=(b, "b", kv_b, 3))]
+    threads = [
+        threading.Thread(target=receive_from, args=(a, "a", kv_a, 3)),
+        threading.Thread(target=receive_from, args=(b, "b", kv_b, 3)),
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -132,12 +132,18 @@ def test_host_address_is_small_msgpack_dict_on_a_free_port():
             reg.host("d0")
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda a: a.pop("port"), r"missing \['port'\]"),
-    (lambda a: a.update(port=0), "port must be an int in 1..65535"),
-    (lambda a: a.update(host=""), "host must be a non-empty str"),
-    (lambda a: a.update(backend="nccl"), "peer uses backend 'nccl' but this worker uses 'gloo'"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda a: a.pop("port"), r"missing \['port'\]"),
+        (lambda a: a.update(port=0), "port must be an int in 1..65535"),
+        (lambda a: a.update(host=""), "host must be a non-empty str"),
+        (
+            lambda a: a.update(backend="nccl"),
+            "peer uses backend 'nccl' but this worker uses 'gloo'",
+        ),
+    ],
+)
 def test_join_validates_the_address(mutate, message):
     with GroupRegistry("cpu") as host, GroupRegistry("cpu") as join:
         address = host.host("d0")
@@ -169,11 +175,14 @@ def test_join_of_a_dead_address_fails_fast():
 
 
 # ---- transfers --------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs", [
-    {},  # pipelined, all 3 layers in one message
-    {"message_bytes": 1},  # one layer per message, double-buffered
-    {"message_bytes": 1, "pipeline": False},  # one layer per message, no overlap
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},  # pipelined, all 3 layers in one message
+        {"message_bytes": 1},  # one layer per message, double-buffered
+        {"message_bytes": 1, "pipeline": False},  # one layer per message, no overlap
+    ],
+)
 def test_transfer_variants_move_exact_blocks(kwargs):
     pair = Pair(**kwargs)
     try:

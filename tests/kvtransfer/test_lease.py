@@ -88,8 +88,10 @@ def test_revoke_owner_ends_only_that_owners_leases(table):
     table.grant("r1", "peer-a", 5.0)
     table.grant("r2", "peer-b", 1.0)
     table.grant("r3", "peer-a", 2.0)
-    assert table.revoke_owner("peer-a") == [Lease("r3", "peer-a", 102.0),
-                                            Lease("r1", "peer-a", 105.0)]
+    assert table.revoke_owner("peer-a") == [
+        Lease("r3", "peer-a", 102.0),
+        Lease("r1", "peer-a", 105.0),
+    ]
     assert len(table) == 1 and table.get("r2").owner == "peer-b"
     assert table.revoke_owner("peer-a") == []
 

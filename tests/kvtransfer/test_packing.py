@@ -78,16 +78,20 @@ def test_check_cache_accepts_a_matching_cache():
     check_cache(make_cache(8, 0), make_descriptor("r", [1, 7], [0, 1]), [1, 7], "sender")
 
 
-@pytest.mark.parametrize("case, message", [
-    ("layers", "exceed the receiver's 4-layer KV cache"),
-    ("ids", r"block ids \[8\] are out of range for a cache of 8 blocks"),
-    ("dtype", "receiver KV cache is bfloat16 but the transfer is float32"),
-    ("shape", r"receiver layer 0 has shape \(2, 8, 4, 2, 4\)"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("layers", "exceed the receiver's 4-layer KV cache"),
+        ("ids", r"block ids \[8\] are out of range for a cache of 8 blocks"),
+        ("dtype", "receiver KV cache is bfloat16 but the transfer is float32"),
+        ("shape", r"receiver layer 0 has shape \(2, 8, 4, 2, 4\)"),
+    ],
+)
 def test_check_cache_rejects_mismatches(case, message):
     cache = make_cache(8, 0)
-    desc = make_descriptor("r", [1, 2], [0, 8 if case == "ids" else 1],
-                           layers=(0, 5) if case == "layers" else (0, 4))
+    desc = make_descriptor(
+        "r", [1, 2], [0, 8 if case == "ids" else 1], layers=(0, 5) if case == "layers" else (0, 4)
+    )
     if case == "dtype":
         cache = make_cache(8, 0, dtype="bfloat16")
     if case == "shape":

@@ -20,16 +20,14 @@ from kvtransfer.packing import is_head_major, runs, wire_order
 from tests.kvtransfer.peer import (
     BLOCK_SHAPE,
     LAYERS,
-    SenderProcess,
-    joined_receiver,
-    make_cache,
-    make_descriptor,
-)
-from tests.kvtransfer.test_transfer import (
     MESSAGE_BYTES,
     RECEIVER_BLOCKS,
     SENDER_BLOCKS,
+    SenderProcess,
     assert_exact,
+    joined_receiver,
+    make_cache,
+    make_descriptor,
 )
 
 BLOCK_SIZE, KV_HEADS, HEAD_DIM = BLOCK_SHAPE
@@ -39,8 +37,9 @@ REGION_BYTES = BLOCK_SIZE * HEAD_DIM * 4  # one block of one head's K or V, fp32
 
 @pytest.fixture(scope="module")
 def sender() -> Iterator[SenderProcess]:
-    proc = SenderProcess(seed=21, num_blocks=SENDER_BLOCKS, message_bytes=MESSAGE_BYTES,
-                         head_major=True)
+    proc = SenderProcess(
+        seed=21, num_blocks=SENDER_BLOCKS, message_bytes=MESSAGE_BYTES, head_major=True
+    )
     yield proc
     proc.close()
 
@@ -90,7 +89,12 @@ def test_frame_carries_the_mode():
         raw = Announcement(3, 2, desc, mode).encode()
         ann = Announcement.decode(raw)
         assert (ann.epoch, ann.layers_per_message, ann.descriptor, ann.nbytes, ann.mode) == (
-            3, 2, desc, len(raw), mode)
+            3,
+            2,
+            desc,
+            len(raw),
+            mode,
+        )
     obj = msgpack.unpackb(Announcement(0, 1, desc, MODE_RUNS).encode())
     assert obj["v"] == ANNOUNCEMENT_VERSION
     with pytest.raises(DescriptorError, match="unknown payload mode"):
@@ -121,8 +125,9 @@ def test_mixed_runs_in_a_layer_range(sender, receiver):
     kv = make_cache(RECEIVER_BLOCKS, seed=32, head_major=True)
     before = [t.clone() for t in kv]
     # Wire order (ascending dst): src 10,11 -> dst 0,1 | src 0,1,2 -> dst 5,6,7 | 20 -> 12.
-    desc = make_descriptor("run-3", src=[0, 1, 2, 10, 11, 20], dst=[5, 6, 7, 0, 1, 12],
-                           layers=(1, 3))
+    desc = make_descriptor(
+        "run-3", src=[0, 1, 2, 10, 11, 20], dst=[5, 6, 7, 0, 1, 12], layers=(1, 3)
+    )
     assert len(runs(*wire_order(desc))) == 3
     _, stats, sent = transfer(sender, receiver, desc, kv)
 
@@ -226,16 +231,24 @@ def test_small_regions_go_packed():
         hm = make_cache(24, 0, head_major=True)
         one_run = make_descriptor("m", src=[1, 2, 3], dst=[4, 5, 6])  # 3 x 128 B regions
         assert KVTransfer(registry).payload_mode(hm, one_run) == MODE_PACKED  # floor: 256 KiB
-        assert KVTransfer(registry, min_run_bytes=REGION_BYTES * 3).payload_mode(
-            hm, one_run) == MODE_RUNS
-        assert KVTransfer(registry, min_run_bytes=REGION_BYTES * 3 + 1).payload_mode(
-            hm, one_run) == MODE_PACKED
+        assert (
+            KVTransfer(registry, min_run_bytes=REGION_BYTES * 3).payload_mode(hm, one_run)
+            == MODE_RUNS
+        )
+        assert (
+            KVTransfer(registry, min_run_bytes=REGION_BYTES * 3 + 1).payload_mode(hm, one_run)
+            == MODE_PACKED
+        )
         # The floor is on the average region: runs of 4 and 2 blocks average 3 blocks.
         two_runs = make_descriptor("m2", src=[0, 1, 2, 3, 10, 11], dst=[0, 1, 2, 3, 8, 9])
-        assert KVTransfer(registry, min_run_bytes=REGION_BYTES * 3).payload_mode(
-            hm, two_runs) == MODE_RUNS
-        assert KVTransfer(registry, min_run_bytes=REGION_BYTES * 3 + 1).payload_mode(
-            hm, two_runs) == MODE_PACKED
+        assert (
+            KVTransfer(registry, min_run_bytes=REGION_BYTES * 3).payload_mode(hm, two_runs)
+            == MODE_RUNS
+        )
+        assert (
+            KVTransfer(registry, min_run_bytes=REGION_BYTES * 3 + 1).payload_mode(hm, two_runs)
+            == MODE_PACKED
+        )
     finally:
         registry.close()
 
@@ -246,8 +259,13 @@ FLOOR_BLOCKS = 8  # min_run_bytes of the sender below, in blocks per region
 
 @pytest.fixture(scope="module")
 def floor_pair() -> Iterator[tuple[SenderProcess, tuple[GroupRegistry, KVTransfer]]]:
-    proc = SenderProcess(seed=22, num_blocks=SENDER_BLOCKS, message_bytes=MESSAGE_BYTES,
-                         head_major=True, min_run_bytes=FLOOR_BLOCKS * REGION_BYTES)
+    proc = SenderProcess(
+        seed=22,
+        num_blocks=SENDER_BLOCKS,
+        message_bytes=MESSAGE_BYTES,
+        head_major=True,
+        min_run_bytes=FLOOR_BLOCKS * REGION_BYTES,
+    )
     try:
         with joined_receiver(proc) as pair:
             yield proc, pair
@@ -255,19 +273,33 @@ def floor_pair() -> Iterator[tuple[SenderProcess, tuple[GroupRegistry, KVTransfe
         proc.close()
 
 
-@pytest.mark.parametrize("case, src, dst, layers, messages", [
-    # 4 blocks: regions under the floor -> packed; 2048 B per layer, 2 layers per message
-    ("small-consecutive", list(range(4)), list(range(6, 10)), (0, LAYERS), 2),
-    # 12 blocks, one run -> zero-copy, one message per (layer, k/v, head)
-    ("large-consecutive", list(range(2, 14)), list(range(5, 17)), (0, LAYERS), LAYERS * 4),
-    # runs of 10 + 4 blocks average 7 < 8 -> packed; 14 x 512 B per layer: 1 layer per message
-    ("mixed-small", [*range(10), 20, 21, 22, 23], [*range(6, 16), 0, 1, 2, 3], (1, 4), 3),
-    # runs of 12 + 6 blocks average 9 -> zero-copy, 2 messages per (layer, k/v, head)
-    ("mixed-large", [*range(12), *range(16, 22)], [*range(8, 20), *range(6)], (1, 3), 2 * 4 * 2),
-    # scattered ids -> packed whatever the size; 9 blocks: 1 layer per message
-    ("scattered", [23, 1, 17, 4, 9, 12, 0, 20, 6], [3, 19, 0, 11, 7, 15, 5, 9, 13], (0, LAYERS),
-     LAYERS),
-])
+@pytest.mark.parametrize(
+    "case, src, dst, layers, messages",
+    [
+        # 4 blocks: regions under the floor -> packed; 2048 B per layer, 2 layers per message
+        ("small-consecutive", list(range(4)), list(range(6, 10)), (0, LAYERS), 2),
+        # 12 blocks, one run -> zero-copy, one message per (layer, k/v, head)
+        ("large-consecutive", list(range(2, 14)), list(range(5, 17)), (0, LAYERS), LAYERS * 4),
+        # runs of 10 + 4 blocks average 7 < 8 -> packed; 14 x 512 B per layer: 1 layer per message
+        ("mixed-small", [*range(10), 20, 21, 22, 23], [*range(6, 16), 0, 1, 2, 3], (1, 4), 3),
+        # runs of 12 + 6 blocks average 9 -> zero-copy, 2 messages per (layer, k/v, head)
+        (
+            "mixed-large",
+            [*range(12), *range(16, 22)],
+            [*range(8, 20), *range(6)],
+            (1, 3),
+            2 * 4 * 2,
+        ),
+        # scattered ids -> packed whatever the size; 9 blocks: 1 layer per message
+        (
+            "scattered",
+            [23, 1, 17, 4, 9, 12, 0, 20, 6],
+            [3, 19, 0, 11, 7, 15, 5, 9, 13],
+            (0, LAYERS),
+            LAYERS,
+        ),
+    ],
+)
 def test_mode_by_region_size_lands_exactly(floor_pair, case, src, dst, layers, messages):
     sender, receiver = floor_pair
     kv = make_cache(RECEIVER_BLOCKS, seed=40, head_major=True)

@@ -10,14 +10,15 @@ import torch
 from kvtransfer import GroupRegistry, KVTransfer
 from tests.kvtransfer.peer import (
     LAYERS,
+    MESSAGE_BYTES,
+    RECEIVER_BLOCKS,
+    SENDER_BLOCKS,
     SenderProcess,
+    assert_exact,
     joined_receiver,
     make_cache,
     make_descriptor,
 )
-
-SENDER_BLOCKS, RECEIVER_BLOCKS = 24, 20
-MESSAGE_BYTES = 4096  # small on purpose: 4 blocks x 2 layers fill one message
 
 
 @pytest.fixture(scope="module")
@@ -42,19 +43,6 @@ def transfer(sender, receiver, desc, kv):
     return got, stats, info[0]
 
 
-def assert_exact(kv, before, expected, desc):
-    """dst blocks of the layer range equal the sender's src blocks; everything else unchanged."""
-    start, end = desc.layers
-    moved = dict(zip(desc.dst_block_ids, desc.src_block_ids, strict=True))
-    for layer in range(LAYERS):
-        for block in range(kv[layer].shape[1]):
-            if start <= layer < end and block in moved:
-                want = expected[layer][:, moved[block]]
-            else:
-                want = before[layer][:, block]
-            assert torch.equal(kv[layer][:, block], want), (layer, block)
-
-
 def test_noncontiguous_blocks_for_a_layer_range(sender, receiver):
     kv = make_cache(RECEIVER_BLOCKS, seed=99)
     before = [t.clone() for t in kv]
@@ -76,8 +64,9 @@ def test_delta_only_the_missing_blocks_move(sender, receiver):
     # A 6-block prompt (23 tokens); the receiver already caches blocks 0-2 (its ids 0, 1, 2).
     kv = make_cache(RECEIVER_BLOCKS, seed=5)
     before = [t.clone() for t in kv]
-    desc = make_descriptor("req-delta", src=[9, 4, 17], dst=[12, 13, 6], missing=[3, 4, 5],
-                           num_prompt_tokens=23)
+    desc = make_descriptor(
+        "req-delta", src=[9, 4, 17], dst=[12, 13, 6], missing=[3, 4, 5], num_prompt_tokens=23
+    )
     assert len(desc.block_hashes) == 5  # full blocks only; block 5 is partial
     got, stats, sent = transfer(sender, receiver, desc, kv)
 
@@ -118,14 +107,16 @@ def test_many_transfers_reuse_one_group(sender, receiver):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_nccl_between_two_gpus():
     # Same code path as above; only the backend (auto -> nccl) and the devices differ.
-    proc = SenderProcess(seed=12, num_blocks=SENDER_BLOCKS, message_bytes=MESSAGE_BYTES,
-                         device="cuda:0")
+    proc = SenderProcess(
+        seed=12, num_blocks=SENDER_BLOCKS, message_bytes=MESSAGE_BYTES, device="cuda:0"
+    )
     registry = GroupRegistry("cuda:1", timeout=30.0)
     try:
         assert registry.backend == "nccl"
         registry.join("prefill-0", proc.host("decode-0"))
-        desc = make_descriptor("req-gpu", src=[21, 3, 14, 8, 0], dst=[19, 2, 11, 5, 7],
-                               layers=(1, 4), dtype="bfloat16")
+        desc = make_descriptor(
+            "req-gpu", src=[21, 3, 14, 8, 0], dst=[19, 2, 11, 5, 7], layers=(1, 4), dtype="bfloat16"
+        )
         kv = make_cache(RECEIVER_BLOCKS, seed=99, dtype="bfloat16", device="cuda:1")
         before = [t.cpu() for t in kv]
         got, stats, sent = transfer(proc, (registry, KVTransfer(registry)), desc, kv)

@@ -82,7 +82,7 @@ def test_index_follows_a_real_block_pool():
     table = pool.allocate(4)
     for i, (block, h) in enumerate(zip(table, hashes, strict=True)):
         parent = hashes[i - 1] if i else 0
-        pool.cache_block(block, h, (parent, tuple(tokens[i * BS:(i + 1) * BS]), ()))
+        pool.cache_block(block, h, (parent, tuple(tokens[i * BS : (i + 1) * BS]), ()))
     pool.free(list(reversed(table)))  # tail first: blocks 3 and 2 are evicted first
     index = index_with(d0=[])
     index.apply("d0", pool.take_events())
@@ -122,12 +122,15 @@ def test_dict_form_events_as_they_arrive_over_rpc():
     assert index.num_blocks("p0") == 6
 
 
-@pytest.mark.parametrize("bad", [
-    {"kind": "evicted", "block_hashes": [1]},
-    {"block_hashes": [1]},
-    {"kind": "stored"},
-    ("stored", [1]),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"kind": "evicted", "block_hashes": [1]},
+        {"block_hashes": [1]},
+        {"kind": "stored"},
+        ("stored", [1]),
+    ],
+)
 def test_a_bad_event_rejects_the_whole_batch(bad):
     index = index_with(p0=[])
     with pytest.raises(ValueError):
@@ -146,15 +149,20 @@ def test_best_orders_workers_by_hits_then_id():
 POOL = A + B[3:]  # 13 distinct hashes; A and B share their first 3
 WORKERS = ["w0", "w1", "w2"]
 op = st.one_of(
-    st.tuples(st.sampled_from(["stored", "removed"]), st.sampled_from(WORKERS),
-              st.lists(st.sampled_from(POOL), max_size=5)),
+    st.tuples(
+        st.sampled_from(["stored", "removed"]),
+        st.sampled_from(WORKERS),
+        st.lists(st.sampled_from(POOL), max_size=5),
+    ),
     st.tuples(st.sampled_from(["add", "drop"]), st.sampled_from(WORKERS), st.just([])),
 )
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=st.lists(op, max_size=40), queries=st.lists(st.lists(st.sampled_from(POOL),
-                                                                max_size=8), max_size=4))
+@given(
+    ops=st.lists(op, max_size=40),
+    queries=st.lists(st.lists(st.sampled_from(POOL), max_size=8), max_size=4),
+)
 def test_index_equals_brute_force_replay(ops, queries):
     index, model = KVIndex(), {}
     for kind, worker, hashes in ops:

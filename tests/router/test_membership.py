@@ -54,8 +54,17 @@ class FakeDecode:
     def poll(self, request_id, wait) -> list[dict]:
         if not self.release[request_id].wait(wait):
             return []
-        return [{"request_id": request_id, "token_ids": [7], "text": "", "finished": True,
-                 "finish_reason": "length", "num_cached_tokens": 0, "stop_reason": None}]
+        return [
+            {
+                "request_id": request_id,
+                "token_ids": [7],
+                "text": "",
+                "finished": True,
+                "finish_reason": "length",
+                "num_cached_tokens": 0,
+                "stop_reason": None,
+            }
+        ]
 
     def abort(self, request_id, propagate=True) -> None:
         pass
@@ -118,8 +127,7 @@ def test_request_waits_for_a_worker_while_a_pool_is_empty():
 
 
 def test_no_worker_fails_once_the_wait_is_over():
-    router = Router({}, {"d0": FakeDecode()}, block_size=4, hash_seed="t",
-                    wait_for_workers_s=0.2)
+    router = Router({}, {"d0": FakeDecode()}, block_size=4, hash_seed="t", wait_for_workers_s=0.2)
     start = time.monotonic()
     with pytest.raises(NoWorkerAvailable, match="no healthy prefill worker"):
         list(router.generate("r1", [1, 2, 3], PARAMS))
@@ -141,8 +149,7 @@ def test_duplicate_running_request_id_is_refused():
 
 def test_a_worker_failing_to_report_events_does_not_fail_requests():
     d = FakeDecode()
-    router = Router({"p0": FakePrefill(events_fail=True)}, {"d0": d}, block_size=4,
-                    hash_seed="t")
+    router = Router({"p0": FakePrefill(events_fail=True)}, {"d0": d}, block_size=4, hash_seed="t")
     out: dict = {}
     t = run(router, "r1", out)
     wait_until(lambda: "r1" in d.release)
@@ -153,8 +160,7 @@ def test_a_worker_failing_to_report_events_does_not_fail_requests():
 
 def test_new_block_size_drops_the_index_entries_hashed_the_old_way():
     router = Router({"p0": FakePrefill()}, {"d0": FakeDecode()}, block_size=4, hash_seed="t")
-    router.index.apply("p0", [{"kind": "stored", "block_hashes": [11, 12],
-                               "parent_hash": None}])
+    router.index.apply("p0", [{"kind": "stored", "block_hashes": [11, 12], "parent_hash": None}])
     router.set_workers(dict(router.prefill), dict(router.decode), block_size=4, hash_seed="t")
     assert router.index.num_blocks("p0") == 2  # same hashing: kept
     router.set_workers(dict(router.prefill), dict(router.decode), block_size=8, hash_seed="t")
@@ -184,8 +190,9 @@ class FullDecode(FakeDecode):
 
 def test_request_waits_for_free_decode_blocks_instead_of_failing():
     d = FullDecode()
-    router = Router({"p0": FakePrefill()}, {"d0": d}, block_size=4, hash_seed="t",
-                    wait_for_workers_s=30.0)
+    router = Router(
+        {"p0": FakePrefill()}, {"d0": d}, block_size=4, hash_seed="t", wait_for_workers_s=30.0
+    )
     out: dict = {}
     waiting = run(router, "r1", out)
     time.sleep(0.5)
@@ -202,8 +209,9 @@ def test_a_reservation_refused_for_now_is_retried():
     d.room.set()
     d.release["r1"] = threading.Event()
     d.release["r1"].set()
-    router = Router({"p0": FakePrefill()}, {"d0": d}, block_size=4, hash_seed="t",
-                    wait_for_workers_s=30.0)
+    router = Router(
+        {"p0": FakePrefill()}, {"d0": d}, block_size=4, hash_seed="t", wait_for_workers_s=30.0
+    )
     out = list(router.generate("r1", [1, 2, 3, 4, 5], PARAMS))
     assert d.refused == 2 and out[-1]["finish_reason"] == "length"
     assert router.active_counts() == {}
@@ -214,8 +222,9 @@ def test_no_room_fails_at_once_without_a_wait_or_when_the_prompt_never_fits():
     with pytest.raises(NoFreeBlocksError):
         list(router.generate("r1", [1, 2, 3, 4, 5], PARAMS))
     tiny = FullDecode(num_blocks=1)  # 5 tokens need 2 blocks of 4: never
-    router = Router({"p0": FakePrefill()}, {"d0": tiny}, block_size=4, hash_seed="t",
-                    wait_for_workers_s=30.0)
+    router = Router(
+        {"p0": FakePrefill()}, {"d0": tiny}, block_size=4, hash_seed="t", wait_for_workers_s=30.0
+    )
     start = time.monotonic()
     with pytest.raises(NoFreeBlocksError):
         list(router.generate("r1", [1, 2, 3, 4, 5], PARAMS))

@@ -96,15 +96,20 @@ def test_hot_prompt_moves_off_the_cache_holder_when_its_queue_exceeds_the_saving
     hashes, n = request(0, 1)
     index = index_with(a=SYS0, b=[])
     saved = SYSTEM_TOKENS  # the 64 system blocks cached on a
-    assert choose_prefill("cache_aware", hashes, BS, loads(a=0, b=queued_b), index,
-                          num_prompt_tokens=n) == ("a", saved)
+    assert choose_prefill(
+        "cache_aware", hashes, BS, loads(a=0, b=queued_b), index, num_prompt_tokens=n
+    ) == ("a", saved)
     # score(a) = n - saved + qa, score(b) = n + qb: a wins while qa < saved + qb, and the
     # tie at equality goes to the shorter queue (b).
-    switch = next(q for q in range(0, 4 * SYSTEM_TOKENS)
-                  if pick("cache_aware", hashes, n, loads(a=q, b=queued_b), index) == "b")
+    switch = next(
+        q
+        for q in range(0, 4 * SYSTEM_TOKENS)
+        if pick("cache_aware", hashes, n, loads(a=q, b=queued_b), index) == "b"
+    )
     assert switch == saved + queued_b
-    assert choose_prefill("cache_aware", hashes, BS, loads(a=switch, b=queued_b), index,
-                          num_prompt_tokens=n) == ("b", 0)
+    assert choose_prefill(
+        "cache_aware", hashes, BS, loads(a=switch, b=queued_b), index, num_prompt_tokens=n
+    ) == ("b", 0)
 
 
 def test_partial_prefix_and_ties():
@@ -121,14 +126,15 @@ def test_partial_prefix_and_ties():
 def test_the_last_token_of_a_prompt_is_never_counted_as_cached():
     hashes = SYS0  # exactly 64 full blocks, all cached on a
     index = index_with(a=SYS0, b=[])
-    assert choose_prefill("cache_aware", hashes, BS, loads(a=0, b=0), index,
-                          num_prompt_tokens=SYSTEM_TOKENS) == ("a", SYSTEM_TOKENS - BS)
+    assert choose_prefill(
+        "cache_aware", hashes, BS, loads(a=0, b=0), index, num_prompt_tokens=SYSTEM_TOKENS
+    ) == ("a", SYSTEM_TOKENS - BS)
     # Without the length the prompt is taken to end in a partial block.
-    assert choose_prefill("cache_aware", hashes, BS, loads(a=0, b=0), index) == ("a",
-                                                                                SYSTEM_TOKENS)
+    assert choose_prefill("cache_aware", hashes, BS, loads(a=0, b=0), index) == ("a", SYSTEM_TOKENS)
     with pytest.raises(ValueError, match="65 block hashes"):
-        choose_prefill("cache_aware", hashes + [1], BS, loads(a=0), index,
-                       num_prompt_tokens=SYSTEM_TOKENS)
+        choose_prefill(
+            "cache_aware", hashes + [1], BS, loads(a=0), index, num_prompt_tokens=SYSTEM_TOKENS
+        )
 
 
 # ---- the other policies ------------------------------------------------------------------
@@ -141,8 +147,12 @@ def test_round_robin_cycles_exactly_in_id_order():
     workers[0] = WorkerLoad("c", healthy=False)
     assert [pick(rr, hashes, n, workers, index) for _ in range(4)] == list("baba")
     # A worker joining mid-cycle takes its place in id order.
-    assert [pick(rr, hashes, n, workers + loads(bb=0), index) for _ in range(4)] == \
-        ["b", "bb", "a", "b"]
+    assert [pick(rr, hashes, n, workers + loads(bb=0), index) for _ in range(4)] == [
+        "b",
+        "bb",
+        "a",
+        "b",
+    ]
     with pytest.raises(ValueError, match="make_policy"):
         pick("round_robin", hashes, n, workers, index)
 
@@ -153,12 +163,16 @@ def test_least_loaded_picks_min_queued_tokens():
     assert pick("least_loaded", hashes, n, loads(a=10, b=3, c=7), index) == "b"
     busy = [WorkerLoad("a", 10, running_requests=0), WorkerLoad("b", 3, running_requests=5)]
     assert pick("least_loaded", hashes, n, busy, index) == "b"  # tokens before requests
-    tied = [WorkerLoad("a", 3, running_requests=2), WorkerLoad("b", 3, running_requests=1),
-            WorkerLoad("c", 3, running_requests=1)]
+    tied = [
+        WorkerLoad("a", 3, running_requests=2),
+        WorkerLoad("b", 3, running_requests=1),
+        WorkerLoad("c", 3, running_requests=1),
+    ]
     assert pick("least_loaded", hashes, n, tied, index) == "b"
     # The returned cached tokens are still the chosen worker's real prefix hits.
-    assert choose_prefill("least_loaded", hashes, BS, loads(a=0, b=1), index,
-                          num_prompt_tokens=n) == ("a", SYSTEM_TOKENS)
+    assert choose_prefill(
+        "least_loaded", hashes, BS, loads(a=0, b=1), index, num_prompt_tokens=n
+    ) == ("a", SYSTEM_TOKENS)
 
 
 def test_random_with_a_seed_is_reproducible():
@@ -214,8 +228,9 @@ def test_decode_choice_order():
         return choose_decode(hashes, n, BS, list(ws), index)
 
     # Room first: d2 holds the most but has too few free blocks.
-    assert choose(DecodeLoad("d0", 500), DecodeLoad("d1", 67, running_requests=9),
-                  DecodeLoad("d2", 66)) == ("d1", 10, True, True)
+    assert choose(
+        DecodeLoad("d0", 500), DecodeLoad("d1", 67, running_requests=9), DecodeLoad("d2", 66)
+    ) == ("d1", 10, True, True)
     # Then own prefix hits, then fewer running requests, then id.
     assert choose(DecodeLoad("d0", 500), DecodeLoad("d2", 67, 30)) == ("d2", 64, True, True)
     assert choose(DecodeLoad("d1", 500, 4), DecodeLoad("d3", 500, 3)) == ("d3", 10, True, True)
@@ -223,13 +238,19 @@ def test_decode_choice_order():
     # None fits: the best of the rest, flagged.
     assert choose(DecodeLoad("d0", 5), DecodeLoad("d2", 5, 8)) == ("d2", 64, False, True)
     # A worker whose whole cache is big enough can take it later; none: it never fits.
-    assert choose(DecodeLoad("d0", 5, total_blocks=67), DecodeLoad("d2", 5, 8, total_blocks=66)
-                  ) == ("d2", 64, False, True)
-    assert choose(DecodeLoad("d0", 5, total_blocks=66), DecodeLoad("d2", 5, 8, total_blocks=66)
-                  ) == ("d2", 64, False, False)
+    assert choose(
+        DecodeLoad("d0", 5, total_blocks=67), DecodeLoad("d2", 5, 8, total_blocks=66)
+    ) == ("d2", 64, False, True)
+    assert choose(
+        DecodeLoad("d0", 5, total_blocks=66), DecodeLoad("d2", 5, 8, total_blocks=66)
+    ) == ("d2", 64, False, False)
     # Unhealthy skipped; none healthy raises.
     assert choose(DecodeLoad("d2", 500, healthy=False), DecodeLoad("d0", 500)) == (
-        "d0", 0, True, True)
+        "d0",
+        0,
+        True,
+        True,
+    )
     with pytest.raises(NoWorkerAvailable, match="no healthy decode worker"):
         choose(DecodeLoad("d2", 500, healthy=False))
 
