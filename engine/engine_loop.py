@@ -132,6 +132,7 @@ class EngineLoop:
                     continue
                 self._dispatch(result)
             else:
+                self.engine.record_state()  # gauges follow changes made between steps
                 self._dispatch(StepResult())
                 self._wait_for_work()
         self._fail_all("engine loop stopped")

@@ -15,6 +15,7 @@ from engine.errors import (
     PromptTooLongError,
 )
 from engine.kv_cache_manager import KVCacheManager
+from engine.metrics import EngineMetrics
 from engine.model_runner import BatchRow, ModelRunner
 from engine.outputs import RequestOutput, StepResult
 from engine.request import FINISH_REASONS, Request, RequestStatus
@@ -69,6 +70,7 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: dict[str, RequestOutput] = {}  # outputs produced outside step()
         self._held: dict[str, float] = {}  # prefilled request id -> hold time (prefill role)
+        self.metrics = EngineMetrics()  # this engine's own registry (engine/metrics.py)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -153,6 +155,11 @@ class LLMEngine:
         self.kv.free_table(request_id)
         return True
 
+    def held_since(self, request_id: str) -> float | None:
+        """Monotonic time a prefilled request's blocks were put on hold (its prefill ended),
+        or None if it holds none."""
+        return self._held.get(request_id)
+
     def held_requests(self) -> dict[str, float]:
         """Prefilled request id -> monotonic time its blocks were put on hold."""
         return dict(self._held)
@@ -186,6 +193,7 @@ class LLMEngine:
             )
         req.num_cached_tokens = req.num_computed_tokens
         self.scheduler.add_remote(req)
+        self.metrics.prefix_cache(req.num_prompt_tokens, req.num_cached_tokens)
         return self.kv.block_ids(request_id), len(hits)
 
     def complete_remote(self, request_id: str, first_token: int) -> None:
@@ -194,9 +202,9 @@ class LLMEngine:
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_blocks(req, req.num_computed_tokens)
         self.scheduler.activate_remote(req)
-        self._pending[request_id] = self._append_token(
-            req, int(first_token), None, time.monotonic()
-        )
+        now = time.monotonic()
+        req.scheduled_time = now  # joins the batch now; its queue and prefill were elsewhere
+        self._pending[request_id] = self._append_token(req, int(first_token), None, now)
 
     def fail_remote(self, request_id: str, error: str) -> None:
         """The KV never arrived: free the reservation and report the error."""
@@ -277,17 +285,31 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         result.scheduled = dict(batch.num_tokens)
         result.preempted = list(batch.preempted)
+        now = time.monotonic()
+        for req in batch.requests:
+            if req.scheduled_time is None:
+                req.scheduled_time = now
+                self.metrics.scheduled(req, now)
         if not batch.is_empty():
             rows = [self._row(req, batch.num_tokens[req.request_id]) for req in batch.requests]
             tokens, logprobs = self.runner.execute(rows)
             sampled = self.scheduler.update_after_step(batch)
             now = time.monotonic()
             for req, token, lp in zip(sampled, tokens, logprobs, strict=True):
+                self.metrics.sampled(req, req.first_token_time is None, now)
                 out = self._append_token(req, token, lp, now)
                 earlier = result.outputs.get(req.request_id)
                 result.outputs[req.request_id] = earlier.merged(out) if earlier else out
         result.kv_events = self.pool.take_events()
+        self.record_state(len(batch.preempted))
         return result
+
+    def record_state(self, preempted: int = 0) -> None:
+        """Set the running/waiting/KV-usage gauges from the scheduler's state now (after each
+        step, and on the loop's idle ticks) and count `preempted` preemptions."""
+        running = len(self.scheduler.running)
+        waiting = len(self.scheduler.requests) - running  # queued, preempted, remote KV
+        self.metrics.state(running, waiting, self.pool.usage(), preempted)
 
     def _row(self, req: Request, n: int) -> BatchRow:
         samples = req.num_computed_tokens + n == req.num_tokens
@@ -320,6 +342,7 @@ class LLMEngine:
         if status == RequestStatus.FINISHED_STOPPED:
             req.stop_reason = stop_str if stop_str is not None else token
         self.scheduler.finish(req, status, free_blocks=not req.prefill_only)
+        self.metrics.finished(req, now)
         out = self._final_output(req, [token], text)
         out.logprobs = [logprob] if logprob else None
         return out

@@ -59,6 +59,7 @@ class Request:
         self.cache_salt = cache_salt
         self.prefill_only = prefill_only  # finish after the first token, keeping the blocks
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.scheduled_time: float | None = None  # first scheduled (monotonic)
         self.first_token_time: float | None = None
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

@@ -1,0 +1,140 @@
+"""RouterMetrics: what the router records, as its clients see it (names as vLLM's).
+
+  time_to_first_token_seconds   Router.generate called -> first output carrying tokens
+  inter_token_latency_seconds   between consecutive outputs carrying tokens (one observation
+                                per output after the first, as vLLM's per engine output)
+  e2e_request_latency_seconds   Router.generate called -> finished output
+  request_success_total         finished requests by finished_reason (stop, length, abort,
+                                error: the reason the client sees)
+  router_decisions_total        worker choices by policy and prefill="local" | "remote"
+  prefix_cache_*_total          prompt tokens routed / tokens the chosen worker's cache served
+                                (the cached_tokens clients are told), once per request
+Counters kept by other router modules (auth failures, refused admissions) are read at scrape
+time through read_counter(). The registry is this object's own, never the global one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Iterable
+from typing import TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+
+from engine.metrics import ITL_BUCKETS, PREFIX, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
+
+T = TypeVar("T")
+
+
+class RouterMetrics:
+    """The router's own series; thread-safe (requests stream on many threads)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            f"{PREFIX}time_to_first_token_seconds",
+            "Histogram of time to first token in seconds (as the router's clients see it).",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            f"{PREFIX}inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds (between streamed outputs).",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.success = Counter(
+            f"{PREFIX}request_success",
+            "Finished requests, by the finish reason the client sees.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            f"{PREFIX}router_decisions",
+            "Routing decisions, by prefill policy and prefill placement (local or remote).",
+            ["policy", "prefill"],
+            registry=r,
+        )
+        self.cache_queries = Counter(
+            f"{PREFIX}prefix_cache_queries",
+            "Prefix cache queries, in prompt tokens looked up.",
+            registry=r,
+        )
+        self.cache_hits = Counter(
+            f"{PREFIX}prefix_cache_hits", "Prefix cache hits, in tokens served.", registry=r
+        )
+
+    def start(self) -> RequestTimer:
+        """A timer for one request, started now (call when the request reaches the router)."""
+        return RequestTimer(self)
+
+    def decided(self, policy: str, local: bool) -> None:
+        """One routing decision: prefill on the decode worker (local) or a prefill worker."""
+        self.decisions.labels(policy=policy, prefill="local" if local else "remote").inc()
+
+    def prefix_cache(self, queries: int, hits: int) -> None:
+        """A request's prompt tokens and the cached tokens its prefill was served."""
+        self.cache_queries.inc(queries)
+        self.cache_hits.inc(hits)
+
+    def read_counter(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        """Expose a counter another module keeps (e.g. auth failures) as baton:<name>_total,
+        read at scrape time."""
+        self.registry.register(_ReadCounter(f"{PREFIX}{name}", documentation, read))
+
+
+class RequestTimer:
+    """Observes one request's output dicts (tokens, finished, finish_reason) as they pass."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.last: float | None = None  # when the last output carrying tokens passed
+
+    def track(self, outputs: Generator[dict, None, T]) -> Generator[dict, None, T]:
+        """Yield `outputs`' items, observing each; returns its return value. Closing this
+        generator closes `outputs`."""
+        try:
+            while True:
+                try:
+                    out = next(outputs)
+                except StopIteration as stop:
+                    return stop.value
+                self.observe(out)
+                yield out
+        finally:
+            outputs.close()
+
+    def observe(self, out: dict) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        if out.get("token_ids"):
+            if self.last is None:
+                m.ttft.observe(now - self.start)
+            else:
+                m.itl.observe(now - self.last)
+            self.last = now
+        if out.get("finished"):
+            m.e2e.observe(now - self.start)
+            m.success.labels(finished_reason=out.get("finish_reason") or "unknown").inc()
+
+
+class _ReadCounter:
+    """A collector of one counter whose value another object keeps."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        self.name, self.documentation, self.read = name, documentation, read
+
+    def describe(self) -> Iterable[Metric]:
+        return [CounterMetricFamily(self.name, self.documentation)]
+
+    def collect(self) -> Iterable[Metric]:
+        return [CounterMetricFamily(self.name, self.documentation, value=float(self.read()))]
