@@ -23,21 +23,7 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     try:  # a bad manifest, bad flags or resources Ray cannot give: exit 2
         manifest = (
-            load_manifest(args.file)
-            if args.file
-            else LocalOptions(
-                model=args.model,
-                prefill=args.prefill,
-                decode=args.decode,
-                host=args.host,
-                port=args.port,
-                policy=args.policy,
-                block_size=args.block_size,
-                chunk_size=args.chunk_size,
-                kv_cache_memory_gb=args.kv_cache_memory_gb,
-                threads=args.threads,
-                local_prefill_tokens=args.local_prefill_tokens,
-            ).manifest()
+            load_manifest(args.file) if args.file else LocalOptions.from_args(args).manifest()
         )
         cluster = LocalCluster(manifest)
         try:
@@ -151,31 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         help="a Baton manifest; without it, "
         "deploy/examples/local.yaml with the flags below applied",
     )
-    serve.add_argument(
-        "--model", help="model alias, HF directory or .gguf (default smollm2-135m-instruct)"
-    )
-    serve.add_argument("--prefill", type=int, help="prefill workers (default 1)")
-    serve.add_argument("--decode", type=int, help="decode workers (default 1)")
-    serve.add_argument("--host", help="gRPC listen address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="gRPC port (default 50051; 0: any free)")
-    serve.add_argument(
-        "--policy",
-        choices=["cache_aware", "round_robin", "least_loaded", "random"],
-        help="prefill choice (cache_aware)",
-    )
-    serve.add_argument("--block-size", type=int, help="tokens per KV block (16)")
-    serve.add_argument("--chunk-size", type=int, help="prefill chunk in tokens (512)")
-    serve.add_argument(
-        "--kv-cache-memory-gb", type=float, help="KV budget per worker (default: 2048 blocks)"
-    )
-    serve.add_argument("--threads", type=int, help="torch threads per worker (1)")
-    serve.add_argument(
-        "--local-prefill-tokens",
-        type=int,
-        help="prefill on the decode worker (no KV transfer) when its uncached "
-        "tail is at most this many tokens; 0 (default) always "
-        "disaggregates",
-    )
+    from cluster.local import add_serve_flags
+
+    add_serve_flags(serve)  # types, choices and help: the manifest fields they set
     serve.set_defaults(run=_serve)
     for name, fn, text in (
         ("generate", _generate, "stream one completion"),

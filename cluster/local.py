@@ -4,18 +4,36 @@ serve` and the demo run. `baton deploy` does the same on a Ray cluster that alre
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args, get_origin
 
 from deploy.manifest import Manifest, load_manifest, parse_manifest
 
 LOCAL_MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "examples" / "local.yaml"
+POOLS = ("prefill", "decode")
+# `baton serve` flag (a LocalOptions field) -> the manifest field it sets, spec.<section>.<key>;
+# section "pools" sets the key of both pools. Type, description and choices are that field's.
+SERVE_FLAGS = {
+    "model": ("model", "path"),
+    "prefill": ("prefill", "replicas"),
+    "decode": ("decode", "replicas"),
+    "host": ("router", "host"),
+    "port": ("router", "port"),
+    "policy": ("router", "policy"),
+    "block_size": ("engine", "block_size"),
+    "chunk_size": ("engine", "chunk_size"),
+    "kv_cache_memory_gb": ("engine", "kv_cache_memory_gb"),
+    "threads": ("pools", "threads"),
+    "local_prefill_tokens": ("router", "local_prefill_tokens"),
+}
 
 
 @dataclass
 class LocalOptions:
-    """`baton serve` flags; None keeps the value of deploy/examples/local.yaml."""
+    """`baton serve` flags (SERVE_FLAGS); None keeps the value of deploy/examples/local.yaml."""
 
     model: str | None = None
     prefill: int | None = None
@@ -26,7 +44,7 @@ class LocalOptions:
     block_size: int | None = None
     chunk_size: int | None = None
     kv_cache_memory_gb: float | None = None  # replaces the example's num_kv_blocks
-    threads: int | None = None  # torch threads per worker
+    threads: int | None = None  # torch threads per worker, both pools
     local_prefill_tokens: int | None = None  # conditional disaggregation threshold
     resources: dict | None = None  # per worker; None: {"GPU": 1} if CUDA is visible
     transfer: dict = field(default_factory=dict)  # TransferSpec fields
@@ -40,34 +58,55 @@ class LocalOptions:
         for key in ("skip_tokenizer_init", "dtype"):
             if key in extra:
                 spec["model"][key] = extra.pop(key)
-        if self.kv_cache_memory_gb is not None:
-            engine["kv_cache_memory_gb"] = self.kv_cache_memory_gb
+        if self.kv_cache_memory_gb is not None:  # replaces the example's num_kv_blocks
             engine["num_kv_blocks"] = None
-        values = {
-            ("model", "path"): self.model,
-            ("prefill", "replicas"): self.prefill,
-            ("decode", "replicas"): self.decode,
-            ("router", "host"): self.host,
-            ("router", "port"): self.port,
-            ("router", "policy"): self.policy,
-            ("router", "local_prefill_tokens"): self.local_prefill_tokens,
-            ("engine", "block_size"): self.block_size,
-            ("engine", "chunk_size"): self.chunk_size,
-        }
-        for (section, key), value in values.items():
+        for name, (section, key) in SERVE_FLAGS.items():
+            value = getattr(self, name)
             if value is not None:
-                spec[section][key] = value
+                for part in POOLS if section == "pools" else (section,):
+                    spec[part][key] = value
         engine.update(extra)
         engine["max_num_batched_tokens"] = max(
             engine["max_num_batched_tokens"], engine["chunk_size"]
         )
         spec["transfer"].update(self.transfer)
         resources = self.resources or default_resources()
-        for role in ("prefill", "decode"):
+        for role in POOLS:
             spec[role]["resources"] = dict(resources)
-            if self.threads is not None:
-                spec[role]["threads"] = self.threads
         return parse_manifest(data)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LocalOptions:
+        """The options of parsed `baton serve` flags (add_serve_flags)."""
+        return cls(**{name: getattr(args, name) for name in SERVE_FLAGS})
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """Add a --flag per SERVE_FLAGS entry: type, choices and help from the manifest field it
+    sets (so from the option's one definition), its default shown as local.yaml's value."""
+    local = load_manifest(LOCAL_MANIFEST).spec
+    for name, (section, key) in SERVE_FLAGS.items():
+        part = POOLS[0] if section == "pools" else section
+        spec_field = type(getattr(local, part)).model_fields[key]
+        where = "spec.<pool>" if section == "pools" else f"spec.{section}"
+        value = getattr(getattr(local, part), key)
+        shown = f"local.yaml: {value}"
+        if name == "kv_cache_memory_gb":  # local.yaml sizes the KV cache in blocks instead
+            shown = f"replaces local.yaml's num_kv_blocks: {local.engine.num_kv_blocks}"
+        kind, choices = _flag_type(spec_field.annotation)
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            choices=choices,
+            help=f"{where}.{key}: {spec_field.description} ({shown})",
+        )
+
+
+def _flag_type(annotation) -> tuple[type, tuple | None]:
+    """The argparse type and choices of a manifest field's annotation."""
+    if get_origin(annotation) is Literal:
+        return str, get_args(annotation)
+    return annotation, None
 
 
 def default_resources() -> dict:

@@ -1,18 +1,28 @@
 """The Baton cluster manifest (YAML), validated by pydantic models.
 
 Unknown fields are errors; every error names the field path, the bad value and what is
-allowed (ManifestError). Cross-field checks: prefill and decode use the same block size and
-hash seed (the router hashes prompts with them); resources must be placeable on the Ray
-cluster (check_resources, given what the cluster has).
+allowed (ManifestError). spec.model, spec.engine and spec.transfer are derived from the one
+definition of each option (engine/options.py, kvtransfer/options.py: type, default,
+description, bounds), spec.router.policy's names from router/policy_names.py. Cross-field
+checks: the engine's own (chunk size within the step budget); prefill and decode use the same
+block size and hash seed (the router hashes prompts with them); resources must be placeable on
+the Ray cluster (check_resources, given what the cluster has).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from engine.errors import InvalidRequestError
+from engine.options import EngineOptions
+from kvtransfer.options import TransferOptions
+from router.policy_names import DEFAULT_POLICY, POLICY_DESCRIPTION, POLICY_NAMES
 
 
 class ManifestError(ValueError):
@@ -24,46 +34,70 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class ModelSpec(_Strict):
-    path: str = Field(
-        "smollm2-135m-instruct", description="model alias, Hugging Face directory or .gguf file"
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)"
-    )
-    skip_tokenizer_init: bool = Field(
-        False, description="load no tokenizer: clients send prompt_token_ids and get token ids back"
-    )
+# engine options that are not fields of spec.engine, and where each one is set instead
+ENGINE_OPTIONS_ELSEWHERE = {
+    "model": "spec.model.path",
+    "dtype": "spec.model.dtype",
+    "skip_tokenizer_init": "spec.model.skip_tokenizer_init",
+    "num_threads": "spec.<pool>.threads (default 1 per worker)",
+    "device": "not in the manifest: auto, the device of the worker's bundle",
+    "seed": "not in the manifest: the engine's default",
+    "attention_backend": "not in the manifest: auto for the worker's device",
+}
+MODEL_FIELDS = {"path": "model", "dtype": "dtype", "skip_tokenizer_init": "skip_tokenizer_init"}
+ENGINE_FIELDS = {
+    f.name: f.name
+    for f in dataclasses.fields(EngineOptions)
+    if f.name not in ENGINE_OPTIONS_ELSEWHERE
+}
 
 
-class EngineSpec(_Strict):
-    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
-    chunk_size: int = Field(1024, ge=1, description="most prefill tokens per request per step")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="all tokens in one step")
-    max_num_seqs: int = Field(128, ge=1, description="most running requests per worker")
-    num_kv_blocks: int | None = Field(
-        None, ge=1, description="KV capacity in blocks (default: from kv_cache_memory_gb)"
-    )
-    kv_cache_memory_gb: float = Field(
-        1.0, gt=0, description="KV budget when num_kv_blocks is not set"
-    )
-    max_model_len: int | None = Field(None, ge=2, description="longest prompt + output")
-    enable_prefix_caching: bool = Field(True, description="reuse cached full blocks")
-    hash_seed: str = Field("baton", min_length=1, description="seed of the block hash chain")
-    use_gguf_blocks: bool = Field(
-        True,
-        description="CPU float32 with a GGUF model: batches of "
-        "up to 8 rows multiply from its Q4_1 / Q8_0 blocks",
-    )
+def option_fields(options: type, names: Mapping[str, str]) -> dict[str, Any]:
+    """Pydantic field definitions (manifest name -> (type, Field)) of the named options of an
+    options dataclass: its type (choices become a Literal), default, description and bounds."""
+    by_name = {f.name: f for f in dataclasses.fields(options)}
+    out = {}
+    for spec_name, option_name in names.items():
+        f = by_name[option_name]
+        meta = f.metadata
+        annotation = Literal[meta["choices"]] if "choices" in meta else f.type
+        rules = {k: meta[k] for k in ("ge", "gt", "le", "min_length") if k in meta}
+        out[spec_name] = (annotation, Field(f.default, description=meta["description"], **rules))
+    return out
 
+
+class _EngineChecks(_Strict):
     @model_validator(mode="after")
-    def _chunk_fits_budget(self) -> EngineSpec:
-        if self.chunk_size > self.max_num_batched_tokens:
-            raise ValueError(
-                f"chunk_size {self.chunk_size} exceeds max_num_batched_tokens "
-                f"{self.max_num_batched_tokens}"
-            )
+    def _engine_accepts(self) -> _EngineChecks:
+        """The engine's own cross-field checks (e.g. chunk_size <= max_num_batched_tokens)."""
+        try:
+            EngineOptions(**self.model_dump())
+        except InvalidRequestError as exc:
+            raise ValueError(str(exc)) from None
         return self
+
+
+ModelSpec = create_model(
+    "ModelSpec",
+    __base__=_Strict,
+    __module__=__name__,
+    __doc__="What every worker serves (engine options model, dtype, skip_tokenizer_init).",
+    **option_fields(EngineOptions, MODEL_FIELDS),
+)
+EngineSpec = create_model(
+    "EngineSpec",
+    __base__=_EngineChecks,
+    __module__=__name__,
+    __doc__="Engine options of a pool: EngineOptions less ENGINE_OPTIONS_ELSEWHERE.",
+    **option_fields(EngineOptions, ENGINE_FIELDS),
+)
+TransferSpec = create_model(
+    "TransferSpec",
+    __base__=_Strict,
+    __module__=__name__,
+    __doc__="How workers move KV (TransferOptions).",
+    **option_fields(TransferOptions, {f.name: f.name for f in dataclasses.fields(TransferOptions)}),
+)
 
 
 class PoolSpec(_Strict):
@@ -91,13 +125,14 @@ class PoolSpec(_Strict):
 
 
 class RouterSpec(_Strict):
-    policy: Literal["cache_aware", "round_robin", "least_loaded", "random"] = Field(
-        "cache_aware", description="prefill worker choice"
-    )
+    policy: Literal[POLICY_NAMES] = Field(DEFAULT_POLICY, description=POLICY_DESCRIPTION)
     host: str = Field("127.0.0.1", description="gRPC listen address")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
     local_prefill_tokens: int = Field(
-        0, ge=0, description="conditional disaggregation threshold (0: always transfer)"
+        0,
+        ge=0,
+        description="conditional disaggregation: prefill on the decode worker (no KV transfer) "
+        "when a prompt's uncached tail is at most this many tokens (0: always transfer)",
     )
     wait_for_workers_seconds: float = Field(
         120.0,
@@ -106,12 +141,6 @@ class RouterSpec(_Strict):
         "pool (one being replaced or restarted; then UNAVAILABLE) and for a decode worker "
         "with free KV blocks for its prompt (then RESOURCE_EXHAUSTED)",
     )
-
-
-class TransferSpec(_Strict):
-    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl on CUDA")
-    lease_seconds: float = Field(30.0, gt=0, description="lease on reserved and held blocks")
-    timeout_seconds: float = Field(10.0, gt=0, description="bound on every transfer wait")
 
 
 class ClusterSpecModel(_Strict):

@@ -1,4 +1,4 @@
-"""EngineConfig: every engine option in one validated, frozen place."""
+"""EngineConfig: the engine options (defined in engine/options.py) and their torch side."""
 
 from __future__ import annotations
 
@@ -8,60 +8,15 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.options import DTYPE_NAMES, EngineOptions
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Options of one engine. Unset capacity values are derived from the model at start-up."""
-
-    model: str = "smollm2-135m-instruct"
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # auto: cuda if available, else cpu
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 2.0
-    chunk_size: int = 1024  # most prefill tokens one request gets in a step
-    max_num_batched_tokens: int = 2048  # all tokens in one step
-    max_num_seqs: int = 128
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    hash_seed: str = "baton"
-    skip_tokenizer_init: bool = False
-    seed: int = 0
-    attention_backend: str = "auto"  # auto: triton on CUDA; on CPU cpu (C decode), else torch
-    num_threads: int | None = None  # torch intra-op threads on CPU; None: leave as is
-    # CPU float32, a checkpoint converted from a GGUF: batches of up to 8 rows multiply from
-    # its Q4_1 / Q8_0 blocks (the same weights, a fraction of the bytes to read)
-    use_gguf_blocks: bool = True
-
-    def __post_init__(self) -> None:
-        def positive(name: str) -> None:
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise InvalidRequestError(f"{name}={value!r} is invalid: must be an integer >= 1")
-
-        for name in (
-            "block_size",
-            "num_kv_blocks",
-            "chunk_size",
-            "max_num_batched_tokens",
-            "max_num_seqs",
-            "max_model_len",
-        ):
-            positive(name)
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise InvalidRequestError(
-                f"dtype={self.dtype!r} is invalid: choose auto, {', '.join(DTYPES)}"
-            )
-        if self.chunk_size > self.max_num_batched_tokens:
-            raise InvalidRequestError(
-                f"chunk_size={self.chunk_size} exceeds max_num_batched_tokens="
-                f"{self.max_num_batched_tokens}"
-            )
-        if self.kv_cache_memory_gb <= 0:
-            raise InvalidRequestError("kv_cache_memory_gb must be > 0")
+class EngineConfig(EngineOptions):
+    """Options of one engine (fields, defaults and checks: EngineOptions), with their torch
+    device and dtype."""
 
     @classmethod
     def from_options(cls, model: str | None = None, **options) -> EngineConfig:

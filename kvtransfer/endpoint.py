@@ -4,7 +4,6 @@ the pair groups to peers, the transfer engine, leases and peer control objects."
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 from engine import LLMEngine
@@ -12,16 +11,8 @@ from engine.engine_loop import EngineLoop
 from kvtransfer.control import control_peer
 from kvtransfer.group import GroupRegistry
 from kvtransfer.lease import LeaseTable
+from kvtransfer.options import TransferOptions
 from kvtransfer.transfer import KVTransfer
-
-
-@dataclass(frozen=True, slots=True)
-class TransferOptions:
-    """How a worker moves KV: backend, lease on held/reserved blocks, per-step timeout."""
-
-    backend: str = "auto"  # auto: nccl when the KV cache is on CUDA, gloo otherwise
-    lease_seconds: float = 30.0
-    timeout_seconds: float = 10.0
 
 
 class TransferEndpoint:

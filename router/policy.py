@@ -16,8 +16,7 @@ from typing import ClassVar, NamedTuple
 
 from engine.block_hash import BlockHash
 from router.kv_index import KVIndex, WorkerId
-
-DEFAULT_POLICY = "cache_aware"
+from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -156,12 +155,10 @@ class RandomChoice(Policy):
             return self._rng.choice(ordered)
 
 
-POLICIES: dict[str, type[Policy]] = {
-    "cache_aware": CacheAware,
-    "round_robin": RoundRobin,
-    "least_loaded": LeastLoaded,
-    "random": RandomChoice,
-}
+# one class per name of POLICY_NAMES (what the manifest accepts), in that order
+POLICIES: dict[str, type[Policy]] = dict(
+    zip(POLICY_NAMES, (CacheAware, RoundRobin, LeastLoaded, RandomChoice), strict=True)
+)
 
 
 def make_policy(name: str = DEFAULT_POLICY, **options) -> Policy:

@@ -1,0 +1,124 @@
+"""EngineOptions: the one definition of every engine option (name, type, default, description,
+bounds), torch-free so that the manifest schema and `baton serve` can derive their fields from it.
+
+`option()` declares a dataclass field with its description and rules in `metadata`;
+`check_options()` enforces those rules. EngineConfig (engine/config.py) adds the torch side;
+deploy/manifest.py builds its pydantic fields from `dataclasses.fields(EngineOptions)`.
+No `from __future__ import annotations` here: a field's `type` must be the type itself.
+"""
+
+import dataclasses
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import InvalidRequestError
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # engine/config.py maps them to torch dtypes
+RULES = ("ge", "gt", "le", "min_length", "choices")  # metadata keys that validate a value
+_COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
+
+
+def option(
+    default: Any,
+    description: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    min_length: int | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A dataclass field whose metadata holds its description and validation rules (None
+    always passes the rules: it means "derive the value")."""
+    rules = {"ge": ge, "gt": gt, "le": le, "min_length": min_length, "choices": choices}
+    metadata = {"description": description} | {k: v for k, v in rules.items() if v is not None}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _problem(field: dataclasses.Field, value: Any) -> str | None:
+    """What is wrong with `value` for this field, by its metadata rules; None if nothing."""
+    meta = field.metadata
+    if value is None:
+        return None
+    if "choices" in meta:
+        return None if value in meta["choices"] else f"choose {', '.join(meta['choices'])}"
+    if "min_length" in meta:
+        n = meta["min_length"]
+        ok = isinstance(value, str) and len(value) >= n
+        return None if ok else f"must be a string of at least {n} character(s)"
+    limits = [
+        (op, meta[key]) for key, op in (("ge", ">="), ("gt", ">"), ("le", "<=")) if key in meta
+    ]
+    if not limits:
+        return None
+    integer = field.type in (int, int | None)
+    ok = isinstance(value, int) if integer else isinstance(value, int | float)
+    ok = ok and not isinstance(value, bool) and all(_COMPARE[op](value, x) for op, x in limits)
+    kind = "an integer" if integer else "a number"
+    return None if ok else f"must be {kind} " + " and ".join(f"{op} {x}" for op, x in limits)
+
+
+def check_options(options: Any, error: type[Exception]) -> None:
+    """Raise `error` naming the first field of a dataclass instance that breaks its rules."""
+    for field in dataclasses.fields(options):
+        value = getattr(options, field.name)
+        problem = _problem(field, value)
+        if problem is not None:
+            raise error(f"{field.name}={value!r} is invalid: {problem}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """Options of one engine. Unset capacity values are derived from the model at start-up."""
+
+    model: str = option(
+        "smollm2-135m-instruct",
+        "model alias, Hugging Face directory (config.json + *.safetensors) or .gguf file",
+    )
+    dtype: str = option(
+        "auto",
+        "weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+        choices=("auto", *DTYPE_NAMES),
+    )
+    device: str = option("auto", "torch device (auto: cuda if available, else cpu)")
+    block_size: int = option(16, "tokens per KV block", ge=1, le=256)
+    num_kv_blocks: int | None = option(
+        None, "KV capacity in blocks (default: from kv_cache_memory_gb)", ge=1
+    )
+    kv_cache_memory_gb: float = option(2.0, "KV budget in GiB when num_kv_blocks is not set", gt=0)
+    chunk_size: int = option(1024, "most prefill tokens one request gets in a step", ge=1)
+    max_num_batched_tokens: int = option(2048, "all tokens (prefill + decode) in one step", ge=1)
+    max_num_seqs: int = option(128, "most running requests per engine", ge=1)
+    max_model_len: int | None = option(
+        None, "longest prompt + output (default: the model's max_position_embeddings)", ge=2
+    )
+    enable_prefix_caching: bool = option(True, "reuse cached full blocks by chained hash")
+    hash_seed: str = option(
+        "baton",
+        "seed of the block hash chain (router and workers must agree)",
+        min_length=1,
+    )
+    skip_tokenizer_init: bool = option(
+        False, "load no tokenizer: clients send prompt_token_ids and get token ids back"
+    )
+    seed: int = option(0, "seeds the per-request seeds of requests that do not set one")
+    attention_backend: str = option(
+        "auto", "torch, cpu or triton (auto: triton on CUDA; on CPU cpu where its C kernel builds)"
+    )
+    num_threads: int | None = option(
+        None, "torch intra-op threads on CPU (default: leave as is)", ge=1
+    )
+    use_gguf_blocks: bool = option(
+        True,
+        "CPU float32 with a model converted from a GGUF: batches of up to 8 rows multiply "
+        "from its Q4_1 / Q8_0 blocks (the same weights, a fraction of the bytes to read)",
+    )
+
+    def __post_init__(self) -> None:
+        check_options(self, InvalidRequestError)
+        if self.chunk_size > self.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"chunk_size {self.chunk_size} exceeds max_num_batched_tokens "
+                f"{self.max_num_batched_tokens}"
+            )
