@@ -184,3 +184,22 @@ def test_an_empty_cluster_still_exposes_the_router(workers):
     text = cluster_metrics_text(RouterMetrics().registry, gather_worker_snapshots(workers))
     names = {f.name for f in text_string_to_metric_families(text)}
     assert "baton:router_decisions" in names and "baton:worker_up" in names
+
+
+def test_the_grafana_dashboard_queries_only_series_the_cluster_exposes():
+    import json
+    import re
+    from pathlib import Path
+
+    router = RouterMetrics()
+    router.decided("cache_aware", local=False)
+    router.success.labels(finished_reason="stop").inc()
+    router.read_counter("auth_failures", "Auth failures.", lambda: 0)
+    text = cluster_metrics_text(router.registry, {"p0": ("prefill", worker_snapshot(1))})
+    exposed = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    dashboard = Path(__file__).parents[2] / "deploy" / "grafana" / "baton-dashboard.json"
+    panels = json.loads(dashboard.read_text())["panels"]
+    exprs = [t["expr"] for p in panels for t in p.get("targets", [])]
+    used = {name for e in exprs for name in re.findall(r"baton:[a-z0-9_]+", e)}
+    assert len(used) >= 18
+    assert used <= exposed, sorted(used - exposed)
