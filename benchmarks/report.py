@@ -1,0 +1,222 @@
+"""A benchmark run's metrics from its recorded timeline, the stdout table and `compare`.
+
+Definitions (per request: see benchmarks/timeline.py for TTFT, TPOT, ITL and E2E):
+- Percentiles are numpy's default ("linear": interpolation between the two nearest ranks);
+  statistics are over successful requests; latencies are reported in milliseconds.
+- Duration: from the start (t = 0, the first arrival) to the last response of any request.
+- Throughput: successful requests, output tokens, and prompt + output tokens per second.
+- Goodput (DistServe): successful requests that meet every given SLO, per second. A one-token
+  answer has no TPOT and meets a TPOT SLO.
+- Cached fraction: cached prompt tokens / prompt tokens; the oracle fraction is the same for
+  one infinite shared cache over the same request sequence (benchmarks/oracle.py).
+- Load balance, per pool: max / mean over its workers of requests and of prefill tokens (the
+  prompt tokens a worker computed: prompt - cached). Local prefills (the decode worker
+  prefilled the prompt itself) count for that decode worker and are also counted apart.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import numpy as np
+
+from benchmarks.timeline import RequestRecord
+
+SLO_KEYS = ("ttft", "tpot", "e2e")  # milliseconds
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """'ttft=500,tpot=50' -> {'ttft': 500.0, 'tpot': 50.0} (milliseconds)."""
+    out: dict[str, float] = {}
+    for item in filter(None, (text or "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in SLO_KEYS:
+            raise ValueError(f"bad SLO {item!r}: expected KEY=MS with KEY one of {SLO_KEYS}")
+        out[key.strip()] = float(value)
+    return out
+
+
+def stats_ms(values_s: Iterable[float]) -> dict[str, float | None]:
+    """mean / median / p90 / p99 in milliseconds (numpy's linear percentiles); None if empty."""
+    arr = np.asarray(list(values_s), dtype=float) * 1000.0
+    if arr.size == 0:
+        return dict(mean=None, median=None, p90=None, p99=None)
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return dict(mean=float(arr.mean()), median=float(p50), p90=float(p90), p99=float(p99))
+
+
+def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
+    """Successful and within every SLO (ms)."""
+    if not record.ok or record.ttft is None:
+        return False
+    values = dict(ttft=record.ttft, tpot=record.tpot, e2e=record.e2e)
+    return all(values[k] is None or values[k] * 1000.0 <= limit for k, limit in slo.items())
+
+
+def duration_s(records: list[RequestRecord]) -> float:
+    return max((r.end_s for r in records), default=0.0)
+
+
+def balance(counts: dict[str, float]) -> float | None:
+    """max / mean over the workers (1.0 is perfectly even); None without workers or load."""
+    values = list(counts.values())
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean > 0 else None
+
+
+def load_balance(records: list[RequestRecord], workers: dict[str, list[str]]) -> dict:
+    """Requests and prefill tokens per worker of each pool; `workers` (role -> ids, e.g. from
+    ClusterStatus) adds the workers that got nothing. A prefill worker's requests are its
+    remote prefills; a decode worker's are all it decoded, its prefill tokens those of its
+    local prefills."""
+    ok = [r for r in records if r.ok]
+    out = {}
+    for role in ("prefill", "decode"):
+        requests = {w: 0 for w in workers.get(role, ())}
+        tokens = dict(requests)
+        for r in ok:
+            w = r.prefill_worker if role == "prefill" else r.decode_worker
+            if not w or (role == "prefill" and r.local_prefill):
+                continue
+            requests[w] = requests.get(w, 0) + 1
+            computed = r.prompt_tokens - r.cached_tokens
+            tokens[w] = tokens.get(w, 0) + (computed if role == "prefill" or r.local_prefill else 0)
+        out[role] = dict(
+            requests=requests,
+            prefill_tokens=tokens,
+            requests_max_over_mean=balance(requests),
+            prefill_tokens_max_over_mean=balance(tokens),
+        )
+    return out
+
+
+def summarize(
+    records: list[RequestRecord],
+    slo: dict[str, float] | None = None,
+    workers: dict[str, list[str]] | None = None,
+    config: dict | None = None,
+) -> dict:
+    """Every metric of the run, JSON-ready (results.json without the records)."""
+    ok = [r for r in records if r.ok]
+    slo = slo or {}
+    duration = duration_s(records)
+    per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)  # noqa: E731
+    prompt = sum(r.prompt_tokens for r in ok)
+    output = sum(r.output_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    oracle = sum(r.oracle_cached_tokens for r in ok)
+    good = sum(meets_slo(r, slo) for r in records)
+    return dict(
+        config=config or {},
+        duration_s=duration,
+        num_requests=len(records),
+        completed=len(ok),
+        failed=len(records) - len(ok),
+        failures=dict(Counter(r.status for r in records if not r.ok)),
+        latency_ms=dict(
+            ttft=stats_ms(r.ttft for r in ok if r.ttft is not None),
+            tpot=stats_ms(r.tpot for r in ok if r.tpot is not None),
+            itl=stats_ms(g for r in ok for g in r.itls),
+            e2e=stats_ms(r.e2e for r in ok),
+        ),
+        throughput=dict(
+            requests_per_s=per_s(len(ok)),
+            output_tokens_per_s=per_s(output),
+            total_tokens_per_s=per_s(prompt + output),
+        ),
+        goodput=dict(
+            slo_ms=slo,
+            requests_per_s=per_s(good),
+            fraction=good / len(records) if records else 0.0,
+        ),
+        cache=dict(
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            oracle_cached_tokens=oracle,
+            cached_fraction=cached / prompt if prompt else 0.0,
+            oracle_fraction=oracle / prompt if prompt else 0.0,
+        ),
+        load_balance=load_balance(records, workers or {}),
+        kv=dict(
+            remote_prefills=sum(not r.local_prefill for r in ok),
+            local_prefills=sum(r.local_prefill for r in ok),
+            # KV bytes moved are not in the public API (usage has no transfer size); they
+            # need the workers' transfer metrics.
+            kv_bytes_moved=None,
+        ),
+    )
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def table(summary: dict) -> str:
+    """The run's summary as a plain-text table for stdout."""
+    lines = [
+        f"{'requests':<28}{summary['completed']} ok / {summary['num_requests']}"
+        f" ({summary['failed']} failed{': ' if summary['failures'] else ''}"
+        + ", ".join(f"{k} x{n}" for k, n in summary["failures"].items())
+        + ")",
+        f"{'duration (s)':<28}{summary['duration_s']:.2f}",
+    ]
+    t = summary["throughput"]
+    lines += [
+        f"{'request throughput (req/s)':<28}{t['requests_per_s']:.2f}",
+        f"{'output tokens/s':<28}{t['output_tokens_per_s']:.1f}",
+        f"{'total tokens/s':<28}{t['total_tokens_per_s']:.1f}",
+    ]
+    g = summary["goodput"]
+    if g["slo_ms"]:
+        slo = ",".join(f"{k}={v:g}" for k, v in g["slo_ms"].items())
+        lines.append(
+            f"{'goodput (req/s)':<28}{g['requests_per_s']:.2f}  ({g['fraction']:.0%} meet {slo} ms)"
+        )
+    lines.append(f"{'latency (ms)':<28}{'mean':>9}{'median':>9}{'p90':>9}{'p99':>9}")
+    for name, s in summary["latency_ms"].items():
+        cells = "".join(f"{_ms(s[k]):>9}" for k in ("mean", "median", "p90", "p99"))
+        lines.append(f"  {name.upper():<26}{cells}")
+    c = summary["cache"]
+    lines.append(
+        f"{'cached prompt tokens':<28}{c['cached_fraction']:.1%}"
+        f" (oracle {c['oracle_fraction']:.1%})"
+    )
+    for role, lb in summary["load_balance"].items():
+        lines.append(
+            f"{role + ' balance (max/mean)':<28}requests {_ratio(lb['requests_max_over_mean'])}, "
+            f"prefill tokens {_ratio(lb['prefill_tokens_max_over_mean'])}"
+        )
+    kv = summary["kv"]
+    lines.append(f"{'prefills remote / local':<28}{kv['remote_prefills']} / {kv['local_prefills']}")
+    return "\n".join(lines)
+
+
+COMPARE_ROWS = (
+    ("completed", lambda s: s["completed"]),
+    ("failed", lambda s: s["failed"]),
+    ("req/s", lambda s: round(s["throughput"]["requests_per_s"], 2)),
+    ("output tok/s", lambda s: round(s["throughput"]["output_tokens_per_s"], 1)),
+    ("goodput req/s", lambda s: round(s["goodput"]["requests_per_s"], 2)),
+    *(
+        (f"{m.upper()} {q} ms", lambda s, m=m, q=q: _ms(s["latency_ms"][m][q]))
+        for m in ("ttft", "tpot", "itl", "e2e")
+        for q in ("median", "p99")
+    ),
+    ("cached %", lambda s: f"{s['cache']['cached_fraction']:.1%}"),
+    ("oracle %", lambda s: f"{s['cache']['oracle_fraction']:.1%}"),
+)
+
+
+def compare_table(runs: dict[str, dict]) -> str:
+    """Several runs' summaries side by side (one column per run)."""
+    names = list(runs)
+    width = max([14, *(len(n) + 2 for n in names)])
+    lines = [f"{'':<16}" + "".join(f"{n:>{width}}" for n in names)]
+    for label, get in COMPARE_ROWS:
+        lines.append(f"{label:<16}" + "".join(f"{get(runs[n])!s:>{width}}" for n in names))
+    return "\n".join(lines)

@@ -1,0 +1,309 @@
+"""`baton bench`: drive a running Baton cluster with a workload and report what it did.
+
+    python -m benchmarks.serving --address 127.0.0.1:50051 --workload agentic \\
+        --num-requests 200 --request-rate 4 --slo ttft=500,tpot=50 --out runs/agentic
+    python -m benchmarks.serving --manifest deploy/examples/local.yaml --workload long-prompt ...
+    python -m benchmarks.serving compare runs/a runs/b [--out runs/compare.png]
+
+The cluster is reached only through its public gRPC API. Arrivals follow --request-rate and
+--burstiness (benchmarks/arrivals.py) under --max-concurrency; a session's next turn is sent
+as soon as the previous answer is in. The run stops sending after --num-requests requests or
+--duration seconds and waits for those in flight. The same --seed gives the same arrivals and
+prompts (and, greedy as every request is, the same answers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from benchmarks.arrivals import arrival_times
+from benchmarks.client import GrpcClient
+from benchmarks.oracle import OracleCache
+from benchmarks.report import compare_table, parse_slo, summarize, table
+from benchmarks.timeline import RequestRecord, read_results, write_results
+from benchmarks.workloads import WORKLOADS, Session, TokenSpace, Workload, make_workload
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """How much to send and how fast; block_size and hash_seed must be the cluster's (they
+    define the oracle cache)."""
+
+    num_requests: int | None = 100
+    duration_s: float | None = None
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    timeout_s: float = 600.0  # per request
+    block_size: int = 16
+    hash_seed: str = "baton"
+
+
+class Budget:
+    """Requests may still be sent while fewer than num_requests were and duration has not
+    passed. A session claims its turns when it starts, so that --num-requests counts whole
+    sessions rather than a crowd of first turns."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        self.left = config.num_requests if config.num_requests is not None else math.inf
+        self.until = config.duration_s if config.duration_s is not None else math.inf
+
+    def open(self, now: float) -> bool:
+        return self.left > 0 and now < self.until
+
+    def take(self, now: float, n: int = 1) -> int:
+        """Claim up to n requests; how many were granted."""
+        if not self.open(now):
+            return 0
+        granted = int(min(n, self.left))
+        self.left -= granted
+        return granted
+
+
+class Progress:
+    """A progress bar on stderr: tqdm where installed, else a plain updating line."""
+
+    def __init__(self, total: int | None, enabled: bool = True) -> None:
+        self.total, self.done, self.enabled, self.bar = total, 0, enabled, None
+        if enabled:
+            with contextlib.suppress(ImportError):
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="req", file=sys.stderr)
+
+    def update(self, record: RequestRecord) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        elif self.enabled:
+            print(f"\r{self.done}/{self.total or '?'} requests", end="", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled:
+            print(file=sys.stderr)
+
+
+async def run_bench(
+    client: GrpcClient,
+    workload: Workload,
+    tokens: TokenSpace,
+    config: BenchConfig,
+    progress: Progress | None = None,
+) -> list[RequestRecord]:
+    """Send the workload to the cluster; every request's record, in completion order. Times
+    count from client.start, which should be just before this call (t = 0: first arrival)."""
+    budget = Budget(config)
+    slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+    oracle = OracleCache(config.block_size, config.hash_seed)
+    run_id = uuid.uuid4().hex[:8]
+    records: list[RequestRecord] = []
+
+    async def send(spec) -> tuple[RequestRecord, list[int]]:
+        async with slots or contextlib.nullcontext():
+            hit = oracle.lookup_and_insert(spec.prompt_token_ids, spec.cache_salt)  # send order
+            record, answer = await client.generate(spec, run_id, config.timeout_s)
+        return replace(record, oracle_cached_tokens=hit), answer
+
+    async def run_session(session: Session, spec, turns: int) -> None:
+        """Up to `turns` turns (claimed from the budget); stops at the duration, a failure or
+        the session's end, and gives back the turns it did not send."""
+        for sent in range(turns):
+            if spec is None or client.now() >= budget.until:
+                budget.left += turns - sent
+                return
+            record, answer = await send(spec)
+            records.append(record)
+            if progress is not None:
+                progress.update(record)
+            spec = session.next_turn(answer) if record.ok else None
+
+    arrivals = arrival_times(config.request_rate, config.burstiness, config.seed)
+    tasks = []
+    for session in workload.sessions(tokens, config.seed):
+        first = session.next_turn(None)
+        if first is None:
+            continue
+        at = first.arrival_s if first.arrival_s is not None else next(arrivals)
+        if config.duration_s is not None and at >= config.duration_s:
+            break
+        await asyncio.sleep(max(0.0, at - client.now()))
+        turns = budget.take(client.now(), getattr(session, "num_turns", 1))
+        if not turns:
+            break
+        tasks.append(asyncio.create_task(run_session(session, first, turns)))
+    await asyncio.gather(*tasks)
+    return records
+
+
+async def bench(
+    address: str,
+    workload: Workload,
+    tokens: TokenSpace,
+    config: BenchConfig,
+    slo: dict | None = None,
+    progress: bool = False,
+) -> tuple[dict, list]:
+    """One run against the router at `address`: (summary, records)."""
+    client = GrpcClient(address, time.perf_counter())
+    try:
+        workers = await client.workers()
+        bar = Progress(config.num_requests, enabled=progress)
+        client.start = time.perf_counter()
+        try:
+            records = await run_bench(client, workload, tokens, config, bar)
+        finally:
+            bar.close()
+    finally:
+        await client.close()
+    info = dict(
+        asdict(config), workload=type(workload).__name__, options=asdict(workload), address=address
+    )
+    return summarize(records, slo, workers, info), records
+
+
+# ---- command line ----------------------------------------------------------------------------
+def run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="baton bench", description=__doc__.split("\n")[0])
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--address", help="a running router's gRPC address, HOST:PORT")
+    where.add_argument("--manifest", help="start a local cluster from this manifest for the run")
+    p.add_argument("--workload", choices=list(WORKLOADS), default="random")
+    p.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a workload option (a field of its class in benchmarks/workloads.py)",
+    )
+    p.add_argument("--num-requests", type=int, help="default 100 unless --duration is given")
+    p.add_argument("--duration", type=float, help="seconds to keep sending")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf: all at once")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo", help="e.g. ttft=500,tpot=50 (ms); goodput counts requests meeting all")
+    p.add_argument("--out", help="directory for results.json and the plots")
+    p.add_argument("--tokenizer", help="a model directory: draw ids from its vocabulary")
+    p.add_argument("--vocab-size", type=int, default=49152, help="without --tokenizer")
+    p.add_argument("--block-size", type=int, default=16, help="the cluster's (oracle cache)")
+    p.add_argument("--hash-seed", default="baton", help="the cluster's (oracle cache)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-plots", action="store_true")
+    return p
+
+
+def _options(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"bad --option {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """`baton bench [run]`: one measured run; exit 0 when every request succeeded, else 1."""
+    try:
+        workload = make_workload(args.workload, _options(args.option))
+        slo = parse_slo(args.slo)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    num = args.num_requests if args.num_requests or args.duration else 100
+    config = BenchConfig(
+        num,
+        args.duration,
+        args.request_rate,
+        args.burstiness,
+        args.max_concurrency,
+        args.seed,
+        args.timeout,
+        args.block_size,
+        args.hash_seed,
+    )
+    tokenizer_dir, cluster = args.tokenizer, None
+    if args.manifest:
+        cluster, config, tokenizer_dir = start_cluster(args.manifest, config, tokenizer_dir)
+    try:
+        tokens = TokenSpace(high=args.vocab_size)
+        if tokenizer_dir:
+            from engine.tokenizer import load_tokenizer
+
+            tokens = TokenSpace.from_tokenizer(load_tokenizer(Path(tokenizer_dir)))
+        address = cluster.address if cluster is not None else args.address
+        summary, records = asyncio.run(
+            bench(address, workload, tokens, config, slo, progress=not args.no_progress)
+        )
+    finally:
+        if cluster is not None:
+            cluster.close()
+    print(table(summary))
+    if args.out:
+        path = write_results(args.out, summary, records)
+        if not args.no_plots:
+            from benchmarks.plots import run_figures
+
+            run_figures(records, args.out)
+        print(f"results: {path}")
+    return 0 if summary["failed"] == 0 else 1
+
+
+def start_cluster(manifest_path: str, config: BenchConfig, tokenizer_dir: str | None):
+    """A LocalCluster (Ray in this process) from the manifest; the config takes its block size
+    and hash seed, the token space its model's tokenizer unless one was given."""
+    from cluster.local import LocalCluster
+    from deploy.manifest import load_manifest
+    from engine.model_resolver import resolve_model
+
+    manifest = load_manifest(manifest_path)
+    engine = manifest.spec.engine_for("prefill")
+    config = replace(config, block_size=engine.block_size, hash_seed=str(engine.hash_seed))
+    if tokenizer_dir is None and not manifest.spec.model.skip_tokenizer_init:
+        tokenizer_dir = str(resolve_model(manifest.spec.model.path))
+    cluster = LocalCluster(manifest).start(log=lambda m: print(m, file=sys.stderr))
+    return cluster, config, tokenizer_dir
+
+
+def compare_command(argv: list[str]) -> int:
+    """`baton bench compare DIR...`: one table and one figure for several runs."""
+    p = argparse.ArgumentParser(prog="baton bench compare")
+    p.add_argument("runs", nargs="+", help="directories (or results.json files) of runs")
+    p.add_argument("--out", help="the figure's path (default: no figure)")
+    args = p.parse_args(argv)
+    runs = {
+        Path(r).name if Path(r).is_dir() else Path(r).parent.name: read_results(r)
+        for r in args.runs
+    }
+    print(compare_table({name: summary for name, (summary, _) in runs.items()}))
+    if args.out:
+        from benchmarks.plots import compare_figure
+
+        print(f"figure: {compare_figure(runs, Path(args.out))}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compare"]:
+        return compare_command(argv[1:])
+    if argv[:1] == ["run"]:
+        argv = argv[1:]
+    return run_command(run_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

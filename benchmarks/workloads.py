@@ -1,0 +1,312 @@
+"""Benchmark workloads: plain, deterministic generators of request specs, shared by `baton bench`
+and the simulator.
+
+A workload yields sessions; a session yields its turns one at a time through
+`next_turn(previous_answer)`, so a multi-turn prompt can contain the answer the server really
+gave. Single-turn workloads are sessions of one turn. Everything is token-level and depends only
+on the seed and the options: the same seed gives the same prompts (and, with greedy decoding,
+the same answers). `replay()` runs a workload with `stand_in_answer`s instead of a server, which
+is the request sequence the simulator and the oracle cache see.
+
+Token ids come from a `TokenSpace`: a range of the vocabulary, minus the tokenizer's special
+tokens when a tokenizer is given, so that a random id never ends or restructures a prompt.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """One request of a workload. arrival_s (seconds from the start) is set only where the
+    workload owns time (trace replay); otherwise the driver's arrival process decides."""
+
+    session: str  # unique per run; the request id is f"{session}-{turn}"
+    turn: int
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    kind: str = "chat"  # chat | turn | long | trace: lets reports mark e.g. long prompts
+    tenant: str = ""
+    cache_salt: str | None = None
+    arrival_s: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return f"{self.session}-{self.turn}"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSpace:
+    """Ids drawn uniformly from [low, high) minus `exclude` (special tokens)."""
+
+    low: int = 100
+    high: int = 49152  # SmolLM2's vocabulary
+    exclude: frozenset[int] = frozenset()
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, low: int = 100) -> TokenSpace:
+        """The tokenizer's vocabulary above `low`, without its special tokens."""
+        special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
+        return cls(low=low, high=len(tokenizer), exclude=special)
+
+    def draw(self, rng: random.Random, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            t = rng.randrange(self.low, self.high)
+            if t not in self.exclude:
+                out.append(t)
+        return out
+
+
+def _rng(seed: int, *key: object) -> random.Random:
+    """An independent, reproducible stream per (seed, key): str seeds hash with SHA-512."""
+    return random.Random(":".join(map(str, (seed, *key))))
+
+
+def _around(rng: random.Random, mean: int, range_ratio: float) -> int:
+    """A length uniform in [mean * (1 - r), mean * (1 + r)] (vLLM's range ratio), at least 1."""
+    lo, hi = int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))
+    return max(1, rng.randint(lo, max(lo, hi)))
+
+
+def stand_in_answer(spec: RequestSpec, tokens: TokenSpace, seed: int = 0) -> list[int]:
+    """A deterministic answer of exactly max_tokens tokens, for runs without a server."""
+    return tokens.draw(_rng(seed, "answer", spec.request_id), spec.max_tokens)
+
+
+class Session(Protocol):
+    """A sequence of turns; next_turn(answer to the previous turn, None at first) returns the
+    next request, or None when the session is over. A multi-turn session also has `num_turns`
+    (the driver claims that many requests of its budget when the session starts)."""
+
+    def next_turn(self, previous_answer: Sequence[int] | None) -> RequestSpec | None: ...
+
+
+class OneShot:
+    """A session of one request."""
+
+    def __init__(self, spec: RequestSpec) -> None:
+        self._spec: RequestSpec | None = spec
+
+    def next_turn(self, previous_answer: Sequence[int] | None) -> RequestSpec | None:
+        spec, self._spec = self._spec, None
+        return spec
+
+
+class Workload(Protocol):
+    """Options as dataclass fields; sessions() is a deterministic (possibly endless) stream."""
+
+    def sessions(self, tokens: TokenSpace, seed: int) -> Iterator[Session]: ...
+
+
+# ---- single-turn workloads -------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RandomWorkload:
+    """Independent random prompts: no two share a block."""
+
+    input_len: int = 1024
+    output_len: int = 128
+    range_ratio: float = 0.0
+
+    def sessions(self, tokens: TokenSpace, seed: int) -> Iterator[Session]:
+        for i in itertools.count():
+            rng = _rng(seed, "random", i)
+            n = _around(rng, self.input_len, self.range_ratio)
+            prompt = tuple(tokens.draw(rng, n))
+            yield OneShot(RequestSpec(f"r{i}", 0, prompt, self.output_len))
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRepetitionWorkload:
+    """K shared prefixes x random suffixes. Each round of K requests uses every prefix once in
+    a shuffled order, so any K consecutive requests share exactly K prefixes."""
+
+    num_prefixes: int = 8
+    prefix_len: int = 2048
+    suffix_len: int = 256
+    output_len: int = 128
+
+    def sessions(self, tokens: TokenSpace, seed: int) -> Iterator[Session]:
+        prefixes = [
+            tuple(tokens.draw(_rng(seed, "prefix", k), self.prefix_len))
+            for k in range(self.num_prefixes)
+        ]
+        i = 0
+        for rnd in itertools.count():
+            order = list(range(self.num_prefixes))
+            _rng(seed, "round", rnd).shuffle(order)
+            for k in order:
+                suffix = tokens.draw(_rng(seed, "suffix", i), self.suffix_len)
+                spec = RequestSpec(f"p{i}", 0, prefixes[k] + tuple(suffix), self.output_len)
+                yield OneShot(replace(spec, tenant=f"prefix{k}"))
+                i += 1
+
+
+@dataclass(frozen=True, slots=True)
+class LongPromptWorkload:
+    """Short interactive chats with a very long prompt every `long_every` requests (the first at
+    request long_every // 2, mid-stream): the head-of-line blocking case. Defaults fit SmolLM2
+    (8,192 positions); tests scale the lengths down."""
+
+    chat_len: int = 256
+    chat_output_len: int = 64
+    long_min: int = 6000
+    long_max: int = 8000
+    long_output_len: int = 16
+    long_every: int = 20
+
+    def sessions(self, tokens: TokenSpace, seed: int) -> Iterator[Session]:
+        for i in itertools.count():
+            rng = _rng(seed, "long-prompt", i)
+            if i % self.long_every == self.long_every // 2:
+                n, out, kind = (
+                    rng.randint(self.long_min, self.long_max),
+                    self.long_output_len,
+                    "long",
+                )
+            else:
+                n, out, kind = _around(rng, self.chat_len, 0.5), self.chat_output_len, "chat"
+            yield OneShot(RequestSpec(f"l{i}", 0, tuple(tokens.draw(rng, n)), out, kind=kind))
+
+
+# ---- agentic multi-turn ----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AgenticWorkload:
+    """Many tenants, each with a long system prompt + tool schemas shared by its sessions;
+    each session's prompt grows turn by turn (previous prompt + previous answer + new user
+    turn) with short answers: the traffic prefix caching is for."""
+
+    num_tenants: int = 8
+    system_len: int = 1500  # the tenant's system prompt
+    tools_len: int = 1500  # the tenant's tool schemas, after the system prompt
+    user_len: int = 128  # mean tokens of a user turn (tool results, questions)
+    min_turns: int = 2
+    max_turns: int = 6
+    output_len: int = 64
+
+    def sessions(self, tokens: TokenSpace, seed: int) -> Iterator[Session]:
+        prefixes: dict[int, tuple[int, ...]] = {}
+        for i in itertools.count():
+            rng = _rng(seed, "session", i)
+            tenant = rng.randrange(self.num_tenants)
+            if tenant not in prefixes:
+                trng = _rng(seed, "tenant", tenant)
+                system = tokens.draw(trng, self.system_len)
+                prefixes[tenant] = tuple(system + tokens.draw(trng, self.tools_len))
+            yield AgenticSession(self, tokens, rng, f"a{i}", f"tenant{tenant}", prefixes[tenant])
+
+
+@dataclass
+class AgenticSession:
+    """One conversation: turn k's prompt = turn k-1's prompt + its answer + a new user turn."""
+
+    workload: AgenticWorkload
+    tokens: TokenSpace
+    rng: random.Random
+    session: str
+    tenant: str
+    prompt: tuple[int, ...]  # the shared prefix, then the history so far
+    turn: int = 0
+    num_turns: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_turns = self.rng.randint(self.workload.min_turns, self.workload.max_turns)
+
+    def next_turn(self, previous_answer: Sequence[int] | None) -> RequestSpec | None:
+        if self.turn >= self.num_turns:
+            return None
+        if self.turn > 0:
+            if previous_answer is None:
+                raise ValueError(f"session {self.session}: turn {self.turn} needs the answer")
+            self.prompt += tuple(previous_answer)
+        user = self.tokens.draw(self.rng, _around(self.rng, self.workload.user_len, 0.5))
+        self.prompt += tuple(user)
+        spec = RequestSpec(
+            self.session,
+            self.turn,
+            self.prompt,
+            self.workload.output_len,
+            kind="turn",
+            tenant=self.tenant,
+        )
+        self.turn += 1
+        return spec
+
+
+# ---- trace replay ----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TraceWorkload:
+    """Replays a JSONL trace in the Mooncake / aiperf format: one request per line with
+    `timestamp` (ms), `input_length`, `output_length` and `hash_ids` (ids of the prompt's
+    blocks of `block_len` tokens; 512 in Mooncake's traces). Block tokens depend only on
+    (seed, hash id), so equal hash ids give equal token blocks; the prompt is those blocks cut
+    to input_length, padded with request-unique tokens where the blocks are too few."""
+
+    path: str = ""
+    block_len: int = 512
+    time_scale: float = 1.0  # arrival times are multiplied by this (0.5 = twice as fast)
+
+    def sessions(self, tokens: TokenSpace, seed: int) -> Iterator[Session]:
+        if not self.path:
+            raise ValueError("the trace workload needs path=FILE (a JSONL trace)")
+        lines = [json.loads(s) for s in Path(self.path).read_text().splitlines() if s.strip()]
+        start = min((r["timestamp"] for r in lines), default=0)
+        for i, row in enumerate(lines):
+            prompt = self.prompt_of(row, tokens, seed, i)
+            arrival = (row["timestamp"] - start) / 1000 * self.time_scale
+            spec = RequestSpec(f"t{i}", 0, prompt, int(row["output_length"]), kind="trace")
+            yield OneShot(replace(spec, arrival_s=arrival))
+
+    def prompt_of(self, row: dict, tokens: TokenSpace, seed: int, index: int) -> tuple[int, ...]:
+        ids: list[int] = []
+        for h in row.get("hash_ids", ()):
+            ids += tokens.draw(_rng(seed, "block", h), self.block_len)
+        n = int(row["input_length"])
+        if len(ids) < n:
+            ids += tokens.draw(_rng(seed, "pad", index), n - len(ids))
+        return tuple(ids[:n])
+
+
+WORKLOADS: dict[str, type] = {
+    "agentic": AgenticWorkload,
+    "prefix-repetition": PrefixRepetitionWorkload,
+    "random": RandomWorkload,
+    "long-prompt": LongPromptWorkload,
+    "trace": TraceWorkload,
+}
+
+
+def make_workload(name: str, options: dict[str, str] | None = None) -> Workload:
+    """The named workload with `options` (strings, e.g. from `--option key=value`) converted to
+    the types of its fields' defaults."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; one of {', '.join(WORKLOADS)}")
+    cls = WORKLOADS[name]
+    defaults = {f.name: f.default for f in fields(cls)}
+    values = {}
+    for key, text in (options or {}).items():
+        if key not in defaults:
+            raise ValueError(f"workload {name} has no option {key!r}; it has {', '.join(defaults)}")
+        values[key] = type(defaults[key])(text)
+    return cls(**values)
+
+
+def replay(workload: Workload, tokens: TokenSpace, seed: int, n: int) -> list[RequestSpec]:
+    """The first n requests of a workload answered by `stand_in_answer`, sessions run one after
+    another: the request sequence a simulator or an oracle cache sees."""
+    out: list[RequestSpec] = []
+    for session in workload.sessions(tokens, seed):
+        answer = None
+        while len(out) < n and (spec := session.next_turn(answer)) is not None:
+            out.append(spec)
+            answer = stand_in_answer(spec, tokens, seed)
+        if len(out) >= n:
+            break
+    return out

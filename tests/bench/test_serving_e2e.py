@@ -1,0 +1,171 @@
+"""A tiny end-to-end `baton bench`: a dozen requests of each workload through the real gRPC
+server over a prefill and a decode worker on the tiny checkpoint (loopback only)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from contextlib import contextmanager
+
+import pytest
+
+from benchmarks.serving import BenchConfig, bench, main
+from benchmarks.workloads import (
+    AgenticWorkload,
+    LongPromptWorkload,
+    PrefixRepetitionWorkload,
+    RandomWorkload,
+    TokenSpace,
+    TraceWorkload,
+)
+from decode_worker.worker import DecodeWorker
+from prefill_worker.worker import PrefillWorker
+from router.router import Router
+from router.server import start_server
+
+TOKENS = TokenSpace(low=3, high=512)
+BLOCK = 4
+
+
+@contextmanager
+def serving(options: dict):
+    """An in-process prefill + decode pair behind a Router and the gRPC server; yields the
+    server's loopback address (the pattern of tests/disagg/test_grpc.py)."""
+    p, d = PrefillWorker("p0", options), DecodeWorker("d0", options)
+    d.connect_prefill("p0", p.connect_decode("d0", d), p)
+    router = Router({"p0": p}, {"d0": d}, block_size=BLOCK, hash_seed="baton", max_model_len=256)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    srv, port = asyncio.run_coroutine_threadsafe(start_server(router, port=0), loop).result(30)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(srv.stop(1), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        p.shutdown()
+        d.shutdown()
+
+
+@pytest.fixture(scope="module")
+def address(tiny_llama):
+    options = dict(
+        model=tiny_llama,
+        skip_tokenizer_init=True,
+        block_size=BLOCK,
+        num_kv_blocks=1024,
+        chunk_size=32,
+        max_model_len=256,
+    )
+    with serving(options) as addr:
+        yield addr
+
+
+def run(address, workload, **config):
+    config = BenchConfig(**dict(dict(num_requests=12, block_size=BLOCK, timeout_s=60), **config))
+    return asyncio.run(bench(address, workload, TOKENS, config, {"ttft": 60000}))
+
+
+def trace_file(tmp_path):
+    rows = [
+        dict(timestamp=100 * i, input_length=10 + i, output_length=3, hash_ids=[i % 3, 9])
+        for i in range(12)
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return str(path)
+
+
+def check_run(summary, records, n=12):
+    assert summary["completed"] == n and summary["failed"] == 0, summary["failures"]
+    assert len(records) == n and len({r.request_id for r in records}) == n
+    for r in records:
+        assert r.output_tokens == sum(c for _, c in r.chunks) and r.ttft > 0
+        assert (r.prefill_worker, r.decode_worker) == ("p0", "d0")
+        assert r.send_s <= r.chunks[0][0] <= r.end_s
+    assert summary["throughput"]["requests_per_s"] == pytest.approx(
+        n / max(r.end_s for r in records)
+    )
+    assert summary["goodput"]["fraction"] == 1.0  # a 60 s TTFT SLO
+    assert summary["load_balance"]["decode"]["requests"] == {"d0": n}
+    assert summary["cache"]["cached_tokens"] <= summary["cache"]["oracle_cached_tokens"]
+
+
+@pytest.mark.parametrize(
+    "workload",
+    [
+        AgenticWorkload(num_tenants=2, system_len=24, tools_len=16, user_len=6, output_len=4),
+        RandomWorkload(input_len=24, output_len=4),
+        LongPromptWorkload(
+            chat_len=12,
+            chat_output_len=4,
+            long_min=120,
+            long_max=160,
+            long_output_len=2,
+            long_every=6,
+        ),
+        "trace",
+    ],
+    ids=["agentic", "random", "long-prompt", "trace"],
+)
+def test_each_workload_runs_end_to_end(address, workload, tmp_path):
+    if workload == "trace":
+        workload = TraceWorkload(path=trace_file(tmp_path), block_len=BLOCK, time_scale=0.5)
+    summary, records = run(address, workload, request_rate=50.0, max_concurrency=4)
+    check_run(summary, records)
+    if isinstance(workload, AgenticWorkload):
+        assert any(r.request_id.endswith("-2") for r in records)  # third turns were sent
+        assert summary["cache"]["cached_fraction"] > 0.3
+    if isinstance(workload, LongPromptWorkload):
+        assert [r.prompt_tokens >= 120 for r in records].count(True) == 2
+        assert {r.kind for r in records} == {"chat", "long"}
+    if isinstance(workload, TraceWorkload):  # sent on the trace's clock: 50 ms apart
+        sends = sorted(r.send_s for r in records)
+        assert sends[-1] >= 0.5
+
+
+def test_sequential_cluster_cache_hits_equal_the_oracle(address):
+    """One prefill worker, requests one at a time, a cache that never evicts: the cluster's
+    prefix hits are the oracle's, request by request."""
+    w = PrefixRepetitionWorkload(num_prefixes=3, prefix_len=20, suffix_len=6, output_len=2)
+    summary, records = run(address, w, max_concurrency=1, seed=5)
+    check_run(summary, records)
+    assert [r.cached_tokens for r in records] == [r.oracle_cached_tokens for r in records]
+    assert sum(r.oracle_cached_tokens == 20 for r in records) == 9
+
+
+def test_cli_run_and_compare(address, tmp_path, capsys):
+    common = [
+        "--address",
+        address,
+        "--workload",
+        "prefix-repetition",
+        "--num-requests",
+        "6",
+        "--vocab-size",
+        "512",
+        "--block-size",
+        str(BLOCK),
+        "--no-progress",
+        "-o",
+        "prefix_len=12",
+        "-o",
+        "suffix_len=4",
+        "-o",
+        "output_len=3",
+        "--slo",
+        "ttft=60000,tpot=60000",
+    ]
+    for name, seed in (("a", "1"), ("b", "2")):
+        assert main([*common, "--seed", seed, "--out", str(tmp_path / name)]) == 0
+    out = capsys.readouterr().out
+    assert "6 ok / 6 (0 failed)" in out and "goodput (req/s)" in out
+    data = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert data["config"]["seed"] == 1 and len(data["records"]) == 6
+    if (tmp_path / "a" / "ttft_cdf.png").exists():  # plots need matplotlib
+        assert (tmp_path / "a" / "worker_load.png").exists()
+    fig = tmp_path / "cmp.png"
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(fig)]) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].split() == ["a", "b"] and "TTFT median ms" in table
+    assert main(["--address", address, "--workload", "random", "-o", "bogus=1"]) == 2

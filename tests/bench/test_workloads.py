@@ -1,0 +1,150 @@
+"""Workloads are deterministic from the seed and have the structure they promise: agentic turns
+extend the previous prompt exactly, prefix-repetition shares exactly K prefixes, trace replay
+maps equal hash ids to equal token blocks; arrivals follow vLLM's gamma semantics."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+
+from benchmarks.arrivals import arrival_times
+from benchmarks.oracle import OracleCache
+from benchmarks.workloads import (
+    AgenticWorkload,
+    LongPromptWorkload,
+    PrefixRepetitionWorkload,
+    RandomWorkload,
+    TokenSpace,
+    TraceWorkload,
+    make_workload,
+    replay,
+    stand_in_answer,
+)
+
+TOKENS = TokenSpace(low=3, high=512, exclude=frozenset({7}))
+SMALL = [
+    AgenticWorkload(num_tenants=3, system_len=20, tools_len=12, user_len=6, output_len=4),
+    PrefixRepetitionWorkload(num_prefixes=3, prefix_len=16, suffix_len=5, output_len=3),
+    RandomWorkload(input_len=20, output_len=3, range_ratio=0.5),
+    LongPromptWorkload(chat_len=10, long_min=60, long_max=80, long_every=5),
+]
+
+
+@pytest.mark.parametrize("workload", SMALL, ids=lambda w: type(w).__name__)
+def test_deterministic_from_seed(workload):
+    a, b = replay(workload, TOKENS, 1, 15), replay(workload, TOKENS, 1, 15)
+    assert len(a) == 15 and a == b
+    assert [s.prompt_token_ids for s in replay(workload, TOKENS, 2, 15)] != [
+        s.prompt_token_ids for s in a
+    ]
+    assert len({s.request_id for s in a}) == 15
+    ids = [t for s in a for t in s.prompt_token_ids]
+    assert min(ids) >= 3 and max(ids) < 512 and 7 not in ids
+
+
+def test_agentic_turn_extends_previous_prompt_and_answer_exactly():
+    w = SMALL[0]
+    specs = replay(w, TOKENS, 0, 40)
+    by_session = itertools.groupby(specs, key=lambda s: s.session)
+    multi = 0
+    for _, turns in by_session:
+        turns = list(turns)
+        assert [t.turn for t in turns] == list(range(len(turns)))
+        assert 2 <= len(turns) <= 6 or turns[-1] is specs[-1]
+        for prev, cur in itertools.pairwise(turns):
+            multi += 1
+            head = prev.prompt_token_ids + tuple(stand_in_answer(prev, TOKENS, 0))
+            assert cur.prompt_token_ids[: len(head)] == head
+            assert 3 <= len(cur.prompt_token_ids) - len(head) <= 9  # a user turn of ~6
+    assert multi > 5
+    # sessions of one tenant share system prompt + tools (32 tokens), other tenants do not
+    firsts = [s for s in specs if s.turn == 0]
+    for x, y in itertools.combinations(firsts, 2):
+        same = x.prompt_token_ids[:32] == y.prompt_token_ids[:32]
+        assert same == (x.tenant == y.tenant)
+    # the next turn needs the real answer
+    session = next(iter(w.sessions(TOKENS, 0)))
+    session.next_turn(None)
+    with pytest.raises(ValueError, match="needs the answer"):
+        session.next_turn(None)
+
+
+def test_prefix_repetition_shares_exactly_k_prefixes():
+    w = SMALL[1]
+    specs = replay(w, TOKENS, 0, 12)
+    prefixes = [s.prompt_token_ids[:16] for s in specs]
+    assert len(set(prefixes)) == 3
+    for rnd in range(4):  # every round of K uses each prefix once
+        assert len(set(prefixes[rnd * 3 : rnd * 3 + 3])) == 3
+    assert len({s.prompt_token_ids[16:] for s in specs}) == 12
+    assert all(len(s.prompt_token_ids) == 21 for s in specs)
+    # an infinite cache hits the 16-token prefix (4 blocks of 4) of all but the first K
+    oracle = OracleCache(4)
+    hits = [oracle.lookup_and_insert(s.prompt_token_ids) for s in specs]
+    assert hits == [0, 0, 0] + [16] * 9
+
+
+def test_random_shares_nothing_and_long_prompts_arrive_mid_stream():
+    oracle = OracleCache(4)
+    assert (
+        sum(oracle.lookup_and_insert(s.prompt_token_ids) for s in replay(SMALL[2], TOKENS, 0, 30))
+        == 0
+    )
+    specs = replay(SMALL[3], TOKENS, 0, 15)
+    assert [i for i, s in enumerate(specs) if s.kind == "long"] == [2, 7, 12]
+    for s in specs:
+        n = len(s.prompt_token_ids)
+        assert 60 <= n <= 80 if s.kind == "long" else 5 <= n <= 15
+
+
+def test_trace_replay_maps_equal_hash_ids_to_equal_blocks(tmp_path):
+    rows = [
+        dict(timestamp=1000, input_length=8, output_length=2, hash_ids=[0, 1]),
+        dict(timestamp=1500, input_length=10, output_length=3, hash_ids=[0, 1, 2]),
+        dict(timestamp=3000, input_length=6, output_length=1, hash_ids=[3]),
+        dict(timestamp=3100, input_length=7, output_length=1, hash_ids=[2, 1]),
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    w = TraceWorkload(path=str(path), block_len=4, time_scale=2.0)
+    specs = replay(w, TOKENS, 0, 100)
+    assert [s.arrival_s for s in specs] == [0.0, 1.0, 4.0, 4.2]
+    assert [len(s.prompt_token_ids) for s in specs] == [8, 10, 6, 7]
+    assert [s.max_tokens for s in specs] == [2, 3, 1, 1]
+    p = [s.prompt_token_ids for s in specs]
+    assert p[1][:8] == p[0]  # hash ids 0, 1 again
+    assert p[3][:2] == p[1][8:10]  # hash id 2 (cut to 2 tokens in line 2) opens line 4
+    assert p[3][4:7] == p[0][4:7]  # then hash id 1
+    assert p[2][:4] not in (p[0][:4], p[0][4:8], p[3][:4])  # hash id 3 is new
+    assert replay(w, TOKENS, 0, 100) == specs
+    oracle = OracleCache(4)
+    assert [oracle.lookup_and_insert(x) for x in p] == [0, 8, 0, 0]
+
+
+def test_make_workload_options():
+    w = make_workload("long-prompt", {"long_min": "100", "long_every": "6"})
+    assert (w.long_min, w.long_every, w.long_max) == (100, 6, 8000)
+    assert make_workload("trace", {"path": "x.jsonl", "time_scale": "0.5"}).time_scale == 0.5
+    with pytest.raises(ValueError, match="no option 'nope'"):
+        make_workload("random", {"nope": "1"})
+    with pytest.raises(ValueError, match="unknown workload"):
+        make_workload("chatty")
+
+
+def test_arrivals_follow_vllm_gamma_semantics():
+    assert list(itertools.islice(arrival_times(math.inf), 5)) == [0.0] * 5
+    a = list(itertools.islice(arrival_times(4.0, 1.0, seed=3), 20001))
+    assert a == list(itertools.islice(arrival_times(4.0, 1.0, seed=3), 20001))
+    assert a[0] == 0.0
+    gaps = np.diff(a)
+    assert gaps.mean() == pytest.approx(0.25, rel=0.03)  # mean gap 1 / rate
+    assert gaps.var() == pytest.approx(0.25**2, rel=0.06)  # Poisson: var = mean^2
+    bursty = np.diff(list(itertools.islice(arrival_times(4.0, 0.25, seed=3), 20001)))
+    assert bursty.mean() == pytest.approx(0.25, rel=0.06)
+    assert bursty.var() == pytest.approx(0.25**2 / 0.25, rel=0.12)  # var = mean^2 / shape
+    with pytest.raises(ValueError, match="rate"):
+        next(arrival_times(0.0))
