@@ -1,4 +1,8 @@
-"""RayPeer: a Ray actor handle with synchronous method calls, as the workers' control peers."""
+"""RayPeer: a Ray actor handle as a worker transport (kvtransfer.worker_client.Transport).
+
+Callers use it through the typed clients: `prefill_client(handle)` / `decode_client(handle)`.
+A worker given a bare RayPeer as its peer wraps it the same way (worker_client.as_worker).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,12 @@ from typing import Any
 
 import ray
 
-from engine.errors import EngineError
+from kvtransfer.worker_api import is_contract_error
+from kvtransfer.worker_client import DecodeClient, PrefillClient
 
 
 class RayPeer:
-    """peer.method(*args) runs handle.method.remote(*args) and waits up to `timeout` seconds.
+    """call(method, *args) runs handle.method.remote(*args) and waits up to `timeout` seconds.
 
     Picklable (it carries only the handle), so it can be passed to other actors.
     """
@@ -23,22 +28,27 @@ class RayPeer:
     def handle(self) -> Any:
         return self._handle
 
-    def __getattr__(self, method: str):
-        if method.startswith("_"):
-            raise AttributeError(method)
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The actor method's return value; contract errors are raised as themselves."""
         remote = getattr(self._handle, method)
-
-        def call(*args, **kwargs):
-            try:
-                return ray.get(remote.remote(*args, **kwargs), timeout=self._timeout)
-            except ray.exceptions.RayTaskError as exc:
-                # The engine's own errors (bad input, no room) come back as themselves: their
-                # message is for the client, Ray's remote traceback is not.
-                if isinstance(exc.cause, EngineError):
-                    raise exc.cause from None
-                raise
-
-        return call
+        try:
+            return ray.get(remote.remote(*args, **kwargs), timeout=self._timeout)
+        except ray.exceptions.RayTaskError as exc:
+            # The contract's errors (bad input, no room, a failed transfer) come back as
+            # themselves: their message is for the client, Ray's remote traceback is not.
+            if is_contract_error(exc.cause):
+                raise exc.cause from None
+            raise
 
     def __reduce__(self):
         return RayPeer, (self._handle, self._timeout)
+
+
+def prefill_client(handle: Any, timeout: float = 120.0) -> PrefillClient:
+    """The typed client of a prefill worker actor."""
+    return PrefillClient(RayPeer(handle, timeout))
+
+
+def decode_client(handle: Any, timeout: float = 120.0) -> DecodeClient:
+    """The typed client of a decode worker actor."""
+    return DecodeClient(RayPeer(handle, timeout))

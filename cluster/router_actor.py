@@ -68,12 +68,12 @@ class RouterActor:
         max_model_len: int | None,
     ) -> None:
         """New requests go to these workers ({worker id: actor handle}) from now on."""
-        from cluster.ray_peer import RayPeer
+        from cluster.ray_peer import decode_client, prefill_client
 
         await self._control(
             self.router.set_workers,
-            {w: RayPeer(h) for w, h in prefill.items()},
-            {w: RayPeer(h) for w, h in decode.items()},
+            {w: prefill_client(h) for w, h in prefill.items()},
+            {w: decode_client(h) for w, h in decode.items()},
             block_size=block_size,
             hash_seed=hash_seed,
             max_model_len=max_model_len,

@@ -3,7 +3,8 @@
 For each request it reserves blocks for the whole prompt (reusing its own cached prefix),
 waits ("waiting for remote KV") while a prefill worker sends the missing blocks, then joins
 the running batch and streams tokens. A reservation whose KV does not arrive within the
-lease, or whose transfer fails, is freed and the request fails with a clear error.
+lease, or whose transfer fails, is freed and the request fails with a clear error. Its public
+methods are kvtransfer.worker_api.DecodeAPI.
 """
 
 from __future__ import annotations
@@ -25,40 +26,44 @@ from kvtransfer import (
     TransferTimeout,
 )
 from kvtransfer.endpoint import TransferEndpoint
+from kvtransfer.worker_api import PromptRequest, Reservation, Role, TokenOutput
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class _Reservation:
+class _Expected:
+    """A reservation waiting for its KV."""
+
     prefill_id: str | None
     dst_block_ids: tuple[int, ...]  # the blocks the prefill worker must fill
 
 
-def output_dict(out) -> dict:
-    """A RequestOutput as plain values (for RPC and actor calls)."""
-    return {
-        "request_id": out.request_id,
-        "token_ids": list(out.new_token_ids),
-        "text": out.new_text,
-        "finished": out.finished,
-        "finish_reason": out.finish_reason,
-        "num_cached_tokens": out.num_cached_tokens,
-        "error": out.error,
-        "stop_reason": out.stop_reason,
-    }
+def token_output(out) -> TokenOutput:
+    """An engine RequestOutput as the contract's TokenOutput."""
+    return TokenOutput(
+        request_id=out.request_id,
+        token_ids=tuple(out.new_token_ids),
+        text=out.new_text,
+        finished=out.finished,
+        finish_reason=out.finish_reason,
+        num_cached_tokens=out.num_cached_tokens,
+        error=out.error,
+        stop_reason=out.stop_reason,
+    )
 
 
 class DecodeWorker(TransferEndpoint):
     """Decode role: reserve, receive KV, decode with continuous batching, stream tokens."""
 
-    role = "decode"
+    role = Role.DECODE
+    peer_role = Role.PREFILL
 
     def __init__(
         self, worker_id: str, engine_options: dict | None = None, transfer: dict | None = None
     ) -> None:
         super().__init__(worker_id, engine_options, transfer)
-        self._expect: dict[str, _Reservation] = {}
+        self._expect: dict[str, _Expected] = {}
         self._receiving: set[str] = set()  # requests whose blocks a transfer is writing
         self._aborted: set[str] = set()  # aborted while receiving: failed once it ends
         self._streams: dict[str, RequestStream] = {}
@@ -68,7 +73,8 @@ class DecodeWorker(TransferEndpoint):
 
     # ---- control API -----------------------------------------------------------------------
     def connect_prefill(self, prefill_id: str, address: dict, peer: Any = None) -> None:
-        """Join the pair group a prefill worker hosts; `peer` has ack(rid)/abort(rid, ...)."""
+        """Join the pair group a prefill worker hosts; `peer` is that worker (PrefillAPI, a
+        transport or an RPC address): acks and aborts reach it."""
         with self._lock:
             if prefill_id in self.registry:
                 return
@@ -82,51 +88,44 @@ class DecodeWorker(TransferEndpoint):
         """Tear down the pair group (the prefill worker left)."""
         self._disconnect(prefill_id)
 
-    def reserve(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: dict,
-        seed: int,
-        cache_salt: str | None = None,
-        prefill_id: str | None = None,
-    ) -> dict:
-        """Reserve blocks for the prompt; returns the blocks the prefill side must fill."""
-        stream = self.loop.open_stream(request_id)
+    def reserve(self, request: PromptRequest, prefill_id: str | None = None) -> Reservation:
+        """Reserve blocks for the prompt (request.seed must be set); returns the blocks the
+        prefill side must fill."""
+        rid = request.request_id
+        stream = self.loop.open_stream(rid)
         try:
             ids, hits = self.loop.run(
                 self.engine.reserve_remote,
-                request_id,
-                prompt_token_ids,
-                SamplingParams(**params),
-                seed,
-                cache_salt,
+                rid,
+                list(request.prompt_token_ids),
+                SamplingParams(**request.params),
+                request.seed,
+                request.cache_salt,
             )
         except Exception:
-            self.loop.close_stream(request_id)
+            self.loop.close_stream(rid)
             raise
         with self._lock:
-            self._streams[request_id] = stream
-            self._expect[request_id] = _Reservation(prefill_id, tuple(ids[hits:]))
-        self.leases.grant(request_id, prefill_id or "", self.options.lease_seconds)
-        return {"num_hit_blocks": hits, "dst_block_ids": ids[hits:], "num_blocks": len(ids)}
+            self._streams[rid] = stream
+            self._expect[rid] = _Expected(prefill_id, tuple(ids[hits:]))
+        self.leases.grant(rid, prefill_id or "", self.options.lease_seconds)
+        return Reservation(
+            num_hit_blocks=hits, dst_block_ids=tuple(ids[hits:]), num_blocks=len(ids)
+        )
 
-    def local_generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: dict,
-        cache_salt: str | None = None,
-        seed: int | None = None,
-    ) -> None:
+    def local_generate(self, request: PromptRequest) -> None:
         """Prefill locally (a short uncached tail: no transfer) and decode."""
         stream = self.loop.submit(
-            request_id, prompt_token_ids, SamplingParams(**params), cache_salt=cache_salt, seed=seed
+            request.request_id,
+            list(request.prompt_token_ids),
+            SamplingParams(**request.params),
+            cache_salt=request.cache_salt,
+            seed=request.seed,
         )
         with self._lock:
-            self._streams[request_id] = stream
+            self._streams[request.request_id] = stream
 
-    def poll(self, request_id: str, timeout: float = 1.0) -> list[dict]:
+    def poll(self, request_id: str, timeout: float = 1.0) -> list[TokenOutput]:
         """Outputs of a request since the last poll; waits up to timeout for the first one."""
         with self._lock:
             stream = self._streams.get(request_id)
@@ -141,7 +140,7 @@ class DecodeWorker(TransferEndpoint):
         if stream.finished:
             with self._lock:
                 self._streams.pop(request_id, None)
-        return [output_dict(o) for o in outs]
+        return [token_output(o) for o in outs]
 
     def abort(self, request_id: str, propagate: bool = True) -> bool:
         """Abort everywhere: free this side's blocks and tell the prefill worker."""
@@ -151,13 +150,16 @@ class DecodeWorker(TransferEndpoint):
                 self._aborted.add(request_id)
         self.leases.release(request_id)
         found = self.loop.run(self.engine.abort, request_id)
-        if propagate and reservation is not None and reservation.prefill_id in self._peers:
-            self._tell_peer(reservation.prefill_id, "abort", request_id)
+        if propagate and reservation is not None and reservation.prefill_id is not None:
+            self._notify_peer(
+                reservation.prefill_id,
+                f"abort({request_id})",
+                lambda prefill: prefill.abort(request_id, propagate=False),
+            )
         return found or reservation is not None
 
-    def stats(self) -> dict:
+    def _role_stats(self) -> dict:
         return {
-            **super().stats(),
             "num_waiting_for_kv": len(self._expect),
             "bytes_received": self.bytes_received,
             "blocks_received": self.blocks_received,
@@ -215,7 +217,7 @@ class DecodeWorker(TransferEndpoint):
             self.loop.run(self.engine.complete_remote, rid, desc.first_token)
         except KeyError:
             return
-        self._tell_peer(prefill_id, "ack", rid)
+        self._notify_peer(prefill_id, f"ack({rid})", lambda prefill: prefill.ack(rid))
 
     def _fail_receiving(self, prefill_id: str, error: object) -> bool:
         """Fail the request whose transfer from prefill_id broke; True if there was one."""
@@ -223,7 +225,7 @@ class DecodeWorker(TransferEndpoint):
             broken = [
                 rid
                 for rid in self._receiving
-                if self._expect.get(rid, _Reservation(None, ())).prefill_id == prefill_id
+                if self._expect.get(rid, _Expected(None, ())).prefill_id == prefill_id
                 or rid in self._aborted
             ]
             for rid in broken:
@@ -258,20 +260,3 @@ class DecodeWorker(TransferEndpoint):
                 f"KV from prefill worker {lease.owner} did not "
                 f"arrive within the {self.options.lease_seconds:.0f}s lease",
             )
-
-    def _tell_peer(self, prefill_id: str, method: str, request_id: str) -> None:
-        peer = self._peers.get(prefill_id)
-        if peer is None:
-            return
-
-        def call() -> None:
-            try:
-                getattr(peer, method)(request_id, propagate=False) if method == "abort" else (
-                    getattr(peer, method)(request_id)
-                )
-            except Exception as exc:  # noqa: BLE001 - the peer's lease covers a lost message
-                logger.warning(
-                    "%s(%s) to prefill worker %s failed: %s", method, request_id, prefill_id, exc
-                )
-
-        threading.Thread(target=call, daemon=True).start()

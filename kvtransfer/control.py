@@ -2,9 +2,11 @@
 
 Server: exposes the public methods of one object on 127.0.0.1:<free port>. Client: calls
 them with a per-call timeout; each concurrent call uses its own pooled connection, so a
-long call (a prefill) does not block short ones. Errors come back as RemoteError carrying
-the remote exception's type name and message, never as a hang: a dead server raises
-PeerUnavailable. Under Ray, actor calls replace this channel.
+long call (a prefill) does not block short ones. A remote error arrives as itself when its
+type is in the worker contract's registry (kvtransfer.worker_api.ERRORS), else as RemoteError
+carrying its type name and message; never as a hang: a dead server raises PeerUnavailable.
+Callers use it through kvtransfer.worker_client's typed clients. Under Ray,
+cluster.ray_peer.RayPeer replaces this channel.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import threading
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
+from kvtransfer.worker_api import remote_error
+
 logger = logging.getLogger(__name__)
 
 
 class RemoteError(RuntimeError):
-    """The remote method raised; `kind` is its exception class name."""
+    """The remote method raised an error outside the contract; `kind` is its class name."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(f"{kind}: {message}")
@@ -88,7 +92,8 @@ class RpcServer:
 
 
 class RpcClient:
-    """Calls a remote RpcServer's methods: client.call("name", *args, timeout=...)."""
+    """Calls a remote RpcServer's methods: client.call("name", *args, timeout=...) (a
+    worker_client.Transport)."""
 
     def __init__(self, address: dict, default_timeout: float = 60.0) -> None:
         self.address = dict(address)
@@ -114,12 +119,8 @@ class RpcClient:
         self._checkin(conn)
         if reply[0] == "ok":
             return reply[1]
-        raise RemoteError(reply[1], reply[2])
-
-    def __getattr__(self, method: str):
-        if method.startswith("_"):
-            raise AttributeError(method)
-        return lambda *args, **kwargs: self.call(method, *args, **kwargs)
+        _, kind, message = reply
+        raise remote_error(kind, message) or RemoteError(kind, message)
 
     def close(self) -> None:
         with self._lock:
@@ -157,11 +158,3 @@ def serve_until_closed(target: Any, conn: Connection) -> None:
         pass
     server.close()
     target.shutdown()
-
-
-def control_peer(peer: Any) -> Any:
-    """An object with the peer's control methods: an RPC address dict becomes an RpcClient;
-    anything else (an in-process worker, an actor wrapper) is used as is."""
-    if isinstance(peer, dict) and {"host", "port", "authkey"} <= peer.keys():
-        return RpcClient(peer, default_timeout=30.0)
-    return peer

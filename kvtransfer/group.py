@@ -18,7 +18,14 @@ import torch.distributed as dist
 
 from kvtransfer.backends import resolve_backend, route_to
 from kvtransfer.errors import AddressError, PeerLost, UnknownPeer
-from kvtransfer.pair import EPOCH_KEY, HOST_RANK, JOIN_RANK, PeerGroup, StoreHung, call_bounded
+from kvtransfer.pair import (
+    EPOCH_KEY,
+    HOST_RANK,
+    JOIN_RANK,
+    BoundedCaller,
+    PeerGroup,
+    StoreHung,
+)
 
 
 class GroupRegistry:
@@ -90,14 +97,16 @@ class GroupRegistry:
         host, port, name = _check_address(address, self.backend)
         self._check_new(peer_id)
         td = timedelta(seconds=self.timeout)
+        caller = BoundedCaller(name)  # the pair's store calls run on it from now on
         try:
-            tcp = call_bounded(
+            tcp = caller.call(
                 lambda: dist.TCPStore(
                     host, port, is_master=False, wait_for_workers=False, timeout=td
                 ),
                 self.timeout * 1.5 + 1.0,
             )
         except (StoreHung, RuntimeError) as e:
+            caller.close()
             raise PeerLost(
                 f"cannot reach the store of peer {peer_id!r} at {host}:{port} within "
                 f"{self.timeout}s: {str(e) or 'no answer'}"
@@ -111,6 +120,7 @@ class GroupRegistry:
             self.timeout,
             route_to(host, port),
             tcp,
+            caller,
         )
         self._add(group)
 

@@ -8,13 +8,14 @@ A fresh prefix matters: gloo's rendezvous keys of a failed attempt point at dead
 
 Deadlines: backend operations are bounded by work.wait(timeout) (kvtransfer.transfer). Store
 calls are bounded here: a TCPStore client call blocks forever when the store's host process
-hangs, so on the joined side every store call and group construction runs on a helper thread
-that is abandoned after the deadline (`call_bounded`).
+hangs, so on the joined side every store call and group construction runs on the pair's one
+long-lived caller thread (`BoundedCaller`), and the caller stops waiting after the deadline.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,32 +43,58 @@ class StoreHung(Exception):
         self.done = done
 
 
-def call_bounded(fn: Callable[[], Any], timeout: float) -> Any:
-    """fn() run on a daemon thread; StoreHung if it takes longer than `timeout` seconds.
+class _Call:
+    """One call for a BoundedCaller's thread; `done` is set once it returned or raised."""
 
-    Used for calls into a store whose server runs in another process (see module docstring).
-    """
-    box: dict[str, Any] = {}
-    done = threading.Event()
-    # The caller's CUDA device (a backend group built here binds to the current device).
-    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    __slots__ = ("device", "done", "error", "fn", "value")
 
-    def run() -> None:
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        # The caller's CUDA device (a backend group built here binds to the current device).
+        self.device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
         try:
-            if device is not None:
-                torch.cuda.set_device(device)
-            box["value"] = fn()
-        except BaseException as e:  # handed to the caller below
-            box["error"] = e
+            if self.device is not None:
+                torch.cuda.set_device(self.device)
+            self.value = self.fn()
+        except BaseException as e:  # handed to the caller by BoundedCaller.call
+            self.error = e
         finally:
-            done.set()
+            self.done.set()
 
-    threading.Thread(target=run, name="kvtransfer-call", daemon=True).start()
-    if not done.wait(timeout):
-        raise StoreHung(done)
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+
+class BoundedCaller:
+    """One daemon thread that runs calls in order, for calls into a store whose server runs
+    in another process (see module docstring). A call that outlives its deadline keeps the
+    thread until it returns; calls queued behind it wait (PeerGroup waits for its `done`
+    before it issues more)."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=f"kvt-call-{name}", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """fn() on the thread; StoreHung if it does not end within `timeout` seconds."""
+        call = _Call(fn)
+        self._calls.put(call)
+        if not call.done.wait(timeout):
+            raise StoreHung(call.done)
+        if call.error is not None:
+            raise call.error
+        return call.value
+
+    def close(self) -> None:
+        """Stop the thread once the calls queued so far have run."""
+        self._calls.put(None)
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            call.run()
 
 
 # ---- one pair -----------------------------------------------------------------------------
@@ -85,6 +112,7 @@ class PeerGroup:
         timeout: float,
         local_host: str,
         tcp_store: dist.TCPStore,
+        caller: BoundedCaller | None = None,
     ) -> None:
         self.peer_id = peer_id
         self.rank = rank
@@ -100,6 +128,8 @@ class PeerGroup:
         # Set while a store call that outlived its deadline still owns the store connection.
         self._stuck: threading.Event | None = None
         self._tcp: dist.TCPStore | None = tcp_store
+        # Joined side: the thread its store calls run on (the host's store is in-process).
+        self._caller = caller if caller is not None or self.is_host else BoundedCaller(name)
         self.store: dist.Store | None = dist.PrefixStore(f"kvt/{name}", tcp_store)
         self._failed_epoch: int | None = None  # epoch whose failure is not yet in the store
         self._lock = threading.Lock()
@@ -131,10 +161,10 @@ class PeerGroup:
 
     # ---- store operations (call inside a session; each bounded by `timeout`) ----------------
     def _bounded(self, what: str, fn: Callable[[], Any], timeout: float | None = None) -> Any:
-        if self.is_host:
+        if self._caller is None:
             return fn()  # the store server runs in this process: a hung peer cannot stall it
         try:
-            return call_bounded(fn, self.timeout if timeout is None else timeout)
+            return self._caller.call(fn, self.timeout if timeout is None else timeout)
         except StoreHung as hung:
             self._stuck = hung.done
             if self.pg_epoch is not None and self._failed_epoch is None:
@@ -273,3 +303,5 @@ class PeerGroup:
         self.staging = None
         self.store = None
         self._tcp = None  # last reference: the host's store server stops with it
+        if self._caller is not None:
+            self._caller.close()

@@ -3,8 +3,8 @@
 It runs chunked prefill (with prefix caching) for many requests at once, samples each
 request's first token, sends the KV blocks the decode worker lacks over the pair's process
 group, and keeps the blocks as prefix cache once the decode side acknowledges (or the lease
-runs out). Its methods are the control API: plain values in and out, so they can be called
-over kvtransfer.control RPC or as Ray actor methods.
+runs out). Its public methods are kvtransfer.worker_api.PrefillAPI, called in process, over
+kvtransfer.control RPC or as Ray actor methods.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from engine.block_hash import hash_prompt_blocks
 from engine.config import use_device
 from kvtransfer import TransferDescriptor, dtype_name
 from kvtransfer.endpoint import TransferEndpoint
+from kvtransfer.worker_api import PrefillResult, PromptRequest, Reservation, Role
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ class _SendJob:
 class PrefillWorker(TransferEndpoint):
     """Prefill role: prompt in, first token out, KV shipped to a decode worker."""
 
-    role = "prefill"
+    role = Role.PREFILL
+    peer_role = Role.DECODE
 
     def __init__(
         self, worker_id: str, engine_options: dict | None = None, transfer: dict | None = None
@@ -55,7 +57,8 @@ class PrefillWorker(TransferEndpoint):
     def connect_decode(self, decode_id: str, peer: Any = None) -> dict:
         """Host the pair group with a decode worker; returns the address it must join.
 
-        `peer`, if given, has abort(request_id, propagate=False): aborts here reach it.
+        `peer`, if given, is the decode worker (DecodeAPI, a transport or an RPC address):
+        aborts here reach it.
         """
         with self._lock:
             self._attach_peer(decode_id, peer)
@@ -85,62 +88,59 @@ class PrefillWorker(TransferEndpoint):
 
     def prefill(
         self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: dict,
-        cache_salt: str | None = None,
+        request: PromptRequest,
         decode_id: str | None = None,
-        num_hit_blocks: int = 0,
-        dst_block_ids: list[int] | None = None,
+        reservation: Reservation | None = None,
         timeout: float = 600.0,
-    ) -> dict:
+    ) -> PrefillResult:
         """Prefill the prompt and sample its first token.
 
-        With decode_id, the blocks from num_hit_blocks on are sent to dst_block_ids of that
-        decode worker; the blocks stay held (leased) until ack() or the lease ends.
-        Returns {"finish_reason", "first_token", "seed", "num_cached_tokens", "error"}.
+        With decode_id, the blocks from reservation.num_hit_blocks on are sent to
+        reservation.dst_block_ids of that decode worker; the blocks stay held (leased) until
+        ack() or the lease ends.
         """
-        sp = SamplingParams(**params)
-        seed = sp.seed if sp.seed is not None else random.getrandbits(63)  # router sets one
+        rid, prompt, params = request.request_id, list(request.prompt_token_ids), request.params
+        seed = request.seed if request.seed is not None else random.getrandbits(63)
         stream = self.loop.submit(
-            request_id, prompt_token_ids, sp, cache_salt=cache_salt, seed=seed, prefill_only=True
+            rid,
+            prompt,
+            SamplingParams(**params),
+            cache_salt=request.cache_salt,
+            seed=seed,
+            prefill_only=True,
         )
         out = stream.get(timeout=timeout)
-        result = {
-            "finish_reason": out.finish_reason,
-            "first_token": None,
-            "seed": seed,
-            "num_cached_tokens": out.num_cached_tokens,
-            "error": out.error,
-        }
         if out.finish_reason != "prefilled":
-            return result
-        result["first_token"] = out.new_token_ids[0]
+            return PrefillResult(out.finish_reason, None, seed, out.num_cached_tokens, out.error)
+        result = PrefillResult(
+            out.finish_reason, out.new_token_ids[0], seed, out.num_cached_tokens, out.error
+        )
         if decode_id is None:
-            self.loop.run(self.engine.release_held, request_id)
+            self.loop.run(self.engine.release_held, rid)
             return result
-        num_blocks = -(-len(prompt_token_ids) // self.engine.config.block_size)
+        num_hit_blocks = reservation.num_hit_blocks if reservation is not None else 0
+        num_blocks = -(-len(prompt) // self.engine.config.block_size)
         missing = tuple(range(num_hit_blocks, num_blocks))
-        if dst_block_ids is None or len(dst_block_ids) != len(missing):
-            self.loop.run(self.engine.release_held, request_id)
+        if reservation is None or len(reservation.dst_block_ids) != len(missing):
+            self.loop.run(self.engine.release_held, rid)
             raise ValueError(
                 f"dst_block_ids must list {len(missing)} blocks "
                 f"(prompt blocks {num_hit_blocks}..{num_blocks - 1})"
             )
-        self.leases.grant(request_id, decode_id, self.options.lease_seconds)
+        self.leases.grant(rid, decode_id, self.options.lease_seconds)
         cfg = self.engine.config
         hashes = tuple(
-            hash_prompt_blocks(prompt_token_ids, cfg.block_size, cfg.hash_seed, cache_salt)
+            hash_prompt_blocks(prompt, cfg.block_size, cfg.hash_seed, request.cache_salt)
         )
         self._sender(decode_id).put(
             _SendJob(
-                request_id,
+                rid,
                 decode_id,
                 missing,
-                tuple(dst_block_ids),
-                result["first_token"],
+                tuple(reservation.dst_block_ids),
+                result.first_token,
                 {"seed": seed, "params": params},
-                len(prompt_token_ids),
+                len(prompt),
                 hashes,
             )
         )
@@ -156,14 +156,16 @@ class PrefillWorker(TransferEndpoint):
         the decode worker it was bound for is told too."""
         lease = self.leases.release(request_id)
         found = self.loop.run(self.engine.abort, request_id)
-        peer = self._peers.get(lease.owner) if lease is not None else None
-        if propagate and peer is not None:
-            threading.Thread(target=_quietly, args=(peer.abort, request_id), daemon=True).start()
+        if propagate and lease is not None:
+            self._notify_peer(
+                lease.owner,
+                f"abort({request_id})",
+                lambda decode: decode.abort(request_id, propagate=False),
+            )
         return found
 
-    def stats(self) -> dict:
+    def _role_stats(self) -> dict:
         return {
-            **super().stats(),
             "num_held": len(self.engine.held_requests()),
             "bytes_sent": self.bytes_sent,
             "blocks_sent": self.blocks_sent,
@@ -224,10 +226,3 @@ class PrefillWorker(TransferEndpoint):
                 logger.warning(
                     "lease of %s ran out without an ack; blocks released", lease.request_id
                 )
-
-
-def _quietly(fn, request_id: str) -> None:
-    try:
-        fn(request_id, propagate=False)
-    except Exception as exc:  # noqa: BLE001 - the peer's lease covers a lost message
-        logger.warning("telling peer about %s failed: %s", request_id, exc)

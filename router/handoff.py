@@ -2,8 +2,9 @@
 
     decode.reserve -> prefill.prefill (sends the missing blocks) -> decode streams tokens
 
-Workers are any objects with the PrefillWorker / DecodeWorker control methods: in-process
-instances, kvtransfer.control.RpcClient proxies, or Ray actor wrappers.
+Workers are kvtransfer.worker_api.PrefillAPI / DecodeAPI: in-process instances or the typed
+clients of kvtransfer.worker_client (over RPC or Ray). What it yields are the router's output
+dicts (TokenOutput.to_dict()).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
-from typing import Any
+
+from kvtransfer.worker_api import DecodeAPI, PrefillAPI, PromptRequest
 
 
 def error_output(request_id: str, message: str, reason: str = "error") -> dict:
+    """The last output of a request that failed (same keys as TokenOutput.to_dict())."""
     return {
         "request_id": request_id,
         "token_ids": [],
@@ -28,8 +31,8 @@ def error_output(request_id: str, message: str, reason: str = "error") -> dict:
 
 
 def generate_disaggregated(
-    prefill: Any,
-    decode: Any,
+    prefill: PrefillAPI,
+    decode: DecodeAPI,
     request_id: str,
     prompt_token_ids: list[int],
     params: dict,
@@ -47,36 +50,25 @@ def generate_disaggregated(
     params = dict(params)
     if params.get("seed") is None:
         params["seed"] = random.getrandbits(63)
-    reservation = decode.reserve(
-        request_id, prompt_token_ids, params, params["seed"], cache_salt, prefill_id
-    )
+    request = PromptRequest(request_id, tuple(prompt_token_ids), params, cache_salt)
+    reservation = decode.reserve(request, prefill_id)
     try:
-        first = prefill.prefill(
-            request_id,
-            prompt_token_ids,
-            params,
-            cache_salt,
-            decode_id,
-            reservation["num_hit_blocks"],
-            reservation["dst_block_ids"],
-        )
+        first = prefill.prefill(request, decode_id, reservation)
     except Exception as exc:  # noqa: BLE001 - reported to the client as this request's error
         decode.abort(request_id, propagate=False)
         yield error_output(request_id, f"prefill worker {prefill_id} failed: {exc}")
         return
-    if first["finish_reason"] != "prefilled":
+    if not first.prefilled:
         decode.abort(request_id, propagate=False)
         yield error_output(
-            request_id,
-            first["error"] or f"prefill {first['finish_reason']}",
-            first["finish_reason"],
+            request_id, first.error or f"prefill {first.finish_reason}", first.finish_reason
         )
         return
-    yield from stream_outputs(decode, request_id, timeout, poll_s, first["num_cached_tokens"])
+    yield from stream_outputs(decode, request_id, timeout, poll_s, first.num_cached_tokens)
 
 
 def generate_local(
-    decode: Any,
+    decode: DecodeAPI,
     request_id: str,
     prompt_token_ids: list[int],
     params: dict,
@@ -87,12 +79,12 @@ def generate_local(
 ) -> Iterator[dict]:
     """Conditional disaggregation: the decode worker prefills the prompt itself (its uncached
     tail is short), so no KV moves. Yields output dicts like generate_disaggregated."""
-    decode.local_generate(request_id, prompt_token_ids, params, cache_salt, params.get("seed"))
+    decode.local_generate(PromptRequest(request_id, tuple(prompt_token_ids), params, cache_salt))
     yield from stream_outputs(decode, request_id, timeout, poll_s)
 
 
 def stream_outputs(
-    decode: Any,
+    decode: DecodeAPI,
     request_id: str,
     timeout: float,
     poll_s: float,
@@ -101,7 +93,8 @@ def stream_outputs(
     """Poll the decode worker until the request finishes or the deadline passes (abort)."""
     deadline = time.monotonic() + timeout
     while True:
-        for out in decode.poll(request_id, poll_s):
+        for token_output in decode.poll(request_id, poll_s):
+            out = token_output.to_dict()
             if num_cached_tokens is not None:
                 out["num_cached_tokens"] = num_cached_tokens
             yield out

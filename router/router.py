@@ -1,10 +1,11 @@
 """Router: picks the prefill and decode worker of each request and streams its tokens.
 
-Transport-agnostic: workers are control objects (in-process workers, RPC clients or
-cluster.ray_peer.RayPeer wrappers). The prefill choice uses a KV index built from the
-workers' own stored/removed events, the queued prefill tokens counted from dispatch, and the
-named policy; the decode choice uses free blocks, running requests and the decode worker's
-own cached prefix. The gRPC front door (cluster issue) sits on top of this class.
+Transport-agnostic: workers are kvtransfer.worker_api.PrefillAPI / DecodeAPI (in-process
+workers, or kvtransfer.worker_client clients over RPC or Ray). The prefill choice uses a KV
+index built from the workers' own stored/removed events, the queued prefill tokens counted
+from dispatch, and the named policy; the decode choice uses free blocks, running requests and
+the decode worker's own cached prefix. The front doors (router/server.py for gRPC, the HTTP
+server) translate the dicts of `generate`.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
+from typing import TypeVar
 
 from engine.block_hash import hash_prompt_blocks
 from engine.errors import InvalidRequestError, NoFreeBlocksError
+from kvtransfer.worker_api import DecodeAPI, PrefillAPI, Role, WorkerStats
 from router.handoff import generate_disaggregated, generate_local
 from router.kv_index import KVIndex
 from router.policy import (
@@ -34,6 +37,18 @@ from router.policy import (
 logger = logging.getLogger(__name__)
 
 CAPACITY_POLL_S = 0.2  # how often a request waiting for free decode KV blocks looks again
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """One worker as Router.status() reports it: stats is None when it did not answer."""
+
+    worker_id: str
+    role: Role
+    healthy: bool
+    stats: WorkerStats | None
+    error: str | None = None
 
 
 class Router:
@@ -41,8 +56,8 @@ class Router:
 
     def __init__(
         self,
-        prefill: dict[str, Any],
-        decode: dict[str, Any],
+        prefill: dict[str, PrefillAPI],
+        decode: dict[str, DecodeAPI],
         *,
         block_size: int,
         hash_seed: str,
@@ -66,26 +81,32 @@ class Router:
         # With no healthy worker in a pool, a request waits this long for one (a worker
         # being replaced or restarted) before it fails with NoWorkerAvailable.
         self.wait_for_workers_s = wait_for_workers_s
-        self._changed = threading.Condition()  # notified when pools or health change
         self.index = KVIndex()
         self.load = LoadTracker()
-        self._lock = threading.Lock()  # pools and index membership
-        self._events_lock = threading.Lock()  # a worker's events apply in emission order
         for worker_id in [*self.prefill, *self.decode]:
             self.index.add_worker(worker_id)
-        self._pick_lock = threading.Lock()  # pools, choices and _active change together
+        # Guards the pools (prefill, decode, block_size, hash_seed), the index's membership,
+        # _healthy, _active, _refreshing and the token counters: a worker set_workers removed
+        # is never picked once it returns, and _active names only workers of some pool.
+        self._lock = threading.Lock()
+        # On _lock; notified when the pools or health change (a request waiting for a worker
+        # looks again) and when an index refresh ends (_refreshing went False).
+        self._changed = threading.Condition(self._lock)
+        # One refresh at a time, so that a worker's KV events apply in the order it emitted
+        # them; taking them is a network round trip, done without holding _lock.
+        self._refreshing = False
         # Workers are asked side by side (each call may be a network round trip).
         self._calls = ThreadPoolExecutor(max_workers=16, thread_name_prefix="router-call")
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         # request id -> ((prefill id, worker) or None when prefilled locally, (decode id, worker))
-        self._active: dict[str, tuple[tuple[str, Any] | None, tuple[str, Any]]] = {}
+        self._active: dict[str, tuple[tuple[str, PrefillAPI] | None, tuple[str, DecodeAPI]]] = {}
         self._healthy: dict[str, bool] = {}  # from the controller; unknown = healthy
 
     def set_workers(
         self,
-        prefill: dict[str, Any],
-        decode: dict[str, Any],
+        prefill: dict[str, PrefillAPI],
+        decode: dict[str, DecodeAPI],
         *,
         block_size: int | None = None,
         hash_seed: str | None = None,
@@ -93,7 +114,7 @@ class Router:
     ) -> None:
         """Replace the pools new requests are routed to. A worker left out takes no new
         request once this returns; requests already on it finish (see active_counts)."""
-        with self._lock, self._pick_lock:
+        with self._changed:
             old = {*self.prefill, *self.decode}
             new = {*prefill, *decode}
             for worker_id in old - new:
@@ -113,7 +134,6 @@ class Router:
             self.prefill, self.decode = dict(prefill), dict(decode)
             if max_model_len is not None:
                 self.max_model_len = max_model_len
-        with self._changed:
             self._changed.notify_all()
 
     def configure(self, policy: str, local_prefill_tokens: int, wait_for_workers_s: float) -> None:
@@ -127,7 +147,7 @@ class Router:
     def active_counts(self) -> dict[str, int]:
         """Running requests per worker id (prefill and decode side both count)."""
         counts: dict[str, int] = {}
-        with self._pick_lock:
+        with self._lock:
             for prefill, (decode_id, _) in self._active.values():
                 for worker_id in ([prefill[0]] if prefill else []) + [decode_id]:
                     counts[worker_id] = counts.get(worker_id, 0) + 1
@@ -136,7 +156,7 @@ class Router:
     def update_membership(self, health: dict) -> None:
         """Apply the controller's check_health(): restarted workers start with an empty cache,
         unhealthy ones get no new requests."""
-        with self._lock:
+        with self._changed:
             known = {*self.prefill, *self.decode}
             for worker_id in health.get("restarted", []):
                 if worker_id in known:
@@ -146,12 +166,12 @@ class Router:
             self._healthy.update(
                 {w: ok for w, ok in health.get("healthy", {}).items() if w in known}
             )
-        with self._changed:
             self._changed.notify_all()
 
     def abort(self, request_id: str) -> bool:
         """Abort a running request on its decode worker (which tells the prefill worker)."""
-        workers = self._active.get(request_id)
+        with self._lock:
+            workers = self._active.get(request_id)
         if workers is None:
             return False
         prefill, (_, decode) = workers
@@ -160,16 +180,17 @@ class Router:
             prefill[1].abort(request_id)
         return True
 
-    def status(self) -> list[dict]:
-        """Every worker's stats with its role and health."""
+    def status(self) -> list[WorkerStatus]:
+        """Every worker's stats with its role and health (healthy: it answered)."""
+        with self._lock:
+            pools = ((Role.PREFILL, dict(self.prefill)), (Role.DECODE, dict(self.decode)))
         out = []
-        for role, pool in (("prefill", self.prefill), ("decode", self.decode)):
+        for role, pool in pools:
             for worker_id, worker in pool.items():
                 try:
-                    stats, healthy = worker.stats(), True
+                    out.append(WorkerStatus(worker_id, role, True, worker.stats()))
                 except Exception as exc:  # noqa: BLE001 - reported as unhealthy
-                    stats, healthy = {"error": str(exc)}, False
-                out.append({**stats, "worker_id": worker_id, "role": role, "healthy": healthy})
+                    out.append(WorkerStatus(worker_id, role, False, None, str(exc)))
         return out
 
     def hit_rate(self) -> float:
@@ -179,19 +200,28 @@ class Router:
     def refresh_index(self) -> None:
         """Apply the KV events every healthy worker published since the last refresh. A
         worker that does not answer is skipped (its events come with a later refresh)."""
-        with self._events_lock:
-            with self._lock:
-                workers = [
-                    (w, p)
-                    for w, p in [*self.prefill.items(), *self.decode.items()]
-                    if self._healthy.get(w, True)
-                ]
-            events = list(self._calls.map(lambda w: _ask(w, "kv_events"), workers))
+        with self._changed:
+            while self._refreshing:
+                self._changed.wait()
+            self._refreshing = True
+            workers = [
+                (w, p)
+                for w, p in [*self.prefill.items(), *self.decode.items()]
+                if self._healthy.get(w, True)
+            ]
+        try:
+            events = list(
+                self._calls.map(lambda w: _ask(w[0], "kv_events", w[1].kv_events), workers)
+            )
             with self._lock:
                 current = {*self.prefill, *self.decode}
                 for (worker_id, _), worker_events in zip(workers, events, strict=True):
                     if worker_events and worker_id in current:
                         self.index.apply(worker_id, worker_events)
+        finally:
+            with self._changed:
+                self._refreshing = False
+                self._changed.notify_all()
 
     def generate(
         self,
@@ -245,7 +275,7 @@ class Router:
         prefill = (choice.worker_id, prefill_pool[choice.worker_id])
         decode = (decode_choice.worker_id, decode_pool[decode_choice.worker_id])
         local = n - decode_choice.hit_blocks * self.block_size <= self.local_prefill_tokens
-        with self._pick_lock:
+        with self._lock:
             if request_id in self._active:
                 raise InvalidRequestError(f"request id {request_id!r} is already running")
             stale = choice.worker_id not in self.prefill or decode[0] not in self.decode
@@ -283,7 +313,7 @@ class Router:
         except Exception as exc:
             if not (
                 not prefilled
-                and _no_free_blocks(exc)
+                and isinstance(exc, NoFreeBlocksError)
                 and decode_choice.can_fit_later
                 and time.monotonic() + CAPACITY_POLL_S < deadline
             ):
@@ -299,18 +329,20 @@ class Router:
 
     def _choose(self, hashes: list, n: int):
         """(prefill choice, decode choice, prefill pool, decode pool) among healthy workers."""
-        with self._pick_lock:  # a worker set_workers removed is never picked after it returns
+        with self._lock:  # a worker set_workers removed is never picked after it returns
             prefill_pool, decode_pool = dict(self.prefill), dict(self.decode)
-        healthy = lambda w: self._healthy.get(w, True)  # noqa: E731
+            health = dict(self._healthy)
+        healthy = lambda w: health.get(w, True)  # noqa: E731
         loads = [WorkerLoad(w, self.load.queued(w), healthy=healthy(w)) for w in prefill_pool]
         choice = choose_prefill(
             self.policy, hashes, self.block_size, loads, self.index, num_prompt_tokens=n
         )
-        stats = self._calls.map(
-            lambda d: _ask(d, "stats") if healthy(d[0]) else None, decode_pool.items()
+        stats: Iterator[WorkerStats | None] = self._calls.map(
+            lambda d: _ask(d[0], "stats", d[1].stats) if healthy(d[0]) else None,
+            decode_pool.items(),
         )
         decode_loads = [
-            DecodeLoad(w, s["free_blocks"], s["num_requests"], total_blocks=s.get("num_blocks"))
+            DecodeLoad(w, s.free_blocks, s.num_requests, total_blocks=s.num_blocks)
             if s is not None
             else DecodeLoad(w, 0, 0, healthy=False)
             for w, s in zip(decode_pool, stats, strict=True)
@@ -324,7 +356,7 @@ class Router:
         prompt_token_ids: list[int],
         params: dict,
         cache_salt: str | None,
-        decode: tuple[str, Any],
+        decode: tuple[str, DecodeAPI],
     ) -> Iterator[dict]:
         counted = False
         try:
@@ -350,28 +382,20 @@ class Router:
             self._finish(request_id)
 
     def _finish(self, request_id: str) -> None:
-        with self._pick_lock:
+        with self._lock:
             self._active.pop(request_id, None)
 
     def _count(self, prompt_tokens: int, cached_tokens: int) -> None:
-        self.num_prompt_tokens += prompt_tokens
-        self.num_cached_tokens += cached_tokens
+        with self._lock:
+            self.num_prompt_tokens += prompt_tokens
+            self.num_cached_tokens += cached_tokens
 
 
-def _no_free_blocks(exc: BaseException) -> bool:
-    """A decode worker refused a reservation for now (in process, over Ray, or over RPC,
-    where the remote exception arrives by class name)."""
-    return (
-        isinstance(exc, NoFreeBlocksError)
-        or getattr(exc, "kind", None) == NoFreeBlocksError.__name__
-    )
-
-
-def _ask(worker: tuple[str, Any], method: str) -> Any:
-    """worker[1].method(), or None when the worker does not answer (restarting or dead: it
-    is skipped for this request and asked again by the next)."""
+def _ask(worker_id: str, what: str, call: Callable[[], T]) -> T | None:
+    """call(), or None when the worker does not answer (restarting or dead: it is skipped
+    for this request and asked again by the next); `what` names the call in the log."""
     try:
-        return getattr(worker[1], method)()
+        return call()
     except Exception as exc:  # noqa: BLE001 - logged; the caller treats None as no answer
-        logger.warning("%s of %s: %s", method, worker[0], exc)
+        logger.warning("%s of %s: %s", what, worker_id, exc)
         return None

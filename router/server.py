@@ -138,18 +138,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         workers = await asyncio.to_thread(self.router.status)
         reply = pb.ClusterStatusResponse(cache_hit_rate=self.router.hit_rate())
         for w in workers:
-            queries = w.get("cache_queries", 0)
-            reply.workers.append(
-                pb.WorkerStatus(
-                    worker_id=w["worker_id"],
-                    role=w["role"],
-                    healthy=w["healthy"],
-                    running_requests=w.get("num_requests", 0),
-                    kv_usage=w.get("kv_usage", 0.0),
-                    cache_hit_rate=w.get("cache_hits", 0) / queries if queries else 0.0,
-                    free_blocks=w.get("free_blocks", 0),
-                )
-            )
+            status = pb.WorkerStatus(worker_id=w.worker_id, role=w.role, healthy=w.healthy)
+            if w.stats is not None:
+                status.running_requests = w.stats.num_requests
+                status.kv_usage = w.stats.kv_usage
+                status.cache_hit_rate = w.stats.hit_rate
+                status.free_blocks = w.stats.free_blocks
+            reply.workers.append(status)
         return reply
 
 

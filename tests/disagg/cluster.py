@@ -9,22 +9,26 @@ import threading
 from dataclasses import dataclass, field
 
 from kvtransfer.control import RpcClient
+from kvtransfer.worker_api import Role
+from kvtransfer.worker_client import DecodeClient, PrefillClient, client
 from router.handoff import generate_disaggregated
 
 
 @dataclass
 class WorkerProcess:
-    """A worker in a child process: its RPC proxy, its address and its process."""
+    """A worker in a child process: its typed RPC client, its address and its process."""
 
     worker_id: str
-    role: str
+    role: Role
     process: mp.Process
     conn: object
     address: dict
-    client: RpcClient = field(init=False)
+    rpc: RpcClient = field(init=False)
+    client: PrefillClient | DecodeClient = field(init=False)
 
     def __post_init__(self) -> None:
-        self.client = RpcClient(self.address, default_timeout=120.0)
+        self.rpc = RpcClient(self.address, default_timeout=120.0)
+        self.client = client(self.role, self.rpc)
 
     def kill(self) -> None:
         os.kill(self.process.pid, signal.SIGKILL)
@@ -39,13 +43,16 @@ class WorkerProcess:
             self.process.join(20)
             if self.process.is_alive():
                 self.kill()
-        self.client.close()
+        self.rpc.close()
 
 
-def start_worker(role: str, worker_id: str, engine_options: dict, transfer: dict) -> WorkerProcess:
+def start_worker(
+    role: Role | str, worker_id: str, engine_options: dict, transfer: dict
+) -> WorkerProcess:
+    role = Role(role)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    if role == "prefill":
+    if role is Role.PREFILL:
         from prefill_worker.process import main
     else:
         from decode_worker.process import main
@@ -94,7 +101,7 @@ def run_concurrently(
             outs: list[dict] = []
             try:
                 while not (outs and outs[-1]["finished"]):
-                    outs += decode.client.poll(rid, 1.0)
+                    outs += [o.to_dict() for o in decode.client.poll(rid, 1.0)]
             except Exception:  # noqa: BLE001
                 outs = outs or [{"finish_reason": "error", "error": str(exc)}]
             results[rid] = outs

@@ -136,10 +136,10 @@ def test_health_status_and_cancel_frees_blocks(server):
     next(call)
     call.cancel()
     for _ in range(100):
-        if d.stats()["free_blocks"] == 256 and p.stats()["free_blocks"] == 256:
+        if d.stats().free_blocks == 256 and p.stats().free_blocks == 256:
             break
         threading.Event().wait(0.05)
-    assert d.stats()["free_blocks"] == 256 and p.stats()["free_blocks"] == 256
+    assert d.stats().free_blocks == 256 and p.stats().free_blocks == 256
     d.check_integrity()
 
 
@@ -176,10 +176,10 @@ def test_deadline_exceeded_aborts_and_frees_blocks(server):
         list(stub.Generate(request, timeout=0.2))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     for _ in range(100):
-        if d.stats()["free_blocks"] == 256 and p.stats()["free_blocks"] == 256:
+        if d.stats().free_blocks == 256 and p.stats().free_blocks == 256:
             break
         threading.Event().wait(0.05)
-    assert d.stats()["free_blocks"] == 256 and p.stats()["free_blocks"] == 256
+    assert d.stats().free_blocks == 256 and p.stats().free_blocks == 256
 
 
 def test_admission_refusal_is_resource_exhausted(tiny_llama):

@@ -100,13 +100,13 @@ def test_short_uncached_tail_is_prefilled_on_the_decode_worker(options):
         # 94 tokens, nothing cached on the decode worker: transferred from a prefill worker.
         outs = list(router.generate("far", first, PARAMS))
         assert outs[-1]["prefill_worker"] in ("p0", "p1")
-        received = decode.stats()["blocks_received"]
+        received = decode.stats().blocks_received
         assert received == 24
         # 70 tokens, 64 cached on the decode worker itself: a 6-token tail, prefilled locally.
         outs = list(router.generate("near", second, PARAMS))
         assert (outs[-1]["prefill_worker"], outs[-1]["decode_worker"]) == ("d0", "d0")
         assert outs[-1]["num_cached_tokens"] == 64
-        assert decode.stats()["blocks_received"] == received  # no transfer
+        assert decode.stats().blocks_received == received  # no transfer
         assert [t for o in outs for t in o["token_ids"]] == expected[1].token_ids
         decode.check_integrity()
     finally:

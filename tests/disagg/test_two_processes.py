@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, CapacityError, InvalidRequestError, SamplingParams
+from kvtransfer.worker_api import PromptRequest
 from router.handoff import generate_disaggregated
 from tests.disagg.cluster import pair, run_concurrently, start_worker, tokens
 from tests.helpers import random_prompts
@@ -44,12 +45,12 @@ def check_clean(prefill, decode) -> None:
     # last token: its held blocks are freed a moment later.
     deadline = time.monotonic() + 10
     while (
-        any(w.client.stats()["free_blocks"] != 256 for w in (prefill, decode))
+        any(w.client.stats().free_blocks != 256 for w in (prefill, decode))
         and time.monotonic() < deadline
     ):
         time.sleep(0.05)
     for w in (prefill, decode):
-        assert w.client.stats()["free_blocks"] == 256
+        assert w.client.stats().free_blocks == 256
 
 
 @pytest.mark.parametrize("sampled", [False, True])
@@ -89,9 +90,9 @@ def test_delta_transfer_moves_only_missing_blocks(workers):
     run_concurrently(prefill, decode, [b], [greedy], prefix="delta-b")
     after = decode.client.stats()
     block_bytes = 2 * 2 * 4 * 2 * 16 * 4  # layers x (k, v) x block x kv heads x dim x fp32
-    assert mid["blocks_received"] - before["blocks_received"] == 18  # 70 tokens: all blocks
-    assert after["blocks_received"] - mid["blocks_received"] == 3  # 73 tokens: 19 - 16 cached
-    assert after["bytes_received"] - mid["bytes_received"] == 3 * block_bytes
+    assert mid.blocks_received - before.blocks_received == 18  # 70 tokens: all blocks
+    assert after.blocks_received - mid.blocks_received == 3  # 73 tokens: 19 - 16 cached
+    assert after.bytes_received - mid.bytes_received == 3 * block_bytes
     check_clean(prefill, decode)
 
 
@@ -115,8 +116,8 @@ def test_abort_on_either_side_frees_both(workers):
     rest = list(stream)
     assert rest[-1]["finish_reason"] == "abort"
     # Abort on the prefill side between reservation and prefill reaches the decode side.
-    decode.client.reserve("ab-p", prompt, params, 5, None, "p0")
-    assert decode.client.stats()["free_blocks"] < 256
+    decode.client.reserve(PromptRequest("ab-p", tuple(prompt), {**params, "seed": 5}), "p0")
+    assert decode.client.stats().free_blocks < 256
     prefill.client.abort("ab-p")  # unknown there, nothing to propagate: the router's job
     decode.client.abort("ab-p")
     time.sleep(0.2)
@@ -145,9 +146,9 @@ def test_killing_prefill_mid_transfer_frees_reserved_blocks(tiny_llama):
         prefill.kill()
         worker.join(60)
         deadline = time.monotonic() + TRANSFER["lease_seconds"] + TRANSFER["timeout_seconds"]
-        while decode.client.stats()["free_blocks"] != 1024 and time.monotonic() < deadline:
+        while decode.client.stats().free_blocks != 1024 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert decode.client.stats()["free_blocks"] == 1024
+        assert decode.client.stats().free_blocks == 1024
         decode.client.check_integrity()
         failed = [o for outs in results.values() for o in outs if o["finish_reason"] == "error"]
         assert failed, results
@@ -176,3 +177,15 @@ def test_killing_prefill_mid_transfer_frees_reserved_blocks(tiny_llama):
     finally:
         decode.stop()
         prefill.stop()
+
+
+def test_engine_errors_cross_rpc_as_themselves(workers):
+    _, decode = workers
+    params = {"max_tokens": 1, "temperature": 0.0, "seed": 1}
+    with pytest.raises(CapacityError) as err:  # 256 blocks of 4 tokens: 1,100 never fit
+        decode.client.reserve(PromptRequest("too-big", (5,) * 1100, params), "p0")
+    assert type(err.value) is CapacityError
+    assert str(err.value) == "prompt needs 276 KV blocks; this engine has only 256"
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        decode.client.reserve(PromptRequest("empty", (), params), "p0")
+    assert decode.client.stats().free_blocks == 256  # nothing was reserved

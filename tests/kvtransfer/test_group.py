@@ -28,7 +28,7 @@ from kvtransfer import (
     UnknownPeer,
     resolve_backend,
 )
-from kvtransfer.pair import StoreHung, call_bounded
+from kvtransfer.pair import BoundedCaller, StoreHung
 from tests.kvtransfer.peer import make_cache, make_descriptor
 
 TIMEOUT = 2.0
@@ -95,18 +95,30 @@ def pair() -> Iterator[Pair]:
     p.close()
 
 
-def test_call_bounded_returns_raises_or_gives_up():
-    assert call_bounded(lambda: 41 + 1, 1.0) == 42
+def test_bounded_caller_returns_raises_or_gives_up_on_one_thread():
+    caller = BoundedCaller("t")
+    threads = set()
+
+    def answer() -> int:
+        threads.add(threading.get_ident())
+        return 41 + 1
+
+    assert caller.call(answer, 1.0) == 42
     with pytest.raises(ZeroDivisionError):
-        call_bounded(lambda: 1 / 0, 1.0)
+        caller.call(lambda: 1 / 0, 1.0)
     release = threading.Event()
     start = time.perf_counter()
     with pytest.raises(StoreHung) as info:
-        call_bounded(lambda: release.wait(5.0), 0.1)
+        caller.call(lambda: release.wait(5.0), 0.1)
     assert time.perf_counter() - start < 1.0
     assert not info.value.done.is_set()  # the abandoned call is still running
     release.set()
     assert info.value.done.wait(1.0)  # and is seen to end
+    assert caller.call(answer, 1.0) == 42
+    assert len(threads) == 1 and threading.get_ident() not in threads  # one long-lived thread
+    caller.close()
+    caller._thread.join(1.0)
+    assert not caller._thread.is_alive()
 
 
 # ---- backend choice and addresses -----------------------------------------------------------

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from engine.errors import InvalidRequestError, NoFreeBlocksError
+from kvtransfer.worker_api import PrefillResult, Reservation, Role, TokenOutput, WorkerStats
 from router.policy import NoWorkerAvailable
 from router.router import Router
 
@@ -27,9 +28,9 @@ class FakePrefill:
             raise ConnectionError("worker is restarting")
         return []
 
-    def prefill(self, request_id, *args) -> dict:
-        self.prefilled.append(request_id)
-        return {"finish_reason": "prefilled", "num_cached_tokens": 0, "error": None}
+    def prefill(self, request, *args) -> PrefillResult:
+        self.prefilled.append(request.request_id)
+        return PrefillResult("prefilled", first_token=7, seed=1, num_cached_tokens=0)
 
     def abort(self, request_id, propagate=True) -> None:
         pass
@@ -44,27 +45,19 @@ class FakeDecode:
     def kv_events(self) -> list:
         return []
 
-    def stats(self) -> dict:
-        return {"free_blocks": 100, "num_requests": len(self.release)}
+    def stats(self) -> WorkerStats:
+        return WorkerStats(
+            "d0", Role.DECODE, free_blocks=100, num_blocks=100, num_requests=len(self.release)
+        )
 
-    def reserve(self, request_id, *args) -> dict:
-        self.release.setdefault(request_id, threading.Event())
-        return {"num_hit_blocks": 0, "dst_block_ids": [0]}
+    def reserve(self, request, *args) -> Reservation:
+        self.release.setdefault(request.request_id, threading.Event())
+        return Reservation(num_hit_blocks=0, dst_block_ids=(0,), num_blocks=2)
 
-    def poll(self, request_id, wait) -> list[dict]:
+    def poll(self, request_id, wait) -> list[TokenOutput]:
         if not self.release[request_id].wait(wait):
             return []
-        return [
-            {
-                "request_id": request_id,
-                "token_ids": [7],
-                "text": "",
-                "finished": True,
-                "finish_reason": "length",
-                "num_cached_tokens": 0,
-                "stop_reason": None,
-            }
-        ]
+        return [TokenOutput(request_id, (7,), "", True, "length", num_cached_tokens=0)]
 
     def abort(self, request_id, propagate=True) -> None:
         pass
@@ -177,15 +170,15 @@ class FullDecode(FakeDecode):
         self.num_blocks, self.stale = num_blocks, stale
         self.refused = 0
 
-    def stats(self) -> dict:
+    def stats(self) -> WorkerStats:
         free = self.num_blocks if self.room.is_set() else 0
-        return {"free_blocks": free, "num_requests": 0, "num_blocks": self.num_blocks}
+        return WorkerStats("d0", Role.DECODE, free_blocks=free, num_blocks=self.num_blocks)
 
-    def reserve(self, request_id, *args) -> dict:
+    def reserve(self, request, *args) -> Reservation:
         if not self.room.is_set() or self.refused < self.stale:
             self.refused += 1
             raise NoFreeBlocksError("not enough free KV blocks for 5 tokens (0 free)")
-        return super().reserve(request_id, *args)
+        return super().reserve(request, *args)
 
 
 def test_request_waits_for_free_decode_blocks_instead_of_failing():
