@@ -3,12 +3,15 @@
 A request is pending from the moment a front door accepts it until its first output (or its
 end, whichever comes first). Past `max_pending` pending requests a new one is refused at
 once (HTTP 429 / gRPC RESOURCE_EXHAUSTED) instead of queueing without bound behind the
-router's wait for workers and free KV blocks.
+router's wait for workers and free KV blocks. The HTTP door admits in its request path; the
+gRPC door through GrpcAdmissionInterceptor, so that the servicer itself is unchanged.
 """
 
 from __future__ import annotations
 
 import threading
+
+import grpc
 
 from router.errors import AdmissionRefused
 
@@ -53,3 +56,41 @@ class Ticket:
         if self._held:
             self._held = False
             self._admission._release()
+
+
+class GrpcAdmissionInterceptor(grpc.aio.ServerInterceptor):
+    """Admits each server-streaming call of `methods` (full names, e.g.
+    "/baton.v1.Inference/Generate"): pending until its first reply or its end."""
+
+    def __init__(self, admission: Admission, methods: tuple[str, ...]) -> None:
+        self.admission = admission
+        self.methods = methods
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if (
+            handler is None
+            or handler_call_details.method not in self.methods
+            or handler.request_streaming
+            or not handler.response_streaming
+        ):
+            return handler
+        behavior, admission = handler.unary_stream, self.admission
+
+        async def admitted(request, context):
+            try:
+                ticket = admission.admit()
+            except AdmissionRefused as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            try:
+                async for reply in behavior(request, context):
+                    ticket.release()
+                    yield reply
+            finally:
+                ticket.release()
+
+        return grpc.unary_stream_rpc_method_handler(
+            admitted,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )

@@ -4,6 +4,8 @@ doors, without workers: a Router with empty pools answers what needs no model.""
 from __future__ import annotations
 
 import ssl
+import threading
+import time
 
 import grpc
 import httpx
@@ -13,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from engine.errors import CapacityError, InvalidRequestError, NoFreeBlocksError, PromptTooLongError
 from kvtransfer.control import RemoteError
 from router import errors
-from router.admission import Admission
+from router.admission import Admission, GrpcAdmissionInterceptor
 from router.errors import AdmissionRefused, classify
 from router.openai_http import create_app
 from router.policy import NoWorkerAvailable
@@ -28,7 +30,7 @@ from router.security import (
     load_api_keys,
     warn_if_exposed,
 )
-from router.server import InferenceServicer
+from router.server import SERVICE, InferenceServicer
 from tests.router.serving import BackgroundLoop, http_serving
 from tests.tls import make_pki
 
@@ -116,13 +118,16 @@ def test_one_error_mapping_for_both_doors(exc, grpc_code, http, code):
 
 @pytest.fixture(scope="module")
 def grpc_tls_server(pki):
-    """The real servicer behind the key interceptor, over mutual TLS."""
+    """The real servicer behind the key and admission interceptors, over mutual TLS; with
+    no worker, a request waits 1.5 s at the router (pending), then fails UNAVAILABLE."""
     loop = BackgroundLoop()
     keys = ApiKeys([KEY])
+    admission = GrpcAdmissionInterceptor(Admission(max_pending=1), (f"/{SERVICE}/Generate",))
 
     async def start():
-        server = grpc.aio.server(interceptors=[GrpcKeyInterceptor(keys)])
-        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(empty_router()), server)
+        server = grpc.aio.server(interceptors=[GrpcKeyInterceptor(keys), admission])
+        router = empty_router(wait_for_workers_s=1.5)
+        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(router), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         tls = TLSFiles(pki.server_cert, pki.server_key, client_ca_file=pki.ca)
@@ -166,6 +171,30 @@ def test_grpc_over_mutual_tls_needs_key_but_health_is_open(grpc_tls_server, pki)
         assert ok.found is False
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_grpc_admission_refuses_past_max_pending(grpc_tls_server, pki):
+    port, _ = grpc_tls_server
+    auth = (("authorization", f"Bearer {KEY}"),)
+    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5, 6]))
+    with grpc_channel(pki, port) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        codes: list = []
+
+        def waiting() -> None:
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(request, metadata=auth, timeout=10))
+            codes.append(err.value.code())
+
+        thread = threading.Thread(target=waiting)
+        thread.start()
+        time.sleep(0.5)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request, metadata=auth, timeout=10))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_pending_requests=1" in err.value.details()
+        thread.join(10)
+        assert codes == [grpc.StatusCode.UNAVAILABLE]  # the first waited for a worker
 
 
 def test_grpc_mutual_tls_refuses_a_client_without_certificate(grpc_tls_server, pki):
