@@ -26,7 +26,7 @@ from engine.sampling_params import SamplingParams
 from router.admission import Admission
 from router.errors import Unauthenticated, UnknownModel, classify
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, parse
-from router.openai_responses import Reply, UnknownRoute, error_body
+from router.openai_responses import Reply, UnknownRoute, error_body, raise_if_failed
 from router.router import Router
 from router.security import ApiKeys
 from router.stream import TokenStream
@@ -137,6 +137,8 @@ class OpenAIDoor:
             # is still an HTTP status, also for a streamed request.
             first = await _unless_disconnected(request, stream.next())
             ticket.release()
+            if first is not None and first["finished"]:  # failed before any token: a status
+                raise_if_failed(request_id, first["finish_reason"], first.get("error"))
             if req.stream:
                 return _EventStream(
                     self._events(stream, reply, first, req.include_usage),

@@ -14,6 +14,13 @@ logger = logging.getLogger(__name__)
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
+def raise_if_failed(request_id: str, finish_reason: str | None, error: str | None) -> None:
+    """Raise RequestFailed for an output that says the request failed (a worker's error, or
+    the router's deadline)."""
+    if finish_reason == "error" or (finish_reason == "abort" and error):
+        raise RequestFailed(f"request {request_id} failed: {error}")
+
+
 class Reply:
     """One request's reply as it streams in: add() each output, then body() or chunks."""
 
@@ -46,8 +53,7 @@ class Reply:
 
     def raise_if_failed(self) -> None:
         """Raise RequestFailed when a worker reported the request as failed."""
-        if self.finish_reason == "error" or (self.finish_reason == "abort" and self.error):
-            raise RequestFailed(f"request {self.request_id} failed: {self.error}")
+        raise_if_failed(self.request_id, self.finish_reason, self.error)
 
     def usage(self) -> dict:
         completion = len(self.token_ids)

@@ -15,6 +15,7 @@ import pytest
 
 from decode_worker.worker import DecodeWorker
 from engine import LLM, SamplingParams
+from engine.errors import CapacityError, NoFreeBlocksError
 from prefill_worker.worker import PrefillWorker
 from router.admission import Admission
 from router.openai_http import create_app
@@ -314,3 +315,49 @@ def test_no_worker_is_503_and_admission_refuses_past_max_pending():
         assert text.status_code == 400 and "tokenizer" in text.json()["error"]["message"]
         assert httpx.get(url + "/metrics").status_code == 404
         assert httpx.get(url + "/health").status_code == 503
+
+
+class ScriptedRouter:
+    """Stands in for Router where a worker's failure is needed: generate() raises `exc` or
+    yields one failed output."""
+
+    prefill = decode = {}
+    max_model_len = 100
+
+    def __init__(self, exc: Exception | None) -> None:
+        self.exc = exc
+
+    def generate(self, request_id, prompt_token_ids, params, cache_salt=None):
+        if self.exc is not None:
+            raise self.exc
+        yield {
+            "token_ids": [],
+            "text": "",
+            "finished": True,
+            "finish_reason": "error",
+            "num_cached_tokens": 0,
+            "error": "decode worker d0 died",
+        }
+
+    def abort(self, request_id: str) -> bool:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "code"),
+    [
+        (None, 500, None),
+        (NoFreeBlocksError("no free KV blocks for 30 tokens"), 429, "server_busy"),
+        (CapacityError("needs 300 KV blocks; d0 has 256"), 400, "kv_capacity_exceeded"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_worker_failures_before_the_first_token_are_statuses(exc, status, code, stream):
+    app = create_app(ScriptedRouter(exc), ["tiny"])
+    with http_serving(app) as (url, _):
+        reply = httpx.post(url + "/v1/completions", json={**GOOD, "stream": stream})
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert error["code"] == code and error["message"]
+    if exc is None:
+        assert "d0 died" in error["message"] and error["type"] == "server_error"
