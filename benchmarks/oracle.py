@@ -1,5 +1,7 @@
 """The oracle prefix cache: one infinite cache shared by every worker, fed the same request
-sequence as the cluster. Its hit rate is the most any routing policy could get.
+sequence as the cluster. Its hit rate is the most any routing policy could get from a cache
+that is empty when the run starts (a cluster's cache may already hold a previous run's
+prompts: compare on a fresh cluster, or with a new --seed).
 
 It uses the cluster's own block hash (`engine.block_hash.hash_prompt_blocks`, same block size,
 seed and cache_salt), counts full blocks only, and, as the engine does, at most

@@ -5,11 +5,10 @@
     python -m benchmarks.serving --manifest deploy/examples/local.yaml --workload long-prompt ...
     python -m benchmarks.serving compare runs/a runs/b [--out runs/compare.png]
 
-The cluster is reached only through its public gRPC API. Arrivals follow --request-rate and
---burstiness (benchmarks/arrivals.py) under --max-concurrency; a session's next turn is sent
-as soon as the previous answer is in. The run stops sending after --num-requests requests or
---duration seconds and waits for those in flight. The same --seed gives the same arrivals and
-prompts (and, greedy as every request is, the same answers).
+The cluster is reached only through its public gRPC API; how requests are paced is
+benchmarks/driver.py's docstring. The same --seed gives the same arrivals and prompts (and,
+greedy as every request is, the same answers). With --manifest a local cluster (Ray in this
+process) is started for the run and torn down after it.
 """
 
 from __future__ import annotations
@@ -19,54 +18,13 @@ import asyncio
 import contextlib
 import math
 import sys
-import time
-import uuid
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.arrivals import arrival_times
-from benchmarks.client import GrpcClient
-from benchmarks.oracle import OracleCache
-from benchmarks.report import compare_table, parse_slo, summarize, table
+from benchmarks.driver import BenchConfig, bench
+from benchmarks.report import compare_table, parse_slo, table
 from benchmarks.timeline import RequestRecord, read_results, write_results
-from benchmarks.workloads import WORKLOADS, Session, TokenSpace, Workload, make_workload
-
-
-@dataclass(frozen=True, slots=True)
-class BenchConfig:
-    """How much to send and how fast; block_size and hash_seed must be the cluster's (they
-    define the oracle cache)."""
-
-    num_requests: int | None = 100
-    duration_s: float | None = None
-    request_rate: float = math.inf
-    burstiness: float = 1.0
-    max_concurrency: int | None = None
-    seed: int = 0
-    timeout_s: float = 600.0  # per request
-    block_size: int = 16
-    hash_seed: str = "baton"
-
-
-class Budget:
-    """Requests may still be sent while fewer than num_requests were and duration has not
-    passed. A session claims its turns when it starts, so that --num-requests counts whole
-    sessions rather than a crowd of first turns."""
-
-    def __init__(self, config: BenchConfig) -> None:
-        self.left = config.num_requests if config.num_requests is not None else math.inf
-        self.until = config.duration_s if config.duration_s is not None else math.inf
-
-    def open(self, now: float) -> bool:
-        return self.left > 0 and now < self.until
-
-    def take(self, now: float, n: int = 1) -> int:
-        """Claim up to n requests; how many were granted."""
-        if not self.open(now):
-            return 0
-        granted = int(min(n, self.left))
-        self.left -= granted
-        return granted
+from benchmarks.workloads import WORKLOADS, TokenSpace, make_workload
 
 
 class Progress:
@@ -92,84 +50,6 @@ class Progress:
             self.bar.close()
         elif self.enabled:
             print(file=sys.stderr)
-
-
-async def run_bench(
-    client: GrpcClient,
-    workload: Workload,
-    tokens: TokenSpace,
-    config: BenchConfig,
-    progress: Progress | None = None,
-) -> list[RequestRecord]:
-    """Send the workload to the cluster; every request's record, in completion order. Times
-    count from client.start, which should be just before this call (t = 0: first arrival)."""
-    budget = Budget(config)
-    slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
-    oracle = OracleCache(config.block_size, config.hash_seed)
-    run_id = uuid.uuid4().hex[:8]
-    records: list[RequestRecord] = []
-
-    async def send(spec) -> tuple[RequestRecord, list[int]]:
-        async with slots or contextlib.nullcontext():
-            hit = oracle.lookup_and_insert(spec.prompt_token_ids, spec.cache_salt)  # send order
-            record, answer = await client.generate(spec, run_id, config.timeout_s)
-        return replace(record, oracle_cached_tokens=hit), answer
-
-    async def run_session(session: Session, spec, turns: int) -> None:
-        """Up to `turns` turns (claimed from the budget); stops at the duration, a failure or
-        the session's end, and gives back the turns it did not send."""
-        for sent in range(turns):
-            if spec is None or client.now() >= budget.until:
-                budget.left += turns - sent
-                return
-            record, answer = await send(spec)
-            records.append(record)
-            if progress is not None:
-                progress.update(record)
-            spec = session.next_turn(answer) if record.ok else None
-
-    arrivals = arrival_times(config.request_rate, config.burstiness, config.seed)
-    tasks = []
-    for session in workload.sessions(tokens, config.seed):
-        first = session.next_turn(None)
-        if first is None:
-            continue
-        at = first.arrival_s if first.arrival_s is not None else next(arrivals)
-        if config.duration_s is not None and at >= config.duration_s:
-            break
-        await asyncio.sleep(max(0.0, at - client.now()))
-        turns = budget.take(client.now(), getattr(session, "num_turns", 1))
-        if not turns:
-            break
-        tasks.append(asyncio.create_task(run_session(session, first, turns)))
-    await asyncio.gather(*tasks)
-    return records
-
-
-async def bench(
-    address: str,
-    workload: Workload,
-    tokens: TokenSpace,
-    config: BenchConfig,
-    slo: dict | None = None,
-    progress: bool = False,
-) -> tuple[dict, list]:
-    """One run against the router at `address`: (summary, records)."""
-    client = GrpcClient(address, time.perf_counter())
-    try:
-        workers = await client.workers()
-        bar = Progress(config.num_requests, enabled=progress)
-        client.start = time.perf_counter()
-        try:
-            records = await run_bench(client, workload, tokens, config, bar)
-        finally:
-            bar.close()
-    finally:
-        await client.close()
-    info = dict(
-        asdict(config), workload=type(workload).__name__, options=asdict(workload), address=address
-    )
-    return summarize(records, slo, workers, info), records
 
 
 # ---- command line ----------------------------------------------------------------------------
@@ -216,28 +96,29 @@ def _options(items: list[str]) -> dict[str, str]:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """`baton bench [run]`: one measured run; exit 0 when every request succeeded, else 1."""
+    """`baton bench [run]`: one measured run. Exit 0 when every request succeeded, 1 when some
+    failed, 2 on bad options."""
     try:
         workload = make_workload(args.workload, _options(args.option))
         slo = parse_slo(args.slo)
+        config = BenchConfig(
+            num_requests=args.num_requests or (None if args.duration else 100),
+            duration_s=args.duration,
+            request_rate=args.request_rate,
+            burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency,
+            seed=args.seed,
+            timeout_s=args.timeout,
+            block_size=args.block_size,
+            hash_seed=args.hash_seed,
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    num = args.num_requests if args.num_requests or args.duration else 100
-    config = BenchConfig(
-        num,
-        args.duration,
-        args.request_rate,
-        args.burstiness,
-        args.max_concurrency,
-        args.seed,
-        args.timeout,
-        args.block_size,
-        args.hash_seed,
-    )
     tokenizer_dir, cluster = args.tokenizer, None
     if args.manifest:
         cluster, config, tokenizer_dir = start_cluster(args.manifest, config, tokenizer_dir)
+    progress = Progress(config.num_requests, enabled=not args.no_progress)
     try:
         tokens = TokenSpace(high=args.vocab_size)
         if tokenizer_dir:
@@ -245,10 +126,9 @@ def run_command(args: argparse.Namespace) -> int:
 
             tokens = TokenSpace.from_tokenizer(load_tokenizer(Path(tokenizer_dir)))
         address = cluster.address if cluster is not None else args.address
-        summary, records = asyncio.run(
-            bench(address, workload, tokens, config, slo, progress=not args.no_progress)
-        )
+        summary, records = asyncio.run(bench(address, workload, tokens, config, slo, progress))
     finally:
+        progress.close()
         if cluster is not None:
             cluster.close()
     print(table(summary))

@@ -10,7 +10,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from benchmarks.serving import BenchConfig, bench, main
+from benchmarks.driver import BenchConfig, bench
+from benchmarks.serving import main
 from benchmarks.workloads import (
     AgenticWorkload,
     LongPromptWorkload,
@@ -77,6 +78,9 @@ def trace_file(tmp_path):
 
 
 def check_run(summary, records, n=12):
+    """Every request succeeded and the summary agrees with the records. (The cluster's cache
+    outlives a run, the oracle's does not: each test uses its own seed, so its prompts share
+    nothing with another test's.)"""
     assert summary["completed"] == n and summary["failed"] == 0, summary["failures"]
     assert len(records) == n and len({r.request_id for r in records}) == n
     for r in records:
@@ -169,3 +173,78 @@ def test_cli_run_and_compare(address, tmp_path, capsys):
     table = capsys.readouterr().out
     assert table.splitlines()[0].split() == ["a", "b"] and "TTFT median ms" in table
     assert main(["--address", address, "--workload", "random", "-o", "bogus=1"]) == 2
+
+
+def test_concurrency_cap_and_duration(address):
+    w = RandomWorkload(input_len=16, output_len=6)
+    summary, records = run(address, w, max_concurrency=2, num_requests=10, seed=11)
+    check_run(summary, records, n=10)
+    events = sorted([(r.send_s, 1) for r in records] + [(r.end_s, -1) for r in records])
+    in_flight = [sum(step for _, step in events[: i + 1]) for i in range(len(events))]
+    assert max(in_flight) == 2
+    summary, records = run(
+        address, w, num_requests=None, duration_s=0.5, request_rate=10.0, seed=12
+    )
+    assert 1 <= len(records) <= 5 and all(r.send_s < 0.5 for r in records)  # arrivals < 0.5 s
+    with pytest.raises(ValueError, match="max-concurrency"):
+        BenchConfig(num_requests=None, duration_s=1.0)
+
+
+def test_manifest_starts_a_cluster_for_the_run(address, tiny_llama, tmp_path, monkeypatch):
+    """--manifest: the cluster is started from it (faked here: LocalCluster needs Ray), the
+    oracle takes its block size and hash seed, and the cluster is closed after the run."""
+    import yaml
+
+    import cluster.local
+    from deploy.manifest import load_manifest
+
+    data = load_manifest(cluster.local.LOCAL_MANIFEST).model_dump(mode="json")
+    data["spec"]["model"].update(path=tiny_llama, skip_tokenizer_init=True)
+    data["spec"]["engine"]["block_size"] = BLOCK
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump(data))
+    started = []
+
+    class FakeCluster:
+        def __init__(self, m):
+            started.append(m.spec.engine.block_size)
+            self.address = address
+
+        def start(self, log):
+            return self
+
+        def close(self):
+            started.append("closed")
+
+    monkeypatch.setattr(cluster.local, "LocalCluster", FakeCluster)
+    argv = [
+        "--manifest",
+        str(manifest),
+        "--workload",
+        "prefix-repetition",
+        "--num-requests",
+        "6",
+        "--max-concurrency",
+        "1",
+        "--seed",
+        "21",
+        "--vocab-size",
+        "512",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "run"),
+        "--no-plots",
+        "-o",
+        "prefix_len=12",
+        "-o",
+        "suffix_len=4",
+        "-o",
+        "output_len=2",
+    ]
+    assert main(argv) == 0
+    assert started == [BLOCK, "closed"]
+    data = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert data["config"]["block_size"] == BLOCK
+    assert [r["cached_tokens"] for r in data["records"]] == [
+        r["oracle_cached_tokens"] for r in data["records"]
+    ]

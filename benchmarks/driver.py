@@ -1,0 +1,153 @@
+"""The benchmark driver: sends a workload's sessions to a cluster on an arrival schedule and
+records every request (benchmarks/timeline.py). The CLI around it is benchmarks/serving.py.
+
+Arrivals follow the request rate and burstiness (benchmarks/arrivals.py); each arrival starts a
+session, whose later turns are sent as soon as the previous answer is in. --max-concurrency
+caps the sessions (so the requests) in flight: an arrival that finds the cap reached waits for
+a slot, and its latencies count from when it is sent. The run stops starting sessions after
+num_requests requests (a session claims all its turns when it starts) or duration_s seconds,
+and waits for those in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from dataclasses import asdict, dataclass, replace
+
+from benchmarks.arrivals import arrival_times
+from benchmarks.client import GrpcClient
+from benchmarks.oracle import OracleCache
+from benchmarks.report import summarize
+from benchmarks.timeline import RequestRecord
+from benchmarks.workloads import Session, TokenSpace, Workload
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """How much to send and how fast; block_size and hash_seed must be the cluster's (they
+    define the oracle cache)."""
+
+    num_requests: int | None = 100
+    duration_s: float | None = None
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    timeout_s: float = 600.0  # per request
+    block_size: int = 16
+    hash_seed: str = "baton"
+
+    def __post_init__(self) -> None:
+        if self.num_requests is None and self.duration_s is None:
+            raise ValueError("give --num-requests or --duration: the workloads are endless")
+        timed = self.num_requests is None
+        if timed and math.isinf(self.request_rate) and not self.max_concurrency:
+            raise ValueError("a --duration run at an infinite rate needs --max-concurrency")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+
+
+class Budget:
+    """Requests may still be sent while fewer than num_requests were and duration has not
+    passed. A session claims its turns when it starts, so that --num-requests counts whole
+    sessions rather than a crowd of first turns."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        self.left = config.num_requests if config.num_requests is not None else math.inf
+        self.until = config.duration_s if config.duration_s is not None else math.inf
+
+    def open(self, now: float) -> bool:
+        return self.left > 0 and now < self.until
+
+    def take(self, now: float, n: int = 1) -> int:
+        """Claim up to n requests; how many were granted."""
+        if not self.open(now):
+            return 0
+        granted = int(min(n, self.left))
+        self.left -= granted
+        return granted
+
+
+class ProgressSink:
+    """What the driver reports progress to (the CLI's bar; None in tests)."""
+
+    def update(self, record: RequestRecord) -> None: ...
+
+    def close(self) -> None: ...
+
+
+async def run_bench(
+    client: GrpcClient,
+    workload: Workload,
+    tokens: TokenSpace,
+    config: BenchConfig,
+    progress: ProgressSink | None = None,
+) -> list[RequestRecord]:
+    """Send the workload to the cluster; every request's record, in send order. Times count
+    from client.start, which should be just before this call (t = 0: the first arrival)."""
+    budget = Budget(config)
+    slots = asyncio.Semaphore(config.max_concurrency or 2**30)  # sessions in flight
+    oracle = OracleCache(config.block_size, config.hash_seed)
+    run_id = uuid.uuid4().hex[:8]
+    records: list[RequestRecord] = []
+
+    async def run_session(session: Session, spec, turns: int) -> None:
+        """Up to `turns` turns (claimed from the budget); stops at the duration, a failure or
+        the session's end, and gives back the turns it did not send."""
+        try:
+            for sent in range(turns):
+                if spec is None or client.now() >= budget.until:
+                    budget.left += turns - sent
+                    return
+                hit = oracle.lookup_and_insert(spec.prompt_token_ids, spec.cache_salt)
+                record, answer = await client.generate(spec, run_id, config.timeout_s)
+                records.append(replace(record, oracle_cached_tokens=hit))
+                if progress is not None:
+                    progress.update(record)
+                spec = session.next_turn(answer) if record.ok else None
+        finally:
+            slots.release()
+
+    arrivals = arrival_times(config.request_rate, config.burstiness, config.seed)
+    tasks = []
+    for session in workload.sessions(tokens, config.seed):
+        first = session.next_turn(None)
+        if first is None:
+            continue
+        at = first.arrival_s if first.arrival_s is not None else next(arrivals)
+        if config.duration_s is not None and at >= config.duration_s:
+            break
+        await asyncio.sleep(max(0.0, at - client.now()))
+        await slots.acquire()
+        turns = budget.take(client.now(), getattr(session, "num_turns", 1))
+        if not turns:
+            slots.release()
+            break
+        tasks.append(asyncio.create_task(run_session(session, first, turns)))
+    await asyncio.gather(*tasks)
+    return sorted(records, key=lambda r: r.send_s)
+
+
+async def bench(
+    address: str,
+    workload: Workload,
+    tokens: TokenSpace,
+    config: BenchConfig,
+    slo: dict | None = None,
+    progress: ProgressSink | None = None,
+) -> tuple[dict, list[RequestRecord]]:
+    """One run against the router at `address` (HOST:PORT): (summary, records)."""
+    client = GrpcClient(address, time.perf_counter())
+    try:
+        workers = await client.workers()
+        client.start = time.perf_counter()
+        records = await run_bench(client, workload, tokens, config, progress)
+    finally:
+        await client.close()
+    info = dict(
+        asdict(config), workload=type(workload).__name__, options=asdict(workload), address=address
+    )
+    return summarize(records, slo, workers, info), records
