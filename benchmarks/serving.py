@@ -135,9 +135,12 @@ def run_command(args: argparse.Namespace) -> int:
     if args.out:
         path = write_results(args.out, summary, records)
         if not args.no_plots:
-            from benchmarks.plots import run_figures
+            try:
+                from benchmarks.plots import run_figures
 
-            run_figures(records, args.out)
+                run_figures(records, args.out)
+            except ImportError as exc:  # matplotlib is a test/bench extra
+                print(f"no plots ({exc}); pip install matplotlib", file=sys.stderr)
         print(f"results: {path}")
     return 0 if summary["failed"] == 0 else 1
 
