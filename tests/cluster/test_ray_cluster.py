@@ -7,8 +7,10 @@ import pytest
 
 from cluster.controller import NAMESPACE, controller_handle
 from cluster.local_ray import start_local_ray
-from cluster.ray_peer import RayPeer
+from cluster.ray_peer import decode_client, prefill_client
 from engine import LLM, CapacityError, InvalidRequestError, SamplingParams
+from kvtransfer.errors import AddressError
+from kvtransfer.worker_api import PromptRequest, Role
 from router.handoff import generate_disaggregated
 from tests.cluster.manifests import tiny_manifest
 from tests.helpers import random_prompts
@@ -38,13 +40,13 @@ def test_controller_places_and_pairs_workers(cluster):
         ("prefill-0", "prefill", True),
     ]
     actor = ray.get_actor("prefill-0", namespace=NAMESPACE)  # named, in the baton namespace
-    assert ray.get(actor.info.remote())["role"] == "prefill"
+    assert ray.get(actor.info.remote()).role is Role.PREFILL
 
 
 def test_request_through_actors_equals_colocated(cluster, tiny_llama):
     controller, engine = cluster
-    prefill = RayPeer(ray.get(controller.handle.remote("prefill-0")))
-    decode = RayPeer(ray.get(controller.handle.remote("decode-0")))
+    prefill = prefill_client(ray.get(controller.handle.remote("prefill-0")))
+    decode = decode_client(ray.get(controller.handle.remote("decode-0")))
     prompts = random_prompts([7, 41], seed=101)
     params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     expected = LLM(**engine).generate(prompts, SamplingParams(**params))
@@ -69,13 +71,17 @@ def test_request_through_actors_equals_colocated(cluster, tiny_llama):
 
 def test_engine_errors_come_back_as_themselves_without_ray_traceback(cluster):
     controller, _ = cluster
-    decode = RayPeer(ray.get(controller.handle.remote("decode-0")))
-    params = {"max_tokens": 1, "temperature": 0.0}
+    decode = decode_client(ray.get(controller.handle.remote("decode-0")))
+    params = {"max_tokens": 1, "temperature": 0.0, "seed": 1}
     with pytest.raises(CapacityError) as err:  # 256 blocks of 4 tokens: 1,100 never fit
-        decode.reserve("too-big", [5] * 1100, params, 1)
+        decode.reserve(PromptRequest("too-big", (5,) * 1100, params))
+    assert type(err.value) is CapacityError
     assert str(err.value) == "prompt needs 276 KV blocks; this engine has only 256"
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
-        decode.reserve("empty", [], params, 1)
+        decode.reserve(PromptRequest("empty", (), params))
+    with pytest.raises(AddressError, match="missing") as err:  # a kvtransfer error, too
+        decode.connect_prefill("prefill-x", {"host": "127.0.0.1"})
+    assert type(err.value) is AddressError
     stats = {w["worker_id"]: w for w in ray.get(controller.workers.remote())}
     assert stats["decode-0"]["free_blocks"] == 256  # nothing was reserved
 
@@ -90,8 +96,8 @@ def test_killed_worker_is_restarted_repaired_and_serves_again(cluster):
         if health["restarts"] and health["healthy"]["decode-0"]:
             break
     assert health["restarts"] == 1 and health["healthy"] == {"prefill-0": True, "decode-0": True}
-    prefill = RayPeer(ray.get(controller.handle.remote("prefill-0")))
-    decode = RayPeer(ray.get(controller.handle.remote("decode-0")))
+    prefill = prefill_client(ray.get(controller.handle.remote("prefill-0")))
+    decode = decode_client(ray.get(controller.handle.remote("decode-0")))
     prompt = random_prompts([23], seed=111)[0]
     params = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
     expected = LLM(**engine).generate([prompt], SamplingParams(**params))[0].token_ids
