@@ -24,9 +24,9 @@ from engine.request import Request, RequestStatus
 
 PREFIX = "baton:"
 
-# Bucket boundaries as vLLM's (vllm/v1/metrics/loggers.py, PrometheusStatLogger): TTFT, the
-# per-token histograms (time_per_output_token / inter_token_latency) and the request latency
-# histograms (e2e, queue, prefill, decode, inference) share these lists there.
+# Bucket boundaries as vLLM's (vllm/v1/metrics/loggers.py, PrometheusStatLogger): TTFT has its
+# own list; the per-token histograms (time_per_output_token, inter_token_latency) share one;
+# the per-request latency histograms (e2e, queue, prefill, decode, inference) share another.
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
