@@ -31,7 +31,8 @@ class HttpServer:
         self._sock = sock
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Stop accepting, give open requests `grace` seconds, then close them."""
+        """Stop accepting, give open requests `grace` seconds, then cancel them (a cancelled
+        request is aborted on its workers) and close their connections."""
         self._server.should_exit = True
         try:
             await asyncio.wait_for(asyncio.shield(self._task), grace)
@@ -40,6 +41,16 @@ class HttpServer:
             await self._task
         finally:
             self._sock.close()
+        state = self._server.server_state
+        tasks = list(state.tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)
+        for connection in list(state.connections):
+            transport = getattr(connection, "transport", None)
+            if transport is not None:
+                transport.close()
 
 
 async def start_http_server(

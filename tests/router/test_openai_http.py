@@ -18,11 +18,12 @@ from engine import LLM, SamplingParams
 from engine.errors import CapacityError, NoFreeBlocksError
 from prefill_worker.worker import PrefillWorker
 from router.admission import Admission
+from router.http_server import start_http_server
 from router.openai_http import create_app
 from router.router import Router
 from router.security import ApiKeys
 from tests.helpers import random_prompts
-from tests.router.serving import http_serving
+from tests.router.serving import BackgroundLoop, http_serving
 
 KEY = "sk-test-http"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -361,3 +362,35 @@ def test_worker_failures_before_the_first_token_are_statuses(exc, status, code, 
     assert error["code"] == code and error["message"]
     if exc is None:
         assert "d0 died" in error["message"] and error["type"] == "server_error"
+
+
+class EndlessRouter(ScriptedRouter):
+    """A request that streams a token every 20 ms until aborted."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.aborted: list[str] = []
+
+    def generate(self, request_id, prompt_token_ids, params, cache_salt=None):
+        while request_id not in self.aborted:
+            time.sleep(0.02)
+            yield {"token_ids": [5], "text": "", "finished": False, "num_cached_tokens": 0}
+
+    def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return True
+
+
+def test_stopping_the_server_aborts_open_streams():
+    router = EndlessRouter()
+    loop = BackgroundLoop()
+    server, port = loop.run(start_http_server(create_app(router, ["tiny"]), "127.0.0.1", 0))
+    body = {**GOOD, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as reply:
+        lines = reply.iter_lines()
+        assert next(lines).startswith("data:")
+        loop.run(server.stop(grace=0.2))
+        with pytest.raises(httpx.RemoteProtocolError):  # closed mid-stream
+            list(lines)
+    loop.close()
+    assert len(router.aborted) >= 1 and router.aborted[0].startswith("cmpl-")
