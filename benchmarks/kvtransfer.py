@@ -310,9 +310,9 @@ class _RecordingDecode:
         self.worker = worker
         self.hit_blocks: list[int] = []
 
-    def reserve(self, *args: Any) -> dict:
-        out = self.worker.reserve(*args)
-        self.hit_blocks.append(out["num_hit_blocks"])
+    def reserve(self, *args: Any) -> Any:
+        out = self.worker.reserve(*args)  # a kvtransfer.worker_api.Reservation
+        self.hit_blocks.append(out.num_hit_blocks)
         return out
 
     def __getattr__(self, name: str) -> Any:
@@ -343,7 +343,7 @@ def prefix_workload(
     ]
     params = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
     try:
-        before = decode.stats()["blocks_received"]
+        before = decode.stats().blocks_received
         for i, prompt in enumerate(prompts):
             outs = list(
                 generate_disaggregated(
@@ -352,7 +352,7 @@ def prefix_workload(
             )
             if outs[-1]["finish_reason"] != "length":
                 raise RuntimeError(f"request w{i} failed: {outs[-1]}")
-        moved = decode.stats()["blocks_received"] - before
+        moved = decode.stats().blocks_received - before
     finally:  # the receiver first: its receive loop stops before the sender's store closes
         decode.shutdown()
         prefill.shutdown()
