@@ -133,6 +133,10 @@ def test_completion_equals_offline_engine_with_usage_workers_and_cached_tokens(c
         model="tiny-alias", prompt=prompt, max_tokens=2, extra_body=EXTRA
     )
     assert again.usage.prompt_tokens_details.cached_tokens == 28  # 7 full blocks
+    salted = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=2, extra_body={**EXTRA, "cache_salt": "b"}
+    )
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0  # another tenant's cache
 
 
 def test_streamed_completion_equals_offline_engine_and_ends_with_usage(client, offline):
