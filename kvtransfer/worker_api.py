@@ -223,6 +223,9 @@ class WorkerAPI(Protocol):
     def check_integrity(self) -> None:
         """Raise unless the block pool's accounting adds up (tests, debugging)."""
 
+    def metrics(self) -> list[dict]:
+        """This process's metric families as engine.metrics.snapshot() plain values."""
+
 
 class PrefillAPI(WorkerAPI, Protocol):
     """The prefill role: prompt in, first token out, KV shipped to a decode worker."""

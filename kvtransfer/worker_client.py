@@ -56,6 +56,9 @@ class _Client:
     def check_integrity(self) -> None:
         self.transport.call("check_integrity")
 
+    def metrics(self) -> list[dict]:
+        return self.transport.call("metrics")
+
 
 class PrefillClient(_Client):
     """PrefillAPI over a transport."""
