@@ -15,11 +15,16 @@ import sys
 import threading
 import time
 
+import grpc
+
+from cluster.local import LocalCluster, LocalOptions, add_serve_flags
+from deploy.commands import add_parser as add_deploy_parser
+from deploy.manifest import ManifestError, load_manifest
+from router.proto import inference_pb2 as pb
+from router.proto import inference_pb2_grpc as pb_grpc
+
 
 def _serve(args: argparse.Namespace) -> int:
-    from cluster.local import LocalCluster, LocalOptions
-    from deploy.manifest import ManifestError, load_manifest
-
     stop = threading.Event()
     try:  # a bad manifest, bad flags or resources Ray cannot give: exit 2
         manifest = (
@@ -50,17 +55,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _client(address: str):
-    import grpc
-
-    from router.proto import inference_pb2_grpc as pb_grpc
-
     return pb_grpc.InferenceStub(grpc.insecure_channel(address))
 
 
 def _stream(stub, request, timeout: float) -> tuple[int, str]:
     """Print tokens as they arrive and usage at the end; returns (exit code, text)."""
-    import grpc
-
     start = time.perf_counter()
     first = None
     text = []
@@ -86,14 +85,10 @@ def _stream(stub, request, timeout: float) -> tuple[int, str]:
 
 
 def _sampling(args: argparse.Namespace):
-    from router.proto import inference_pb2 as pb
-
     return pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from router.proto import inference_pb2 as pb
-
     if args.raw:
         request = pb.GenerateRequest(prompt=args.prompt, sampling=_sampling(args))
     else:  # instruct models answer a user turn, not raw text
@@ -105,8 +100,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from router.proto import inference_pb2 as pb
-
     stub = _client(args.address)
     history = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
     while True:
@@ -137,8 +130,6 @@ def main(argv: list[str] | None = None) -> int:
         help="a Baton manifest; without it, "
         "deploy/examples/local.yaml with the flags below applied",
     )
-    from cluster.local import add_serve_flags
-
     add_serve_flags(serve)  # types, choices and help: the manifest fields they set
     serve.set_defaults(run=_serve)
     for name, fn, text in (
@@ -160,8 +151,6 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--temperature", type=float, default=0.0)
         p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
         p.set_defaults(run=fn)
-    from deploy.commands import add_parser as add_deploy_parser
-
     add_deploy_parser(sub)
     args = parser.parse_args(argv)
     try:
@@ -169,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - one line, never a traceback
+        # Deferred: cluster.controller pulls in ray and torch (~1.5 s), needed only here.
         from cluster.controller import short_error
 
         print(f"error: {short_error(exc)}", file=sys.stderr)

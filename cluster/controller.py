@@ -11,6 +11,9 @@ A leaving worker is drained: the router stops giving it new requests (set_worker
 after that holds), its running requests finish, then it is unpaired and removed. New workers
 are paired and announced before old ones leave, so a changed manifest never leaves a pool
 empty. Worker and router actors are owned by this actor: killing it removes them all.
+
+What a reconcile does is decided by cluster/plan.py (pure); this module executes the plan. Its
+waits are named in cluster/timeouts.py.
 """
 
 from __future__ import annotations
@@ -18,73 +21,39 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster import timeouts as T
+from cluster.plan import (
+    Current,
+    EnsureRouter,
+    Note,
+    Pair,
+    Pool,
+    Publish,
+    Retire,
+    Running,
+    Start,
+    plan,
+)
 from cluster.ray_peer import RayPeer
+from cluster.router_actor import ROUTER_NAME, RouterActor
 from cluster.templates import ROLES, WorkerTemplate, router_options, worker_templates
+from cluster.worker_actor import WORKER_ENV, Worker, worker_class
+from deploy.manifest import Manifest, ManifestError, check_resources, parse_manifest
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "baton"
 CONTROLLER_NAME = "baton-controller"
-ACTOR_CONCURRENCY = 64  # control calls (a long prefill included) run side by side
-PLACEMENT_TIMEOUT_S = 120.0  # a worker's bundle must be placeable within this
-DRAIN_POLL_S = 0.5
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
-# c10d logs a warning every time a decode worker's 0.5 s wait for the next KV announcement
-# passes with none (a TCPStore socket timeout): not an error, and it would flood the logs.
-WORKER_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 
 class NoCluster(RuntimeError):
     """No Baton controller runs on this Ray cluster."""
-
-
-def _worker_class(role: str):
-    """The Ray actor class of a role (a threaded actor: control calls run concurrently)."""
-    if role == "prefill":
-        from prefill_worker.worker import PrefillWorker as cls
-    else:
-        from decode_worker.worker import DecodeWorker as cls
-
-    class Actor(cls):
-        def __init__(self, worker_id: str, engine: dict, transfer: dict, threads: int) -> None:
-            import uuid
-
-            import torch
-
-            torch.set_num_threads(threads)
-            super().__init__(worker_id, engine, transfer)
-            self.incarnation = uuid.uuid4().hex  # changes when Ray restarts the actor
-
-        def ping(self) -> str:
-            return self.incarnation
-
-    Actor.__name__ = Actor.__qualname__ = f"{cls.__name__}Actor"
-    # A dead worker is restarted by Ray (its __init__ runs again); calls in flight fail.
-    return ray.remote(max_concurrency=ACTOR_CONCURRENCY, max_restarts=-1, max_task_retries=0)(Actor)
-
-
-@dataclass
-class Worker:
-    """One worker actor as the controller tracks it."""
-
-    worker_id: str
-    template: WorkerTemplate
-    handle: Any
-    pg: Any
-    incarnation: str = ""
-    draining: bool = False  # takes no new requests; removed once its requests finished
-    healthy: bool = True
-
-    @property
-    def role(self) -> str:
-        return self.template.role
 
 
 class Controller:
@@ -137,8 +106,6 @@ class Controller:
             return self._apply(manifest)
 
     def _apply(self, manifest: dict) -> dict:
-        from deploy.manifest import ManifestError, check_resources, parse_manifest
-
         m = parse_manifest(manifest)
         if self.manifest is not None and self.manifest["metadata"]["name"] != m.metadata.name:
             raise ManifestError(
@@ -158,87 +125,38 @@ class Controller:
         self._log(f"generation {generation}: " + ("; ".join(changes) if changes else "no change"))
         return {"generation": generation, "changed": bool(changes), "changes": changes}
 
-    def _reconcile(self, m) -> list[str]:
-        """Bring the workers and the router to the manifest. New workers start beside the
-        old ones when the free resources allow it (surge); otherwise workers are replaced one
-        at a time, or all at once when the KV format changes, while requests wait at the
-        router for the new ones (spec.router.wait_for_workers_seconds)."""
+    def _reconcile(self, m: Manifest) -> list[str]:
+        """Bring the workers and the router to the manifest: mend what a failed reconcile
+        left (workers still draining), then execute plan()'s steps (cluster/plan.py says
+        how the new workers are placed)."""
         templates = worker_templates(m)
         leftovers = [w for w in self.workers_by_id.values() if w.draining]
         if leftovers:  # an earlier reconcile failed while draining these
             self._retire(leftovers, m)
-        changes: list[str] = []
-        start: dict[str, int] = {}
-        outdated: dict[str, list[Worker]] = {}
-        surplus: dict[str, list[Worker]] = {}
-        for role in ROLES:
-            want = getattr(m.spec, role).replicas
-            current = self._active(role)
-            keep = [w for w in current if w.template.key == templates[role].key]
-            outdated[role] = [w for w in current if w.template.key != templates[role].key]
-            surplus[role] = keep[want:]  # the newest go first
-            start[role] = max(0, want - len(keep))
-            replaced = min(start[role], len(outdated[role]))
-            removed = len(outdated[role]) + len(surplus[role]) - replaced
-            for count, verb in (
-                (replaced, "replace"),
-                (start[role] - replaced, "add"),
-                (removed, "remove"),
-            ):
-                if count:
-                    changes.append(
-                        f"{verb} {count} {role} worker(s)"
-                        + (" (options changed)" if verb == "replace" else "")
-                    )
-        need: dict[str, float] = {}
-        for role in ROLES:
-            for name, amount in templates[role].resources.items():
-                need[name] = need.get(name, 0.0) + amount * start[role]
-        free = ray.available_resources()
-        surge = all(free.get(name, 0.0) >= amount for name, amount in need.items())
-        kv_change = any(
-            w.template.kv_key != templates[role].kv_key for role in ROLES for w in outdated[role]
+        current = Current(
+            tuple(Running(w.worker_id, w.template) for role in ROLES for w in self._active(role)),
+            has_router=self.router is not None,
         )
-        leaving = [w for role in ROLES for w in outdated[role] + surplus[role]]
-        if surge or self.router is None:
-            for role in ROLES:
-                self._start_workers(templates[role], start[role])
-            self._ensure_pairs()
-            started = self._ensure_router(router_options(m))
-            self._retire(leaving, m)  # publishes the new workers as the old ones leave
-        elif kv_change:
-            started = self._ensure_router(router_options(m))
-            self._log(
-                f"not enough free resources ({free}) to start the new workers beside "
-                "the old ones, and the KV format changes: replacing every worker at "
-                "once; requests wait at the router meanwhile"
-            )
-            self._retire(leaving, m)
-            for role in ROLES:
-                self._start_workers(templates[role], start[role])
-            self._ensure_pairs()
-            self._publish(m)
-        else:
-            started = self._ensure_router(router_options(m))
-            self._log(
-                f"not enough free resources ({free}) to start the new workers beside "
-                "the old ones: replacing one worker at a time"
-            )
-            replace = {role: outdated[role][: start[role]] for role in ROLES}
-            self._retire(
-                [w for role in ROLES for w in outdated[role][start[role] :] + surplus[role]], m
-            )
-            for role in ROLES:
-                for old in replace[role]:
-                    self._retire([old], m)
-                    self._start_workers(templates[role], 1)
+        desired = {role: Pool(templates[role], getattr(m.spec, role).replicas) for role in ROLES}
+        planned = plan(current, desired, ray.available_resources())
+        router_change = None
+        for step in planned.steps:
+            match step:
+                case Start(role=role, count=count):
+                    self._start_workers(templates[role], count)
+                case Pair():
                     self._ensure_pairs()
+                case EnsureRouter():
+                    router_change = self._ensure_router(router_options(m))
+                case Retire(worker_ids=ids):
+                    self._retire([self.workers_by_id[i] for i in ids], m)
+                case Publish():
                     self._publish(m)
-                self._start_workers(templates[role], start[role] - len(replace[role]))
-            self._ensure_pairs()
-            self._publish(m)
-        if started:
-            changes.append(f"{started} router")
+                case Note(text=text):
+                    self._log(text)
+        changes = list(planned.changes)
+        if router_change:
+            changes.append(f"{router_change} router")
         return changes
 
     def _active(self, role: str) -> list[Worker]:
@@ -260,16 +178,16 @@ class Controller:
                 )
                 worker = Worker(worker_id, template, None, pg)
                 started.append(worker)
-                ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+                ready, _ = ray.wait([pg.ready()], timeout=T.PLACEMENT_S)
                 if not ready:
                     raise RuntimeError(
                         f"{worker_id}: no node could give {template.resources} within "
-                        f"{PLACEMENT_TIMEOUT_S:.0f} s (free: {ray.available_resources()}); "
+                        f"{T.PLACEMENT_S:.0f} s (free: {ray.available_resources()}); "
                         "add nodes or lower the replicas or resources"
                     )
                 r = template.resources
                 worker.handle = (
-                    _worker_class(template.role)
+                    worker_class(template.role)
                     .options(
                         name=worker_id,
                         namespace=NAMESPACE,
@@ -283,7 +201,9 @@ class Controller:
                     )
                     .remote(worker_id, template.engine, template.transfer, template.threads)
                 )
-            incarnations = ray.get([w.handle.ping.remote() for w in started], timeout=600)
+            incarnations = ray.get(
+                [w.handle.ping.remote() for w in started], timeout=T.WORKER_START_S
+            )
         except Exception as exc:
             for worker in started:
                 if worker.handle is not None:
@@ -312,10 +232,11 @@ class Controller:
 
     def _pair(self, p: Worker, d: Worker) -> None:
         address = ray.get(
-            p.handle.connect_decode.remote(d.worker_id, RayPeer(d.handle)), timeout=60
+            p.handle.connect_decode.remote(d.worker_id, RayPeer(d.handle)), timeout=T.PAIR_S
         )
         ray.get(
-            d.handle.connect_prefill.remote(p.worker_id, address, RayPeer(p.handle)), timeout=60
+            d.handle.connect_prefill.remote(p.worker_id, address, RayPeer(p.handle)),
+            timeout=T.PAIR_S,
         )
         self._pairs.add((p.worker_id, d.worker_id))
 
@@ -326,7 +247,7 @@ class Controller:
             p.handle.disconnect_decode.remote(d.worker_id),
         ):
             try:
-                ray.get(call, timeout=30)
+                ray.get(call, timeout=T.UNPAIR_S)
             except Exception as exc:  # noqa: BLE001 - a dead peer has nothing to tear down
                 logger.warning("unpairing %s and %s: %s", p.worker_id, d.worker_id, exc)
 
@@ -346,8 +267,6 @@ class Controller:
     def _ensure_router(self, options: dict) -> str | None:
         """Start the router actor, or restart it when what its server was started with
         changed; a new policy is set in place. Returns "start", "restart" or None."""
-        from cluster.router_actor import ROUTER_NAME, RouterActor
-
         key = tuple(options[k] for k in ("model", "skip_tokenizer", "host", "port"))
         if self.router is not None and key == self.router_key:
             try:
@@ -357,7 +276,7 @@ class Controller:
                         options["local_prefill_tokens"],
                         options["wait_for_workers_s"],
                     ),
-                    timeout=30,
+                    timeout=T.ROUTER_CONFIGURE_S,
                 )
                 return None
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
@@ -376,7 +295,7 @@ class Controller:
         self.router = RouterActor.options(
             name=ROUTER_NAME, namespace=NAMESPACE, resources={HEAD_NODE_RESOURCE: 0.001}
         ).remote(me, options)
-        port = ray.get(self.router.start.remote(), timeout=300)
+        port = ray.get(self.router.start.remote(), timeout=T.ROUTER_START_S)
         self.router_key = tuple(options[k] for k in ("model", "skip_tokenizer", "host", "port"))
         self.router_address = f"{options['host']}:{port}"
         self._log(f"router serving gRPC on {self.router_address}")
@@ -391,7 +310,9 @@ class Controller:
         max_model_len = None
         if pools["decode"]:
             decode = next(w for w in self._active("decode"))
-            max_model_len = ray.get(decode.handle.info.remote(), timeout=60).get("max_model_len")
+            max_model_len = ray.get(decode.handle.info.remote(), timeout=T.WORKER_INFO_S).get(
+                "max_model_len"
+            )
         ray.get(
             self.router.set_workers.remote(
                 pools["prefill"],
@@ -400,7 +321,7 @@ class Controller:
                 pool_engine.hash_seed,
                 max_model_len,
             ),
-            timeout=60,
+            timeout=T.PUBLISH_S,
         )
 
     def _drain(self, leaving: list[Worker], timeout_s: float) -> None:
@@ -411,11 +332,11 @@ class Controller:
         ids = ", ".join(w.worker_id for w in leaving)
         self._log(f"draining {ids}")
         while True:
-            routed = ray.get(self.router.active_counts.remote(), timeout=30)
+            routed = ray.get(self.router.active_counts.remote(), timeout=T.DRAIN_QUERY_S)
             busy = {}
             for w in leaving:
                 try:
-                    s = ray.get(w.handle.stats.remote(), timeout=30)
+                    s = ray.get(w.handle.stats.remote(), timeout=T.DRAIN_QUERY_S)
                 except Exception:  # noqa: BLE001 - a dead worker has nothing left to finish
                     continue
                 n = max(
@@ -437,12 +358,12 @@ class Controller:
                     f"running: {busy}; removing anyway"
                 )
                 return
-            if now - last_report > 2.0:
+            if now - last_report > T.DRAIN_REPORT_S:
                 last_report = now
                 self._log(
                     "waiting for " + ", ".join(f"{w}: {n} request(s)" for w, n in busy.items())
                 )
-            time.sleep(DRAIN_POLL_S)
+            time.sleep(T.DRAIN_POLL_S)
 
     def _remove(self, worker: Worker) -> None:
         """Unpair, stop and kill a worker and free its bundle."""
@@ -452,7 +373,7 @@ class Controller:
                     self.workers_by_id.get(p_id, worker), self.workers_by_id.get(d_id, worker)
                 )
         try:
-            ray.get(worker.handle.shutdown.remote(), timeout=20)
+            ray.get(worker.handle.shutdown.remote(), timeout=T.WORKER_SHUTDOWN_S)
         except Exception:  # noqa: BLE001 - killed below either way
             pass
         ray.kill(worker.handle)
@@ -462,7 +383,7 @@ class Controller:
         self._log(f"removed {worker.worker_id}")
 
     # ---- health ------------------------------------------------------------------------
-    def check_health(self, timeout: float = 10.0) -> dict:
+    def check_health(self, timeout: float = T.HEALTH_PING_S) -> dict:
         """Ping every worker; re-pair any that Ray restarted. Returns {"restarts",
         "healthy": {id: bool}, "restarted": [ids]} for the router."""
         with self._state_lock:
@@ -515,7 +436,7 @@ class Controller:
         out = []
         for w, ref in zip(workers, refs, strict=True):
             try:
-                stats, healthy = ray.get(ref, timeout=10), True
+                stats, healthy = ray.get(ref, timeout=T.STATS_S), True
             except Exception as exc:  # noqa: BLE001 - reported as unhealthy
                 stats, healthy = {"error": str(exc)}, False
             queries = stats.get("cache_queries", 0)
@@ -536,7 +457,7 @@ class Controller:
         router = None
         if self.router is not None:
             try:
-                router = ray.get(self.router.stats.remote(), timeout=10)
+                router = ray.get(self.router.stats.remote(), timeout=T.STATS_S)
             except Exception as exc:  # noqa: BLE001 - shown as such
                 router = {"error": str(exc)}
             router["address"] = self.router_address
@@ -560,7 +481,7 @@ class Controller:
     # ---- teardown ----------------------------------------------------------------------
     def _stop_router(self) -> None:
         try:
-            ray.get(self.router.stop.remote(), timeout=30)
+            ray.get(self.router.stop.remote(), timeout=T.ROUTER_STOP_S)
         except Exception as exc:  # noqa: BLE001 - killed below either way
             logger.warning("stopping the router: %s", exc)
         ray.kill(self.router)

@@ -1,19 +1,26 @@
 """`baton deploy apply | scale | status | down`: reconcile a running Ray cluster to a manifest.
 
 Every command connects to Ray at --address (default: $RAY_ADDRESS, else "auto": the cluster
-`ray start` left on this machine) and talks only to the controller actor, which does the
-work and outlives the command. Exit codes: 0 done, 1 failed, 2 bad input.
+`ray start` left on this machine, see deploy/ray_address.py) and talks only to the controller
+actor, through deploy/client.py; the controller does the work and outlives the command. A
+cluster that cannot be reached is reported within seconds, in one line. Exit codes: 0 done,
+1 failed (e.g. no cluster), 2 bad input.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
+from deploy import client
+from deploy.manifest import ManifestError, check_resources, load_manifest
+
 WAIT_S = 1800.0  # the longest apply: worker start-up plus drains
+STATUS_S = 120.0  # the controller gathers every worker's stats
+SHUTDOWN_S = 300.0  # `down`: the controller stops the router and removes every worker
+GONE_S = 60.0  # `down`: Ray takes the killed actors out of its registry
 
 
 def add_parser(sub) -> None:
@@ -37,28 +44,20 @@ def add_parser(sub) -> None:
     down.set_defaults(run=_down)
     for p in (apply, scale, status, down):
         p.add_argument(
-            "--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else auto)"
+            "--address",
+            default=None,
+            help="Ray cluster address HOST:PORT (default: $RAY_ADDRESS, else auto: the cluster "
+            "`ray start --head` recorded in $RAY_TMPDIR/ray/ray_current_cluster, "
+            "$RAY_TMPDIR being $TMPDIR or /tmp if unset)",
         )
 
 
 def _connect(address: str | None) -> None:
-    import ray
-
-    from cluster.controller import NAMESPACE
-
-    if ray.is_initialized():  # an in-process caller that is already connected
-        return
-    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    """Connect to the Ray cluster, or exit 1 at once with one line saying why not."""
     try:
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise SystemExit(
-            _fail(
-                f"cannot connect to a Ray cluster at {address!r}: {exc}\n"
-                "start one with `ray start --head` or pass --address",
-                1,
-            )
-        ) from None
+        client.connect(address)
+    except client.Unreachable as exc:
+        raise SystemExit(_fail(str(exc), 1)) from None
 
 
 def _fail(message: str, code: int) -> int:
@@ -71,35 +70,15 @@ def _cause(exc: BaseException) -> BaseException:
     return getattr(exc, "cause", None) or exc
 
 
-def _follow(controller, ref, shown: int) -> dict:
-    """Print the controller's progress lines (from index `shown` on) until `ref` (an apply
-    or scale) is done."""
-    import ray
-
+def _reconcile(controller: client.ControllerClient, method: str, arg: dict) -> int:
+    """Run an apply or scale on the controller, show its progress and the outcome."""
     start = time.monotonic()
-    while True:
-        ready, _ = ray.wait([ref], timeout=0.5)
-        for line in ray.get(controller.events.remote(shown)):
-            shown += 1
-            print(f"[{time.monotonic() - start:6.1f}s] {line}", flush=True)
-        if ready:
-            return ray.get(ref)
-        if time.monotonic() - start > WAIT_S:
-            raise TimeoutError(
-                f"still reconciling after {WAIT_S:.0f} s; `baton deploy status` shows where it is"
-            )
 
-
-def _reconcile(controller, submit) -> int:
-    """Run an apply or scale (submit(): its object ref) on the controller, show progress and
-    the outcome."""
-    import ray
-
-    from deploy.manifest import ManifestError
+    def show(line: str) -> None:
+        print(f"[{time.monotonic() - start:6.1f}s] {line}", flush=True)
 
     try:
-        shown = ray.get(controller.num_events.remote(), timeout=60)
-        result = _follow(controller, submit(), shown)
+        result = controller.follow(method, arg, on_event=show, limit_s=WAIT_S)
     except KeyboardInterrupt:
         print(
             "\ninterrupted: the controller finishes this reconcile on its own; "
@@ -116,24 +95,17 @@ def _reconcile(controller, submit) -> int:
 
 
 def _apply(args: argparse.Namespace) -> int:
-    from deploy.manifest import ManifestError, check_resources, load_manifest
-
     try:
         manifest = load_manifest(args.file)
     except ManifestError as exc:
         return _fail(f"{args.file}:\n{exc}", 2)
     _connect(args.address)
-    import ray
-
-    from cluster.controller import controller_handle, node_resources
-
     try:
-        check_resources(manifest, ray.cluster_resources(), node_resources())
+        check_resources(manifest, *client.resources())
     except ManifestError as exc:
         return _fail(f"{args.file}:\n{exc}", 2)
-
-    controller = controller_handle(create=True)
-    return _reconcile(controller, lambda: controller.apply.remote(manifest.model_dump(mode="json")))
+    controller = client.controller(create=True)
+    return _reconcile(controller, "apply", manifest.model_dump(mode="json"))
 
 
 def parse_pools(pools: list[str]) -> dict[str, int]:
@@ -155,27 +127,21 @@ def _scale(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc), 2)
     _connect(args.address)
-    from cluster.controller import NoCluster, controller_handle
-
     try:
-        controller = controller_handle()
-    except NoCluster as exc:
+        controller = client.controller()
+    except client.NoController as exc:
         return _fail(str(exc), 1)
-    return _reconcile(controller, lambda: controller.scale.remote(replicas))
+    return _reconcile(controller, "scale", replicas)
 
 
 def _status(args: argparse.Namespace) -> int:
     _connect(args.address)
-    import ray
-
-    from cluster.controller import NoCluster, controller_handle, short_error
-
     try:
-        status = ray.get(controller_handle().status.remote(), timeout=120)
-    except NoCluster as exc:
+        status = client.controller().call("status", timeout=STATUS_S)
+    except client.NoController as exc:
         return _fail(str(exc), 1)
     except Exception as exc:  # noqa: BLE001 - a dead or hung controller: one line
-        return _fail(f"the controller does not answer: {short_error(exc)}", 1)
+        return _fail(f"the controller does not answer: {client.short_error(exc)}", 1)
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True))
         return 0
@@ -207,44 +173,27 @@ def format_status(status: dict) -> str:
 
 def _down(args: argparse.Namespace) -> int:
     _connect(args.address)
-    import ray
-
-    from cluster.controller import NAMESPACE, NoCluster, controller_handle, short_error
-
     try:
-        controller = controller_handle()
-    except NoCluster:
+        controller = client.controller()
+    except client.NoController:
         print("no Baton cluster runs here; nothing to remove")
         return 0
 
     print("removing the router and every worker ...", flush=True)
     try:
-        ray.get(controller.shutdown.remote(), timeout=300)
+        controller.call("shutdown", timeout=SHUTDOWN_S)
     except Exception as exc:  # noqa: BLE001 - killing the controller removes what it owns
         print(
-            f"the controller did not finish in time ({short_error(exc)}); killing it, "
+            f"the controller did not finish in time ({client.short_error(exc)}); killing it, "
             "which removes every actor and placement group it owns",
             file=sys.stderr,
         )
     finally:
-        ray.kill(controller)
-    deadline = time.monotonic() + 60
-    while (left := baton_actors()) and time.monotonic() < deadline:
+        controller.kill()
+    deadline = time.monotonic() + GONE_S
+    while (left := client.baton_actors()) and time.monotonic() < deadline:
         time.sleep(0.5)
     if left:
-        return _fail(f"still running in namespace {NAMESPACE!r}: {left}", 1)
+        return _fail(f"still running in Baton's namespace: {left}", 1)
     print("removed: router, workers, controller and their placement groups")
     return 0
-
-
-def baton_actors() -> list[str]:
-    """Names of the live named actors in Baton's namespace."""
-    import ray
-
-    from cluster.controller import NAMESPACE
-
-    return sorted(
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["namespace"] == NAMESPACE
-    )

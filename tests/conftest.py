@@ -18,7 +18,10 @@ torch.set_num_threads(int(os.environ.get("BATON_TEST_THREADS", "1")))
 
 # Modules that start a local Ray cluster: `pytest -m "not ray"` is the fast inner loop.
 RAY_MODULES = (
-    "tests/cluster/",
+    "tests/cluster/test_grpc_on_ray.py",
+    "tests/cluster/test_local_cluster.py",
+    "tests/cluster/test_ray_cluster.py",
+    "tests/cluster/test_serve_cli.py",
     "tests/deploy/test_deploy_on_ray.py",
     "tests/deploy/test_replace_at_capacity.py",
 )

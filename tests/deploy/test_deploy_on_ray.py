@@ -18,7 +18,7 @@ import yaml
 
 from cluster.controller import NAMESPACE
 from cluster.local_ray import start_local_ray
-from deploy.commands import baton_actors
+from deploy.client import baton_actors
 from engine import LLM, SamplingParams
 from router.proto import inference_pb2 as pb
 from tests.cluster.manifests import tiny_manifest

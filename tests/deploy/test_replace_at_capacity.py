@@ -11,7 +11,7 @@ import yaml
 from cluster.cli import main as baton
 from cluster.controller import NAMESPACE
 from cluster.local_ray import start_local_ray
-from deploy.commands import baton_actors
+from deploy.client import baton_actors
 from engine import LLM, SamplingParams
 from tests.cluster.manifests import tiny_manifest
 from tests.deploy.streams import MAX_TOKENS, RequestStream, stream_prompt

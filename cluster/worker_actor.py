@@ -1,0 +1,58 @@
+"""A worker's Ray actor class, and the controller's record of one running worker."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from cluster.templates import WorkerTemplate
+
+ACTOR_CONCURRENCY = 64  # control calls (a long prefill included) run side by side
+# c10d logs a warning every time a decode worker's 0.5 s wait for the next KV announcement
+# passes with none (a TCPStore socket timeout): not an error, and it would flood the logs.
+WORKER_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+def worker_class(role: str):
+    """The Ray actor class of a role (a threaded actor: control calls run concurrently)."""
+    # Deferred: the worker packages load only in a process that starts a worker; `baton
+    # deploy` imports the controller module (and so this one) for its names alone.
+    if role == "prefill":
+        from prefill_worker.worker import PrefillWorker as cls
+    else:
+        from decode_worker.worker import DecodeWorker as cls
+
+    class Actor(cls):
+        def __init__(self, worker_id: str, engine: dict, transfer: dict, threads: int) -> None:
+            import torch  # deferred: runs in the worker's process
+
+            torch.set_num_threads(threads)
+            super().__init__(worker_id, engine, transfer)
+            self.incarnation = uuid.uuid4().hex  # changes when Ray restarts the actor
+
+        def ping(self) -> str:
+            return self.incarnation
+
+    Actor.__name__ = Actor.__qualname__ = f"{cls.__name__}Actor"
+    # A dead worker is restarted by Ray (its __init__ runs again); calls in flight fail.
+    return ray.remote(max_concurrency=ACTOR_CONCURRENCY, max_restarts=-1, max_task_retries=0)(Actor)
+
+
+@dataclass
+class Worker:
+    """One worker actor as the controller tracks it."""
+
+    worker_id: str
+    template: WorkerTemplate
+    handle: Any
+    pg: Any
+    incarnation: str = ""
+    draining: bool = False  # takes no new requests; removed once its requests finished
+    healthy: bool = True
+
+    @property
+    def role(self) -> str:
+        return self.template.role

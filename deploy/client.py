@@ -1,0 +1,151 @@
+"""How a `baton deploy` command reaches the controller: connect this process to the Ray
+cluster, find (or create) the controller actor, call it. The only module of `deploy` that uses
+`cluster`; `cluster` uses `deploy.manifest` alone.
+
+ray and cluster.controller are imported inside the functions on purpose: together they take
+about 1.5 s (the controller's imports pull in torch), and a command must report a cluster it
+cannot reach before paying that (see deploy/ray_address.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from deploy import ray_address
+
+WHAT_TO_DO = "start one with `ray start --head`, or pass --address"
+EVENTS_POLL_S = 0.5  # between two looks at a running apply's progress lines
+CALL_S = 60.0  # a quick controller call (its progress-line count)
+
+
+class Unreachable(ConnectionError):
+    """No Ray cluster can be reached; str() is the one line to show (what was tried, from
+    where, and what to do)."""
+
+
+class NoController(LookupError):
+    """The Ray cluster runs no Baton controller."""
+
+
+def connect(address: str | None) -> None:
+    """Connect this process to the Ray cluster that `address` names (else $RAY_ADDRESS, else
+    the ray_current_cluster file); raises Unreachable within seconds when nothing answers
+    there. A process already connected (an in-process caller) stays as it is."""
+    loaded = sys.modules.get("ray")
+    if loaded is not None and loaded.is_initialized():
+        return
+    try:
+        target = ray_address.resolve(address)
+    except ray_address.NoAddress as exc:
+        raise Unreachable(f"{exc}; {WHAT_TO_DO}") from None
+    from_file = target.source not in ("--address", "$RAY_ADDRESS")
+    origin = f"the ray_current_cluster file {target.source}" if from_file else target.source
+    where = f"cannot connect to a Ray cluster at {target.address!r} (from {origin})"
+    why = ray_address.probe(target.address)
+    if why is not None:
+        stale = " (the file is stale: that cluster is gone)" if from_file else ""
+        raise Unreachable(f"{where}: {why}{stale}; {WHAT_TO_DO}")
+    import ray
+
+    from cluster.controller import NAMESPACE
+
+    # Ray's Python warnings stay off the terminal: a command prints one line per outcome.
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    try:
+        ray.init(
+            address=target.address,
+            namespace=NAMESPACE,
+            log_to_driver=False,
+            configure_logging=False,
+            logging_level=logging.ERROR,
+        )
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise Unreachable(f"{where}: {short_error(exc)}; {WHAT_TO_DO}") from None
+
+
+def resources() -> tuple[dict[str, float], list[dict[str, float]]]:
+    """The connected cluster's total resources, and each live node's."""
+    import ray
+
+    from cluster.controller import node_resources
+
+    return ray.cluster_resources(), node_resources()
+
+
+def controller(create: bool = False) -> ControllerClient:
+    """The cluster's controller (created, detached, when `create`); NoController if there is
+    none and `create` is False."""
+    from cluster.controller import NoCluster, controller_handle
+
+    try:
+        return ControllerClient(controller_handle(create=create))
+    except NoCluster as exc:
+        raise NoController(str(exc)) from None
+
+
+class ControllerClient:
+    """Calls on the controller actor from a connected process. A method the actor raises in
+    comes back as Ray's wrapper of it (its `cause` is the actor's exception)."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    def call(self, method: str, *args: Any, timeout: float) -> Any:
+        """Run a controller method and return its result."""
+        import ray
+
+        return ray.get(getattr(self._handle, method).remote(*args), timeout=timeout)
+
+    def follow(
+        self, method: str, *args: Any, on_event: Callable[[str], None], limit_s: float
+    ) -> Any:
+        """Run a long method (apply, scale) and return its result, passing each progress line
+        the controller logs meanwhile to on_event. TimeoutError after limit_s (the controller
+        goes on)."""
+        import ray
+
+        shown = self.call("num_events", timeout=CALL_S)
+        ref = getattr(self._handle, method).remote(*args)
+        start = time.monotonic()
+        while True:
+            ready, _ = ray.wait([ref], timeout=EVENTS_POLL_S)
+            for line in ray.get(self._handle.events.remote(shown)):
+                shown += 1
+                on_event(line)
+            if ready:
+                return ray.get(ref)
+            if time.monotonic() - start > limit_s:
+                raise TimeoutError(
+                    f"still reconciling after {limit_s:.0f} s; `baton deploy status` shows "
+                    "where it is"
+                )
+
+    def kill(self) -> None:
+        """Kill the controller: Ray removes every actor and placement group it owns."""
+        import ray
+
+        ray.kill(self._handle)
+
+
+def baton_actors() -> list[str]:
+    """Names of the live named actors in Baton's namespace."""
+    import ray
+
+    from cluster.controller import NAMESPACE
+
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == NAMESPACE
+    )
+
+
+def short_error(exc: BaseException) -> str:
+    """One line for an exception, out of Ray's wrappers (no remote traceback)."""
+    from cluster.controller import short_error as one_line
+
+    return one_line(exc)
