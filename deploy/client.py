@@ -10,7 +10,9 @@ cannot reach before paying that (see deploy/ray_address.py).
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +22,7 @@ from deploy import ray_address
 WHAT_TO_DO = "start one with `ray start --head`, or pass --address"
 EVENTS_POLL_S = 0.5  # between two looks at a running apply's progress lines
 CALL_S = 60.0  # a quick controller call (its progress-line count)
+CONNECT_TIMEOUT_S = 10.0  # ray.init to a live cluster, once its GCS port accepts connections
 
 
 class Unreachable(ConnectionError):
@@ -49,22 +52,58 @@ def connect(address: str | None) -> None:
     if why is not None:
         stale = " (the file is stale: that cluster is gone)" if from_file else ""
         raise Unreachable(f"{where}: {why}{stale}; {WHAT_TO_DO}")
+    why = _ray_init(target.address, CONNECT_TIMEOUT_S)
+    if why is not None:
+        raise Unreachable(f"{where}: {why}; {WHAT_TO_DO}")
+
+
+def _ray_init(address: str, timeout: float) -> str | None:
+    """`ray.init(address)` with none of Ray's output on the terminal: None once connected,
+    else one line saying why not. Ray retries an address that accepts connections but is no
+    live GCS for minutes; after `timeout` the attempt is left to its daemon thread (the
+    command exits at once after that)."""
     import ray
 
     from cluster.controller import NAMESPACE
 
-    # Ray's Python warnings stay off the terminal: a command prints one line per outcome.
+    outcome: list[Exception | None] = []
+
+    def init() -> None:
+        try:
+            ray.init(
+                address=address,
+                namespace=NAMESPACE,
+                log_to_driver=False,
+                configure_logging=False,
+                logging_level=logging.ERROR,
+            )
+            outcome.append(None)
+        except Exception as exc:  # noqa: BLE001 - reported as one line
+            outcome.append(exc)
+
+    # Ray's Python loggers, and its C++ core worker, which writes to file descriptor 2.
     logging.getLogger("ray").setLevel(logging.ERROR)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    thread = threading.Thread(target=init, name="ray-init", daemon=True)
+    thread.start()
     try:
-        ray.init(
-            address=target.address,
-            namespace=NAMESPACE,
-            log_to_driver=False,
-            configure_logging=False,
-            logging_level=logging.ERROR,
-        )
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise Unreachable(f"{where}: {short_error(exc)}; {WHAT_TO_DO}") from None
+        thread.join(timeout)
+    except BaseException:  # Ctrl-C: the terminal gets its stderr back
+        os.dup2(saved, 2)
+        raise
+    finally:
+        os.close(devnull)
+    if not outcome:
+        # Ray's thread goes on writing to descriptor 2 until the command exits: leave that
+        # muted and give Python's own stderr the terminal back.
+        sys.stderr = os.fdopen(saved, "w", buffering=1)
+        return f"no Ray cluster answered there within {timeout:g} s"
+    os.dup2(saved, 2)
+    os.close(saved)
+    return None if outcome[0] is None else short_error(outcome[0])
 
 
 def resources() -> tuple[dict[str, float], list[dict[str, float]]]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deploy.client import CONNECT_TIMEOUT_S
 from deploy.ray_address import NoAddress, RayAddress, host_port, probe, ray_address_file, resolve
 from tests.cluster.manifests import tiny_manifest
 
@@ -106,6 +107,31 @@ def test_address_nobody_listens_on(ray_tmp, tmp_path, monkeypatch):
         f"cannot connect to a Ray cluster at '{address}' (from $RAY_ADDRESS): Connection "
         f"refused; {WHAT_TO_DO}",
     )
+
+
+def test_an_address_that_accepts_connections_but_is_no_ray_cluster(ray_tmp, tmp_path):
+    # Ray itself would retry for minutes, printing its own warnings; the command gives up
+    # after CONNECT_TIMEOUT_S with one line and keeps Ray's output off the terminal.
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        address = f"127.0.0.1:{listening.getsockname()[1]}"
+        start = time.monotonic()
+        out = subprocess.run(
+            [sys.executable, "-m", "cluster.cli", "deploy", "status", "--address", address],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+            timeout=60,
+            check=False,
+        )
+        elapsed = time.monotonic() - start
+    expected = (
+        f"error: cannot connect to a Ray cluster at '{address}' (from --address): no Ray "
+        f"cluster answered there within {CONNECT_TIMEOUT_S:g} s; {WHAT_TO_DO}\n"
+    )
+    assert (out.returncode, out.stdout, out.stderr) == (1, "", expected)
+    assert CONNECT_TIMEOUT_S <= elapsed < CONNECT_TIMEOUT_S + 5.0
 
 
 # ---- address resolution, in process ---------------------------------------------------------
