@@ -310,9 +310,8 @@ class Controller:
         max_model_len = None
         if pools["decode"]:
             decode = next(w for w in self._active("decode"))
-            max_model_len = ray.get(decode.handle.info.remote(), timeout=T.WORKER_INFO_S).get(
-                "max_model_len"
-            )
+            info = ray.get(decode.handle.info.remote(), timeout=T.WORKER_INFO_S)
+            max_model_len = info.max_model_len
         ray.get(
             self.router.set_workers.remote(
                 pools["prefill"],
@@ -339,10 +338,7 @@ class Controller:
                     s = ray.get(w.handle.stats.remote(), timeout=T.DRAIN_QUERY_S)
                 except Exception:  # noqa: BLE001 - a dead worker has nothing left to finish
                     continue
-                n = max(
-                    routed.get(w.worker_id, 0),
-                    s["num_requests"] + s.get("num_held", 0) + s.get("num_waiting_for_kv", 0),
-                )
+                n = max(routed.get(w.worker_id, 0), s.num_in_flight)
                 if n:
                     busy[w.worker_id] = n
             if not busy:
@@ -436,10 +432,9 @@ class Controller:
         out = []
         for w, ref in zip(workers, refs, strict=True):
             try:
-                stats, healthy = ray.get(ref, timeout=T.STATS_S), True
+                stats, healthy = ray.get(ref, timeout=T.STATS_S).summary(), True
             except Exception as exc:  # noqa: BLE001 - reported as unhealthy
                 stats, healthy = {"error": str(exc)}, False
-            queries = stats.get("cache_queries", 0)
             out.append(
                 {
                     **stats,
@@ -447,7 +442,6 @@ class Controller:
                     "role": w.role,
                     "healthy": healthy,
                     "state": "draining" if w.draining else "active",
-                    "cache_hit_rate": stats.get("cache_hits", 0) / queries if queries else 0.0,
                 }
             )
         return out

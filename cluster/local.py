@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Literal, get_args, get_origin
 
 from deploy.manifest import Manifest, load_manifest, parse_manifest
+from kvtransfer.worker_api import Role
 
 LOCAL_MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "examples" / "local.yaml"
-POOLS = ("prefill", "decode")
+POOLS = tuple(Role)
 # `baton serve` flag (a LocalOptions field) -> the manifest field it sets, spec.<section>.<key>;
 # section "pools" sets the key of both pools. Type, description and choices are that field's.
 SERVE_FLAGS = {
@@ -139,8 +140,7 @@ class LocalCluster:
         log(f"resolving {spec.model.path} ...")
         resolve_model(spec.model.path)  # a GGUF is converted once, before workers load it
         need = sum(
-            getattr(spec, r).replicas * getattr(spec, r).resources.get("CPU", 0)
-            for r in ("prefill", "decode")
+            getattr(spec, r).replicas * getattr(spec, r).resources.get("CPU", 0) for r in POOLS
         )
         # always a new in-process cluster, even where RAY_ADDRESS is set
         start_local_ray(num_cpus=max(8, int(need) + 2), namespace=NAMESPACE)

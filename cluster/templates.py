@@ -10,10 +10,12 @@ import json
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from kvtransfer.worker_api import Role
+
 if TYPE_CHECKING:
     from deploy.manifest import Manifest
 
-ROLES = ("prefill", "decode")
+ROLES = tuple(Role)  # every pool, in the order they are started and listed
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import Any
 import ray
 
 from cluster.templates import WorkerTemplate
+from kvtransfer.worker_api import Role
 
 ACTOR_CONCURRENCY = 64  # control calls (a long prefill included) run side by side
 # c10d logs a warning every time a decode worker's 0.5 s wait for the next KV announcement
@@ -20,7 +21,7 @@ def worker_class(role: str):
     """The Ray actor class of a role (a threaded actor: control calls run concurrently)."""
     # Deferred: the worker packages load only in a process that starts a worker; `baton
     # deploy` imports the controller module (and so this one) for its names alone.
-    if role == "prefill":
+    if role == Role.PREFILL:
         from prefill_worker.worker import PrefillWorker as cls
     else:
         from decode_worker.worker import DecodeWorker as cls

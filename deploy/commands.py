@@ -16,6 +16,7 @@ import time
 
 from deploy import client
 from deploy.manifest import ManifestError, check_resources, load_manifest
+from kvtransfer.worker_api import Role
 
 WAIT_S = 1800.0  # the longest apply: worker start-up plus drains
 STATUS_S = 120.0  # the controller gathers every worker's stats
@@ -113,7 +114,7 @@ def parse_pools(pools: list[str]) -> dict[str, int]:
     out = {}
     for item in pools:
         role, sep, count = item.partition("=")
-        if not sep or role not in ("prefill", "decode"):
+        if not sep or role not in tuple(Role):
             raise ValueError(f"{item!r}: expected prefill=N or decode=N")
         if not count.isdigit() or int(count) < 1:
             raise ValueError(f"{item!r}: N must be an integer >= 1")
@@ -162,7 +163,7 @@ def format_status(status: dict) -> str:
         f"{'WORKER':<12}{'ROLE':<9}{'STATE':<10}{'HEALTHY':<9}{'REQUESTS':>9}"
         f"{'KV USAGE':>10}{'HIT RATE':>10}",
     ]
-    for w in sorted(status["workers"], key=lambda w: (w["role"] != "prefill", w["worker_id"])):
+    for w in sorted(status["workers"], key=lambda w: (w["role"] != Role.PREFILL, w["worker_id"])):
         lines.append(
             f"{w['worker_id']:<12}{w['role']:<9}{w['state']:<10}"
             f"{'yes' if w['healthy'] else 'NO':<9}{w.get('num_requests', 0):>9}"

@@ -136,27 +136,8 @@ class TokenOutput:
         }
 
 
-class _KeyAccess:
-    """Transitional: read access by field name (x["f"], x.get("f"), {**x}) for a caller that
-    still reads the old dict replies (cluster/controller.py's info/stats reads). Remove once
-    it reads attributes; new code must not use it."""
-
-    __slots__ = ()
-
-    def keys(self) -> list[str]:
-        return [f.name for f in dataclasses.fields(self)]
-
-    def __getitem__(self, name: str) -> Any:
-        if name not in self.keys():
-            raise KeyError(name)
-        return getattr(self, name)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return getattr(self, name) if name in self.keys() else default
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
-class WorkerInfo(_KeyAccess):
+class WorkerInfo:
     """What does not change while a worker runs: identity, cache geometry, model."""
 
     worker_id: str
@@ -170,7 +151,7 @@ class WorkerInfo(_KeyAccess):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class WorkerStats(_KeyAccess):
+class WorkerStats:
     """A worker's load and counters now; a counter of the other role stays 0."""
 
     worker_id: str

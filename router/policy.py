@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 from engine.block_hash import BlockHash
+from kvtransfer.worker_api import Role
 from router.kv_index import KVIndex, WorkerId
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
 
@@ -219,7 +220,7 @@ def choose_prefill(
         num_prompt_tokens = len(prompt_block_hashes) * block_size + 1
     _check_prompt(prompt_block_hashes, block_size, num_prompt_tokens)
     prompt = PromptInfo(prompt_block_hashes, block_size, num_prompt_tokens, index)
-    chosen = policy.choose(prompt, _healthy(loads, "prefill"))
+    chosen = policy.choose(prompt, _healthy(loads, Role.PREFILL))
     return PrefillChoice(chosen.worker_id, prompt.cached_tokens(chosen.worker_id))
 
 
@@ -237,7 +238,7 @@ def choose_decode(
     the best of the rest is returned with fits=False; the caller decides to wait or fail.
     """
     _check_prompt(prompt_block_hashes, block_size, num_prompt_tokens)
-    healthy = _healthy(loads, "decode")
+    healthy = _healthy(loads, Role.DECODE)
     needed = -(-num_prompt_tokens // block_size)
     prompt = PromptInfo(prompt_block_hashes, block_size, num_prompt_tokens, index)
     hits = {w.worker_id: prompt.cached_tokens(w.worker_id) // block_size for w in healthy}

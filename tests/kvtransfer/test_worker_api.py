@@ -54,16 +54,6 @@ def test_stats_hit_rate_and_in_flight():
     assert stats.summary()["cache_hit_rate"] == 0.75 and stats.summary()["role"] == "decode"
 
 
-def test_info_and_stats_read_by_key_until_the_controller_reads_attributes():
-    stats = WorkerStats("d0", Role.DECODE, num_requests=2, num_waiting_for_kv=1)
-    assert stats["num_requests"] + stats.get("num_held", 0) == 2
-    assert {**stats}["num_waiting_for_kv"] == 1 and stats.get("nope", 0) == 0
-    with pytest.raises(KeyError):
-        stats["nope"]
-    info = WorkerInfo("d0", Role.DECODE, 16, "s", 512, 2048, "/m", "gloo")
-    assert info.get("max_model_len") == 2048
-
-
 def _subclasses(cls: type) -> set[type]:
     out = set()
     for sub in cls.__subclasses__():
