@@ -119,6 +119,12 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own parser: run flags and `compare`
+        # Deferred: the benchmark client is needed only by this command.
+        from benchmarks.serving import main as bench_main
+
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="baton", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -152,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
         p.set_defaults(run=fn)
     add_deploy_parser(sub)
+    sub.add_parser("bench", help="benchmark a cluster (see `baton bench --help`)", add_help=False)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
