@@ -275,6 +275,7 @@ class Controller:
                         options["policy"],
                         options["local_prefill_tokens"],
                         options["wait_for_workers_s"],
+                        options["aggregated"],
                     ),
                     timeout=T.ROUTER_CONFIGURE_S,
                 )
@@ -464,6 +465,7 @@ class Controller:
             "name": self.manifest["metadata"]["name"] if self.manifest else None,
             "generation": self.generation,
             "replicas": counts,
+            "mode": cluster_mode(self.manifest),
             "router": router,
             "workers": workers,
             "manifest": self.manifest,
@@ -501,6 +503,14 @@ def short_error(exc: BaseException) -> str:
         return f"{type(cause).__name__}: {cause}".splitlines()[0]
     lines = [line for line in str(exc).splitlines() if line.strip()]
     return lines[-1].strip() if lines else type(exc).__name__
+
+
+def cluster_mode(manifest: dict | None) -> str | None:
+    """The applied manifest's shape: "aggregated" (0 prefill workers: every request is
+    prefilled on its decode worker) or "disaggregated" (None: no manifest applied)."""
+    if manifest is None:
+        return None
+    return "aggregated" if manifest["spec"]["prefill"]["replicas"] == 0 else "disaggregated"
 
 
 def node_resources() -> list[dict[str, float]]:

@@ -4,7 +4,8 @@ Pure (no Ray, no clock): the controller snapshots its active workers, the manife
 Ray's free resources, asks plan() for the steps, and executes them in order. Per pool, a
 running worker whose template key equals the manifest's is kept (the oldest first); the rest
 are outdated. Workers are started to reach the replicas and outdated and surplus workers
-leave. Three ways to place the new workers:
+leave; a prefill pool of 0 replicas (aggregated) keeps none and pairs nothing. Three ways to
+place the new workers:
 
 - SURGE: the free resources hold every new worker beside the old ones (or no router runs yet,
   a first apply): start them, pair them, then retire the leaving workers. No pool is ever empty.

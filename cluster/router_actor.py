@@ -49,6 +49,7 @@ class RouterActor:
             policy=o["policy"],
             local_prefill_tokens=o["local_prefill_tokens"],
             wait_for_workers_s=o["wait_for_workers_s"],
+            aggregated=o["aggregated"],
         )
         tokenizer = (
             None
@@ -80,9 +81,11 @@ class RouterActor:
         )
 
     async def configure(
-        self, policy: str, local_prefill_tokens: int, wait_for_workers_s: float
+        self, policy: str, local_prefill_tokens: int, wait_for_workers_s: float, aggregated: bool
     ) -> None:
-        await self._control(self.router.configure, policy, local_prefill_tokens, wait_for_workers_s)
+        await self._control(
+            self.router.configure, policy, local_prefill_tokens, wait_for_workers_s, aggregated
+        )
 
     async def active_counts(self) -> dict[str, int]:
         return await self._control(self.router.active_counts)
@@ -96,6 +99,7 @@ class RouterActor:
         return {
             "hit_rate": self.router.hit_rate(),
             "policy": self.router.policy_name,
+            "aggregated": self.router.aggregated,
             "prompt_tokens": self.router.num_prompt_tokens,
             "cached_tokens": self.router.num_cached_tokens,
         }

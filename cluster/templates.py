@@ -71,6 +71,7 @@ def router_options(manifest: Manifest) -> dict:
         "port": spec.router.port,
         "policy": spec.router.policy,
         "local_prefill_tokens": spec.router.local_prefill_tokens,
+        "aggregated": spec.prefill.replicas == 0,
         "wait_for_workers_s": spec.router.wait_for_workers_seconds,
         "block_size": engine.block_size,
         "hash_seed": engine.hash_seed,

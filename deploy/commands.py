@@ -15,7 +15,7 @@ import sys
 import time
 
 from deploy import client
-from deploy.manifest import ManifestError, check_resources, load_manifest
+from deploy.manifest import MIN_REPLICAS, ManifestError, check_resources, load_manifest
 from kvtransfer.worker_api import Role
 
 WAIT_S = 1800.0  # the longest apply: worker start-up plus drains
@@ -116,8 +116,9 @@ def parse_pools(pools: list[str]) -> dict[str, int]:
         role, sep, count = item.partition("=")
         if not sep or role not in tuple(Role):
             raise ValueError(f"{item!r}: expected prefill=N or decode=N")
-        if not count.isdigit() or int(count) < 1:
-            raise ValueError(f"{item!r}: N must be an integer >= 1")
+        least = MIN_REPLICAS[role]  # prefill=0: aggregated
+        if not count.isdigit() or int(count) < least:
+            raise ValueError(f"{item!r}: N must be an integer >= {least}")
         out[role] = int(count)
     return out
 
@@ -156,7 +157,8 @@ def format_status(status: dict) -> str:
     replicas = status["replicas"]
     lines = [
         f"cluster {status['name']}  generation {status['generation']}  "
-        f"prefill {replicas['prefill']}  decode {replicas['decode']}",
+        f"prefill {replicas['prefill']}  decode {replicas['decode']}  "
+        f"{status.get('mode', '-')}",
         f"router {router.get('address', '-')}  policy {router.get('policy', '-')}  "
         f"hit rate {router.get('hit_rate', 0.0):.2f}",
         "",

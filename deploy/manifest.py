@@ -100,10 +100,19 @@ TransferSpec = create_model(
 )
 
 
+# The fewest workers a pool may have: with 0 prefill workers the cluster is aggregated (every
+# request is prefilled on its decode worker); decoding always needs a worker.
+MIN_REPLICAS = {"prefill": 0, "decode": 1}
+
+
 class PoolSpec(_Strict):
-    replicas: int = Field(1, ge=1, le=256, description="number of workers in the pool")
+    replicas: int = Field(
+        1, ge=MIN_REPLICAS["decode"], le=256, description="number of workers in the pool"
+    )
+    # The default is a float like every validated amount: a worker started from it keeps its
+    # template key when the stored manifest is parsed again (scale).
     resources: dict[str, float] = Field(
-        default_factory=lambda: {"CPU": 1},
+        default_factory=lambda: {"CPU": 1.0},
         description="Ray resources of each worker's bundle, e.g. {CPU: 1} or {GPU: 1}",
     )
     engine: EngineSpec | None = Field(
@@ -122,6 +131,16 @@ class PoolSpec(_Strict):
                 f"got {dict(self.resources)}"
             )
         return self
+
+
+class PrefillPoolSpec(PoolSpec):
+    replicas: int = Field(
+        1,
+        ge=MIN_REPLICAS["prefill"],
+        le=256,
+        description="number of prefill workers (0: aggregated, every request is prefilled "
+        "on its decode worker and no KV moves)",
+    )
 
 
 class RouterSpec(_Strict):
@@ -148,7 +167,9 @@ class ClusterSpecModel(_Strict):
     engine: EngineSpec = Field(
         default_factory=EngineSpec, description="engine options of both pools"
     )
-    prefill: PoolSpec = Field(default_factory=PoolSpec, description="the prefill pool")
+    prefill: PrefillPoolSpec = Field(
+        default_factory=PrefillPoolSpec, description="the prefill pool (0 replicas: aggregated)"
+    )
     decode: PoolSpec = Field(default_factory=PoolSpec, description="the decode pool")
     router: RouterSpec = Field(
         default_factory=RouterSpec, description="the gRPC front door and its routing"
@@ -246,6 +267,8 @@ def check_resources(
     problems = []
     for role in ("prefill", "decode"):
         pool = getattr(manifest.spec, role)
+        if not pool.replicas:  # an empty pool places nothing
+            continue
         for name, amount in pool.resources.items():
             if cluster.get(name, 0) < amount:
                 problems.append(

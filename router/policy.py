@@ -231,7 +231,10 @@ def choose_decode(
     loads: Sequence[DecodeLoad],
     index: KVIndex,
 ) -> DecodeChoice:
-    """Pick a healthy decode worker: room for the prompt, then own prefix hits, then load.
+    """Pick a healthy decode worker: room for the prompt, then the longest own cached prefix
+    (from the worker's KV events), then fewer running requests, then fewer cached blocks (a
+    new prompt family goes where it displaces least, spreading families over the pool, as
+    CacheAware does), then the lower id. In aggregated mode this is the only choice made.
 
     A worker "fits" when its free blocks cover every block of the prompt (its own hits may
     be evictable blocks that the reservation takes off the free queue too). If none fits,
@@ -244,7 +247,13 @@ def choose_decode(
     hits = {w.worker_id: prompt.cached_tokens(w.worker_id) // block_size for w in healthy}
     best = min(
         healthy,
-        key=lambda w: (w.free_blocks < needed, -hits[w.worker_id], w.running_requests, w.worker_id),
+        key=lambda w: (
+            w.free_blocks < needed,
+            -hits[w.worker_id],
+            w.running_requests,
+            index.num_blocks(w.worker_id),
+            w.worker_id,
+        ),
     )
     later = any(w.total_blocks is None or w.total_blocks >= needed for w in healthy)
     return DecodeChoice(best.worker_id, hits[best.worker_id], best.free_blocks >= needed, later)

@@ -6,6 +6,11 @@ index built from the workers' own stored/removed events, the queued prefill toke
 from dispatch, and the named policy; the decode choice uses free blocks, running requests and
 the decode worker's own cached prefix. The front doors (router/server.py for gRPC, the HTTP
 server) translate the dicts of `generate`.
+
+Aggregated mode (a cluster configured with 0 prefill workers): every request is prefilled on
+its decode worker (chunked prefill, no KV moves), the decode worker chosen cache-aware from its
+own KV events. It differs from a disaggregated cluster whose prefill pool is momentarily empty
+(workers being replaced or restarted), where requests wait for a prefill worker.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class Router:
         local_prefill_tokens: int = 0,
         max_model_len: int | None = None,
         wait_for_workers_s: float = 0.0,
+        aggregated: bool = False,
     ) -> None:
         self.prefill = dict(prefill)
         self.decode = dict(decode)
@@ -81,6 +87,9 @@ class Router:
         # With no healthy worker in a pool, a request waits this long for one (a worker
         # being replaced or restarted) before it fails with NoWorkerAvailable.
         self.wait_for_workers_s = wait_for_workers_s
+        # Aggregated mode as configured, and as in effect (on _lock; see _set_mode): every
+        # request is prefilled on its decode worker and the prefill pool takes none.
+        self._configured_aggregated = self.aggregated = aggregated
         self.index = KVIndex()
         self.load = LoadTracker()
         for worker_id in [*self.prefill, *self.decode]:
@@ -134,15 +143,32 @@ class Router:
             self.prefill, self.decode = dict(prefill), dict(decode)
             if max_model_len is not None:
                 self.max_model_len = max_model_len
+            self._set_mode()
             self._changed.notify_all()
 
-    def configure(self, policy: str, local_prefill_tokens: int, wait_for_workers_s: float) -> None:
-        """Change the prefill policy, the conditional-disaggregation threshold and the wait
-        for workers in place."""
+    def configure(
+        self,
+        policy: str,
+        local_prefill_tokens: int,
+        wait_for_workers_s: float,
+        aggregated: bool = False,
+    ) -> None:
+        """Change the prefill policy, the conditional-disaggregation threshold, the wait for
+        workers and aggregated mode in place."""
         if policy != self.policy_name:
             self.policy, self.policy_name = make_policy(policy), policy
         self.local_prefill_tokens = local_prefill_tokens
         self.wait_for_workers_s = wait_for_workers_s
+        with self._changed:
+            self._configured_aggregated = aggregated
+            self._set_mode()
+            self._changed.notify_all()  # a request waiting for a prefill worker goes local
+
+    def _set_mode(self) -> None:
+        """On _lock. Aggregated takes effect at once (requests already on prefill workers
+        finish there); leaving it waits until prefill workers are published, so that no
+        request waits for a pool that is still starting."""
+        self.aggregated = self._configured_aggregated or (self.aggregated and not self.prefill)
 
     def active_counts(self) -> dict[str, int]:
         """Running requests per worker id (prefill and decode side both count)."""
@@ -272,15 +298,20 @@ class Router:
             if decode_choice.fits or not decode_choice.can_fit_later or left <= 0:
                 break  # the reservation reports the shortage to the client
             time.sleep(min(CAPACITY_POLL_S, left))
-        prefill = (choice.worker_id, prefill_pool[choice.worker_id])
         decode = (decode_choice.worker_id, decode_pool[decode_choice.worker_id])
-        local = n - decode_choice.hit_blocks * self.block_size <= self.local_prefill_tokens
+        local = (
+            choice is None  # aggregated
+            or n - decode_choice.hit_blocks * self.block_size <= self.local_prefill_tokens
+        )
+        prefill = None if local else (choice.worker_id, prefill_pool[choice.worker_id])
         with self._lock:
             if request_id in self._active:
                 raise InvalidRequestError(f"request id {request_id!r} is already running")
-            stale = choice.worker_id not in self.prefill or decode[0] not in self.decode
+            stale = decode[0] not in self.decode or (
+                prefill is not None and prefill[0] not in self.prefill
+            )
             if not stale:
-                self._active[request_id] = (None if local else prefill, decode)
+                self._active[request_id] = (prefill, decode)
         if stale:  # choose again among the new pools
             return True
         if local:
@@ -328,15 +359,19 @@ class Router:
         return True
 
     def _choose(self, hashes: list, n: int):
-        """(prefill choice, decode choice, prefill pool, decode pool) among healthy workers."""
+        """(prefill choice, or None when aggregated; decode choice, prefill pool, decode pool)
+        among healthy workers."""
         with self._lock:  # a worker set_workers removed is never picked after it returns
             prefill_pool, decode_pool = dict(self.prefill), dict(self.decode)
             health = dict(self._healthy)
+            aggregated = self.aggregated
         healthy = lambda w: health.get(w, True)  # noqa: E731
-        loads = [WorkerLoad(w, self.load.queued(w), healthy=healthy(w)) for w in prefill_pool]
-        choice = choose_prefill(
-            self.policy, hashes, self.block_size, loads, self.index, num_prompt_tokens=n
-        )
+        choice = None
+        if not aggregated:
+            loads = [WorkerLoad(w, self.load.queued(w), healthy=healthy(w)) for w in prefill_pool]
+            choice = choose_prefill(
+                self.policy, hashes, self.block_size, loads, self.index, num_prompt_tokens=n
+            )
         stats: Iterator[WorkerStats | None] = self._calls.map(
             lambda d: _ask(d[0], "stats", d[1].stats) if healthy(d[0]) else None,
             decode_pool.items(),

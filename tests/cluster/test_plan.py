@@ -212,3 +212,50 @@ def test_only_workers_whose_template_changed_are_replaced():
         (Start("prefill", 1), Pair(), EnsureRouter(), Retire(("prefill-0",))),
         ("replace 1 prefill worker(s) (options changed)",),
     )
+
+
+def test_scale_prefill_to_zero_retires_every_prefill_worker_after_the_router_goes_aggregated():
+    # EnsureRouter (which switches the router to aggregated) comes before the Retire: new
+    # requests prefill on their decode worker while the prefill workers drain.
+    current = cluster("prefill-0", "prefill-1", "decode-0")
+    assert plan(current, want(0, 1), {"CPU": 0.0}) == Plan(
+        Strategy.SURGE,
+        (Pair(), EnsureRouter(), Retire(("prefill-0", "prefill-1"))),
+        ("remove 2 prefill worker(s)",),
+    )
+
+
+def test_first_apply_with_zero_prefill_starts_only_decode_workers():
+    assert plan(cluster(has_router=False), want(0, 2), {}) == Plan(
+        Strategy.SURGE,
+        (Start("decode", 2), Pair(), EnsureRouter(), Publish()),
+        ("add 2 decode worker(s)",),
+    )
+
+
+def test_scale_prefill_from_zero_starts_pairs_then_publishes_them():
+    assert plan(cluster("decode-0", "decode-1"), want(2, 2), {"CPU": 2.0}) == Plan(
+        Strategy.SURGE,
+        (Start("prefill", 2), Pair(), EnsureRouter(), Publish()),
+        ("add 2 prefill worker(s)",),
+    )
+
+
+def test_scale_prefill_from_zero_without_room_starts_them_anyway():
+    # The router stays aggregated until the last Publish names the new prefill workers.
+    free = {"CPU": 1.0}
+    assert plan(cluster("decode-0"), want(2, 1), free) == Plan(
+        Strategy.ROLLING,
+        (
+            EnsureRouter(),
+            Note(
+                ROOM.format(free=free)
+                + ": starting them anyway (they need {'CPU': 2.0}), each waiting for room"
+            ),
+            Publish(),
+            Start("prefill", 2),
+            Pair(),
+            Publish(),
+        ),
+        ("add 2 prefill worker(s)",),
+    )

@@ -1,8 +1,10 @@
 """Workers as Ray actors placed and paired by the controller: a request prefilled on one
-actor and decoded on another gives the colocated engine's tokens."""
+actor and decoded on another gives the colocated engine's tokens; scaled to 0 prefill workers
+the cluster runs aggregated (every request prefilled on its decode worker) and back."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from cluster.controller import NAMESPACE, controller_handle
@@ -12,6 +14,8 @@ from engine import LLM, CapacityError, InvalidRequestError, SamplingParams
 from kvtransfer.errors import AddressError
 from kvtransfer.worker_api import PromptRequest, Role
 from router.handoff import generate_disaggregated
+from router.proto import inference_pb2 as pb
+from router.proto import inference_pb2_grpc as pb_grpc
 from tests.cluster.manifests import tiny_manifest
 from tests.helpers import random_prompts
 
@@ -115,3 +119,54 @@ def test_killed_worker_is_restarted_repaired_and_serves_again(cluster):
     )
     assert [t for o in outs for t in o["token_ids"]] == expected
     assert ray.get(controller.check_health.remote())["restarts"] == 1
+
+
+def test_scale_to_aggregated_and_back_by_apply(cluster, tiny_llama):
+    # Runs last: it reshapes the module's cluster.
+    controller, engine = cluster
+    result = ray.get(controller.scale.remote({"prefill": 0, "decode": 2}), timeout=600)
+    assert result["changes"] == ["remove 1 prefill worker(s)", "add 1 decode worker(s)"]
+    status = ray.get(controller.status.remote(), timeout=60)
+    assert (status["mode"], status["replicas"]) == ("aggregated", {"prefill": 0, "decode": 2})
+    assert status["router"]["aggregated"]
+    stub = pb_grpc.InferenceStub(grpc.insecure_channel(status["router"]["address"]))
+    system = random_prompts([40], seed=121)[0]  # 10 blocks of 4
+    prompts = [system + tail for tail in random_prompts([5, 7, 6], seed=122)]
+    sampling = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    expected = LLM(**engine).generate(prompts, SamplingParams(**sampling))
+    usage = []
+    for prompt, exp in zip(prompts, expected, strict=True):
+        replies = list(
+            stub.Generate(
+                pb.GenerateRequest(
+                    prompt_token_ids=pb.TokenIds(ids=prompt),
+                    sampling=pb.SamplingParams(**sampling),
+                ),
+                timeout=120,
+            )
+        )
+        assert [t for r in replies for t in r.token_ids] == exp.token_ids
+        u = replies[-1].usage
+        usage.append((u.prefill_worker, u.decode_worker, u.cached_tokens))
+    (worker, _, _), *_ = usage
+    assert worker.startswith("decode-")  # prefilled locally, on the worker that has the prefix
+    assert usage == [(worker, worker, 0), (worker, worker, 40), (worker, worker, 40)]
+
+    manifest = tiny_manifest(tiny_llama, prefill=1, decode=2)
+    result = ray.get(controller.apply.remote(manifest), timeout=600)
+    assert result["changes"] == ["add 1 prefill worker(s)"]
+    status = ray.get(controller.status.remote(), timeout=60)
+    assert (status["mode"], status["replicas"]) == ("disaggregated", {"prefill": 1, "decode": 2})
+    assert not status["router"]["aggregated"]
+    prompt = random_prompts([29], seed=123)[0]
+    replies = list(
+        stub.Generate(
+            pb.GenerateRequest(
+                prompt_token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(**sampling)
+            ),
+            timeout=120,
+        )
+    )
+    exp = LLM(**engine).generate([prompt], SamplingParams(**sampling))[0].token_ids
+    assert [t for r in replies for t in r.token_ids] == exp
+    assert replies[-1].usage.prefill_worker == "prefill-1"  # handed over: disaggregated again

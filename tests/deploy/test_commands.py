@@ -10,12 +10,14 @@ from deploy.commands import format_status, parse_pools
 def test_parse_pools():
     assert parse_pools(["prefill=2", "decode=3"]) == {"prefill": 2, "decode": 3}
     assert parse_pools(["decode=1"]) == {"decode": 1}
+    assert parse_pools(["prefill=0"]) == {"prefill": 0}  # aggregated
     for bad, message in (
         ("prefill", "expected prefill=N or decode=N"),
         ("router=2", "expected prefill=N or decode=N"),
         ("decode=0", "N must be an integer >= 1"),
         ("decode=-1", "N must be an integer >= 1"),
         ("decode=two", "N must be an integer >= 1"),
+        ("prefill=-1", "N must be an integer >= 0"),
     ):
         with pytest.raises(ValueError, match=message):
             parse_pools([bad])
@@ -26,6 +28,7 @@ def test_status_table_lists_every_worker_with_role_state_health_load_kv_and_hits
         "name": "local",
         "generation": 3,
         "replicas": {"prefill": 1, "decode": 1},
+        "mode": "disaggregated",
         "router": {"address": "127.0.0.1:50051", "policy": "cache_aware", "hit_rate": 0.5},
         "workers": [
             {
@@ -49,7 +52,7 @@ def test_status_table_lists_every_worker_with_role_state_health_load_kv_and_hits
         ],
     }
     lines = format_status(status).splitlines()
-    assert lines[0] == "cluster local  generation 3  prefill 1  decode 1"
+    assert lines[0] == "cluster local  generation 3  prefill 1  decode 1  disaggregated"
     assert lines[1] == "router 127.0.0.1:50051  policy cache_aware  hit rate 0.50"
     assert lines[3].split() == [
         "WORKER",

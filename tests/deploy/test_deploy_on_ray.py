@@ -210,8 +210,8 @@ def test_apply_refuses_bad_manifests_before_touching_the_cluster(ray_address, ti
     assert out.returncode == 2
     assert "spec.decode.resources.GPU: 1 per worker, but the Ray cluster has 0" in out.stderr
     assert "Traceback" not in out.stderr
-    scale = baton(ray_address, "scale", "prefill=0")
-    assert scale.returncode == 2 and "'prefill=0': N must be an integer >= 1" in scale.stderr
+    scale = baton(ray_address, "scale", "decode=0")
+    assert scale.returncode == 2 and "'decode=0': N must be an integer >= 1" in scale.stderr
     too_big = tiny_manifest(tiny_llama)
     too_big["spec"]["prefill"]["resources"] = {"CPU": 9}  # this one-node cluster has 8
     path.write_text(yaml.safe_dump(too_big))

@@ -52,10 +52,11 @@ def test_local_example_is_the_serve_default():
     ("path", "value", "expected"),
     [
         (
-            "spec.prefill.replicas",
+            "spec.decode.replicas",
             0,
-            r"spec.prefill.replicas: 0 is invalid: .*greater than or equal",
+            r"spec.decode.replicas: 0 is invalid: .*greater than or equal to 1",
         ),
+        ("spec.prefill.replicas", -1, r"spec.prefill.replicas: -1 is invalid: .*equal to 0"),
         ("spec.decode.replicas", -2, r"spec.decode.replicas: -2 is invalid"),
         ("spec.prefill.replicas", "two", r"spec.prefill.replicas: 'two' is invalid: .*integer"),
         ("spec.engine.block_size", "big", r"spec.engine.block_size: 'big' is invalid"),
@@ -114,6 +115,14 @@ def test_impossible_resources():
     check_resources(gpu, {"CPU": 16, "GPU": 4})  # fits
 
 
+def test_zero_prefill_workers_is_aggregated_and_needs_no_prefill_resources():
+    aggregated = with_change("spec.prefill", {"replicas": 0, "resources": {"GPU": 1}})
+    manifest = parse_manifest(aggregated)
+    assert (manifest.spec.prefill.replicas, manifest.spec.decode.replicas) == (0, 1)
+    check_resources(manifest, {"CPU": 1.0}, [{"CPU": 1.0}])  # no GPU: none is placed
+    assert LocalOptions(resources={"CPU": 1}, prefill=0).manifest().spec.prefill.replicas == 0
+
+
 def test_a_worker_bundle_must_fit_on_one_node():
     cpu = parse_manifest(with_change("spec.decode.resources", {"CPU": 12}))
     nodes = [{"CPU": 8.0}, {"CPU": 8.0}, {"CPU": 8.0}]
@@ -148,4 +157,5 @@ def test_every_field_has_a_description():
                     walk(t, f"{prefix}{name}.")
 
     walk(Manifest, "")
-    assert missing == [] and len(seen) == 7  # metadata, spec, model, engine, pool, router, ...
+    # metadata, spec, model, engine, prefill pool, decode pool, router, transfer
+    assert missing == [] and len(seen) == 8

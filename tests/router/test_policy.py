@@ -235,6 +235,14 @@ def test_decode_choice_order():
     assert choose(DecodeLoad("d0", 500), DecodeLoad("d2", 67, 30)) == ("d2", 64, True, True)
     assert choose(DecodeLoad("d1", 500, 4), DecodeLoad("d3", 500, 3)) == ("d3", 10, True, True)
     assert choose(DecodeLoad("d3", 500, 3), DecodeLoad("d1", 500, 3)) == ("d1", 10, True, True)
+    # No hits anywhere: the worker caching fewer blocks (a new family spreads), then id.
+    other, n_other = request(family=7, user=1)
+    assert choose_decode(
+        other, n_other, BS, [DecodeLoad("d1", 500), DecodeLoad("d0", 500)], index
+    ) == ("d0", 0, True, True)
+    assert choose_decode(
+        other, n_other, BS, [DecodeLoad("d2", 500), DecodeLoad("d3", 500)], index
+    ) == ("d3", 0, True, True)
     # None fits: the best of the rest, flagged.
     assert choose(DecodeLoad("d0", 5), DecodeLoad("d2", 5, 8)) == ("d2", 64, False, True)
     # A worker whose whole cache is big enough can take it later; none: it never fits.

@@ -1,0 +1,188 @@
+"""Aggregated mode (0 prefill workers): every request is prefilled on its decode worker, the
+decode worker chosen by its own cached prefix; outputs equal the colocated engine's. Switching
+modes: aggregated takes effect at once (requests already on a prefill worker finish there),
+leaving it waits until prefill workers are published; a disaggregated router whose prefill pool
+is empty still waits for one (tests/router/test_membership.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from decode_worker.worker import DecodeWorker
+from engine import LLM, SamplingParams
+from kvtransfer.worker_api import PrefillResult, Reservation, Role, TokenOutput, WorkerStats
+from router.router import Router
+from tests.helpers import random_prompts
+
+PARAMS = {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+
+
+# ---- over real tiny decode workers -------------------------------------------------------
+@pytest.fixture(scope="module")
+def options(tiny_llama) -> dict:
+    return dict(
+        model=tiny_llama,
+        skip_tokenizer_init=True,
+        block_size=4,
+        num_kv_blocks=256,
+        chunk_size=16,
+        hash_seed="t",
+    )
+
+
+def test_every_request_prefills_locally_and_a_shared_prefix_lands_where_it_is_cached(options):
+    decode = {f"d{i}": DecodeWorker(f"d{i}", options) for i in range(2)}
+    router = Router({}, decode, block_size=4, hash_seed="t", aggregated=True)
+    try:
+        systems = random_prompts([64, 64], seed=301)  # 16 blocks each
+        families = [0, 1, 0, 1, 0]
+        tails = random_prompts([5] * len(families), seed=302)
+        prompts = [systems[f] + tail for f, tail in zip(families, tails, strict=True)]
+        expected = LLM(**options).generate(prompts, SamplingParams(**PARAMS))
+        served, cached = [], []
+        for i, prompt in enumerate(prompts):
+            outs = list(router.generate(f"agg-{i}", prompt, PARAMS))
+            assert [t for o in outs for t in o["token_ids"]] == expected[i].token_ids
+            assert outs[-1]["prefill_worker"] == outs[-1]["decode_worker"]  # prefilled locally
+            served.append(outs[-1]["decode_worker"])
+            cached.append(outs[-1]["num_cached_tokens"])
+        # The second family goes to the worker caching nothing; each family then stays put.
+        assert served == ["d0", "d1", "d0", "d1", "d0"]
+        assert cached == [0, 0, 64, 64, 64]
+        assert router.hit_rate() == pytest.approx(3 * 64 / (5 * 69))
+        assert all(w.stats().blocks_received == 0 for w in decode.values())  # no KV moved
+        for w in decode.values():
+            w.check_integrity()
+    finally:
+        for w in decode.values():
+            w.shutdown()
+
+
+# ---- switching modes, over fake workers --------------------------------------------------
+class FakePrefill:
+    def __init__(self) -> None:
+        self.prefilled: list[str] = []
+
+    def kv_events(self) -> list:
+        return []
+
+    def prefill(self, request, *args) -> PrefillResult:
+        self.prefilled.append(request.request_id)
+        return PrefillResult("prefilled", first_token=7, seed=1, num_cached_tokens=0)
+
+    def abort(self, request_id, propagate=True) -> None:
+        pass
+
+
+class FakeDecode:
+    """Streams one token per request once its release event is set; records which requests
+    it prefilled itself (local) and which it reserved blocks for (a transfer)."""
+
+    def __init__(self) -> None:
+        self.release: dict[str, threading.Event] = {}
+        self.local: list[str] = []
+        self.reserved: list[str] = []
+
+    def kv_events(self) -> list:
+        return []
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats("d0", Role.DECODE, free_blocks=100, num_blocks=100)
+
+    def reserve(self, request, *args) -> Reservation:
+        self.reserved.append(request.request_id)
+        self.release.setdefault(request.request_id, threading.Event())
+        return Reservation(num_hit_blocks=0, dst_block_ids=(0,), num_blocks=2)
+
+    def local_generate(self, request) -> None:
+        self.local.append(request.request_id)
+        self.release.setdefault(request.request_id, threading.Event())
+
+    def poll(self, request_id, wait) -> list[TokenOutput]:
+        if not self.release[request_id].wait(wait):
+            return []
+        return [TokenOutput(request_id, (7,), "", True, "length", num_cached_tokens=0)]
+
+    def abort(self, request_id, propagate=True) -> None:
+        pass
+
+
+def run(router: Router, request_id: str, out: dict) -> threading.Thread:
+    def body() -> None:
+        try:
+            out[request_id] = list(router.generate(request_id, [1, 2, 3, 4, 5], PARAMS))
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            out[request_id] = exc
+
+    t = threading.Thread(target=body)
+    t.start()
+    return t
+
+
+def wait_until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def workers_of(out: list[dict]) -> tuple[str, str]:
+    return out[-1]["prefill_worker"], out[-1]["decode_worker"]
+
+
+def test_scaling_to_zero_routes_new_requests_locally_while_running_ones_finish():
+    p, d = FakePrefill(), FakeDecode()
+    router = Router({"p0": p}, {"d0": d}, block_size=4, hash_seed="t")
+    out: dict = {}
+    first = run(router, "r1", out)  # disaggregated: handed over from p0
+    wait_until(lambda: "r1" in d.release)
+    router.configure("cache_aware", 0, 0.0, aggregated=True)  # the apply's EnsureRouter
+    assert router.aggregated
+    second = run(router, "r2", out)
+    wait_until(lambda: "r2" in d.release)
+    assert (p.prefilled, d.reserved, d.local) == (["r1"], ["r1"], ["r2"])
+    assert router.active_counts() == {"p0": 1, "d0": 2}  # the drain waits for r1 on p0
+    d.release["r1"].set()
+    first.join(10)
+    router.set_workers({}, {"d0": d})  # p0 retired
+    assert router.aggregated and router.active_counts() == {"d0": 1}
+    d.release["r2"].set()
+    second.join(10)
+    assert (workers_of(out["r1"]), workers_of(out["r2"])) == (("p0", "d0"), ("d0", "d0"))
+
+
+def test_scaling_from_zero_keeps_prefilling_locally_until_prefill_workers_are_published():
+    p, d = FakePrefill(), FakeDecode()
+    router = Router({}, {"d0": d}, block_size=4, hash_seed="t", aggregated=True)
+    router.configure("cache_aware", 0, 30.0, aggregated=False)  # prefill workers still starting
+    assert router.aggregated
+    out: dict = {}
+    d.release["r1"] = threading.Event()
+    d.release["r1"].set()
+    run(router, "r1", out).join(10)
+    assert workers_of(out["r1"]) == ("d0", "d0")  # did not wait for the prefill pool
+    router.set_workers({"p0": p}, {"d0": d})
+    assert not router.aggregated
+    d.release["r2"] = threading.Event()
+    d.release["r2"].set()
+    run(router, "r2", out).join(10)
+    assert workers_of(out["r2"]) == ("p0", "d0") and p.prefilled == ["r2"]
+    router.set_workers({}, {"d0": d})  # a disaggregated pool emptied (replaced): requests wait
+    assert not router.aggregated
+
+
+def test_a_request_waiting_for_a_prefill_worker_goes_local_when_aggregated_is_applied():
+    d = FakeDecode()
+    router = Router({}, {"d0": d}, block_size=4, hash_seed="t", wait_for_workers_s=30.0)
+    out: dict = {}
+    waiting = run(router, "r1", out)
+    time.sleep(0.3)
+    assert "r1" not in out and not d.release  # disaggregated: waits for a prefill worker
+    router.configure("cache_aware", 0, 30.0, aggregated=True)
+    wait_until(lambda: "r1" in d.release)
+    d.release["r1"].set()
+    waiting.join(10)
+    assert workers_of(out["r1"]) == ("d0", "d0") and d.local == ["r1"]
