@@ -145,9 +145,10 @@ class LocalCluster:
         # always a new in-process cluster, even where RAY_ADDRESS is set
         start_local_ray(num_cpus=max(8, int(need) + 2), namespace=NAMESPACE)
         check_resources(self.manifest, ray.cluster_resources(), node_resources())
+        shape = " (aggregated: decode workers prefill)" if not spec.prefill.replicas else ""
         log(
             f"starting {spec.prefill.replicas} prefill + {spec.decode.replicas} decode "
-            "workers on Ray ..."
+            f"workers{shape} on Ray ..."
         )
         self._controller = controller_handle(create=True)
         ray.get(self._controller.apply.remote(self.manifest.model_dump(mode="json")), timeout=900)
