@@ -5,7 +5,10 @@ from __future__ import annotations
 import random
 import time
 
+import torch
+
 from engine.block_pool import BlockPool, KVEvent
+from engine.chunk_budget import ChunkBudget
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import (
@@ -22,6 +25,7 @@ from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampler import SampleRequest
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.step_model import find_step_model, profile_key
 from engine.tokenizer import eos_token_ids, load_tokenizer
 
 
@@ -64,6 +68,7 @@ class LLMEngine:
                 self.config.max_num_seqs,
             ),
             self.kv,
+            self._chunk_budget(),
         )
         self._rng = random.Random(self.config.seed)
         self._seeds: dict[str, int] = {}
@@ -71,6 +76,27 @@ class LLMEngine:
         self._pending: dict[str, RequestOutput] = {}  # outputs produced outside step()
         self._held: dict[str, float] = {}  # prefilled request id -> hold time (prefill role)
         self.metrics = EngineMetrics()  # this engine's own registry (engine/metrics.py)
+
+    def _chunk_budget(self) -> ChunkBudget | None:
+        """Dynamic chunking's budget when itl_target_ms is set (engine/chunk_budget.py)."""
+        if self.config.itl_target_ms is None:
+            return None
+        try:
+            model = find_step_model(self.config.step_profile, self.step_profile_key())
+        except (OSError, ValueError) as exc:
+            raise InvalidRequestError(f"step_profile: {exc}") from exc
+        return ChunkBudget(model, self.config.itl_target_ms / 1000, self.config.block_size)
+
+    def step_profile_key(self) -> str:
+        """Name of this engine's shipped step profile: model, dtype, device, CPU threads."""
+        device = self.runner.device
+        cpu = device.type == "cpu"
+        return profile_key(
+            self.config.model,
+            str(self.runner.dtype).removeprefix("torch."),
+            "cpu" if cpu else torch.cuda.get_device_name(device),
+            torch.get_num_threads() if cpu else None,
+        )
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -292,7 +318,12 @@ class LLMEngine:
                 self.metrics.scheduled(req, now)
         if not batch.is_empty():
             rows = [self._row(req, batch.num_tokens[req.request_id]) for req in batch.requests]
+            start = time.perf_counter()
             tokens, logprobs = self.runner.execute(rows)
+            if self.scheduler.budget is not None:
+                if self.runner.device.type == "cuda":  # a partial prefill returns unsynced
+                    torch.cuda.synchronize(self.runner.device)
+                self.scheduler.observe(batch, time.perf_counter() - start)
             sampled = self.scheduler.update_after_step(batch)
             now = time.monotonic()
             for req, token, lp in zip(sampled, tokens, logprobs, strict=True):

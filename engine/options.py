@@ -114,6 +114,20 @@ class EngineOptions:
         "CPU float32 with a model converted from a GGUF: batches of up to 8 rows multiply "
         "from its Q4_1 / Q8_0 blocks (the same weights, a fraction of the bytes to read)",
     )
+    itl_target_ms: float | None = option(
+        None,
+        "dynamic chunking: each step's prefill tokens are chosen so that the predicted step "
+        "time stays within this many ms (chunk_size then does not apply; a waiting prompt "
+        "still gets one block per step); unset: fixed chunk_size",
+        gt=0,
+    )
+    step_profile: str | None = option(
+        None,
+        "step-time profile JSON for itl_target_ms (python -m benchmarks.profile; default: "
+        "the shipped profile of this model, dtype, device and threads, else a built-in guess; "
+        "either is corrected online from measured steps)",
+        min_length=1,
+    )
 
     def __post_init__(self) -> None:
         check_options(self, InvalidRequestError)

@@ -2,8 +2,9 @@
 
 Each step: running requests first (decodes, then unfinished prefills, in admission order),
 then waiting requests in arrival order. A request gets min(remaining, chunk_size, budget)
-tokens; decodes get one. When blocks run out the newest running request is preempted
-(blocks freed, requeued at the front for recompute).
+tokens; decodes get one. With a ChunkBudget (itl_target_ms) a prefill chunk instead gets what
+the budget grants within min(remaining, budget): chunk_size no longer applies. When blocks run
+out the newest running request is preempted (blocks freed, requeued at the front for recompute).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.chunk_budget import ChunkBudget, StepPlan
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 
@@ -31,6 +33,7 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
+    plan: StepPlan | None = None  # the predicted shape of this step (with a ChunkBudget)
 
     @property
     def total_tokens(self) -> int:
@@ -43,9 +46,12 @@ class SchedulerOutput:
 class Scheduler:
     """Decides, step by step, which requests run and how many tokens each gets."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, budget: ChunkBudget | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.budget = budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the last one is the newest
         self.requests: dict[str, Request] = {}
@@ -81,14 +87,14 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(plan=self.budget.plan() if self.budget else None)
         budget = self.config.max_num_batched_tokens
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for req in decodes + prefills:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, self.config.chunk_size, budget)
+            n = self._chunk(req, budget, out.plan)
             if n <= 0:
                 continue
             if not self._allocate_or_preempt(req, n, out):
@@ -101,6 +107,23 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
+
+    def _chunk(self, req: Request, budget: int, plan: StepPlan | None) -> int:
+        """Tokens `req` gets this step (a decode: 1; a prefill: up to chunk_size, or what the
+        plan grants), within the step's remaining token budget; adds them to the plan."""
+        remaining = req.num_tokens - req.num_computed_tokens
+        if plan is None:
+            return min(remaining, self.config.chunk_size, budget)
+        if remaining == 1 and req.status == RequestStatus.RUNNING:
+            if budget >= 1:
+                plan.add_decode(req.num_computed_tokens)
+            return min(1, budget)
+        return plan.grant(req.num_computed_tokens, min(remaining, budget))
+
+    def observe(self, out: SchedulerOutput, seconds: float) -> None:
+        """The step `out` ran in `seconds`: corrects the budget's model (no-op without one)."""
+        if self.budget is not None and out.plan is not None:
+            self.budget.observe(out.plan.shape, seconds)
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(req, n):
@@ -127,8 +150,8 @@ class Scheduler:
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req)
             req.num_computed_tokens = len(hits) * self.kv.block_size
-            n = min(req.num_tokens - req.num_computed_tokens, self.config.chunk_size, budget)
-            if not self.kv.allocate_slots(req, n, hits):
+            n = self._chunk(req, budget, out.plan)
+            if n <= 0 or not self.kv.allocate_slots(req, n, hits):
                 req.num_computed_tokens = 0
                 break
             if req.num_cached_tokens is None:

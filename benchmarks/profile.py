@@ -1,0 +1,216 @@
+"""Step-time profile of one engine: measure steps over a small grid, fit engine/step_model.py.
+
+    python -m benchmarks.profile [--model smollm2-135m-instruct] [--threads 1] [--repeats 3]
+                                 [--quick] [--out FILE]
+
+Drives LLMEngine steps directly with crafted requests: a grid point is a step of D decode
+rows at context L plus (unless P = 0) one prefill chunk of P tokens after C cached tokens.
+Decoding requests share a cached prompt prefix and a prefill request's first C tokens are a
+cached prefix too, so reaching a point costs one block of setup, not a prefill of L or C.
+Every point runs --repeats times (rounds over the whole grid, so a drift of a shared
+machine's speed hits all points alike) and keeps its median. The fit is checked on every
+4th point held out (mean/max relative error printed), then refitted on all points and
+written to benchmarks/profiles/<model>-<dtype>-<device>[-<threads>t].json with the points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine import LLMEngine, SamplingParams
+from engine.step_model import PROFILES_DIR, StepShape, fit_with_holdout
+
+BLOCK = 16
+GREEDY_ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+DECODING = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Prefill chunk sizes P, their cached contexts C, and decode batches (D rows, context L)."""
+
+    prefill: tuple[int, ...]
+    context: tuple[int, ...]
+    decodes: tuple[tuple[int, int], ...]  # (D, L); (0, 0) = no decodes
+
+
+FULL = Grid((32, 128, 512, 1024), (0, 1536), ((0, 0), (8, 256), (8, 1024), (24, 256)))
+QUICK = Grid((8, 32), (0, 64), ((0, 0), (2, 16), (4, 48)))
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Prompts:
+    """Random token ids that never repeat (so nothing is cached but the prefixes we build)."""
+
+    def __init__(self, vocab: int, seed: int = 0) -> None:
+        self.vocab = vocab
+        self.g = torch.Generator().manual_seed(seed)
+
+    def __call__(self, n: int) -> list[int]:
+        return torch.randint(3, self.vocab, (n,), generator=self.g).tolist()
+
+
+class Profiler:
+    """One engine and the crafted requests that put its steps on grid points."""
+
+    def __init__(self, engine: LLMEngine, grid: Grid) -> None:
+        self.engine = engine
+        self.grid = grid
+        self.prompts = Prompts(engine.runner.model.args.vocab_size)
+        self.context_prefix = self.prompts(max(grid.context))
+        self._ids = 0
+        if self.context_prefix:
+            self._run_to_end(self._add(self.context_prefix + self.prompts(1), GREEDY_ONE))
+        self.decoders: list[str] = []
+
+    def _add(self, prompt: list[int], params: SamplingParams) -> str:
+        self._ids += 1
+        rid = f"r{self._ids}"
+        self.engine.add_request(rid, prompt, params)
+        return rid
+
+    def _run_to_end(self, rid: str) -> None:
+        while rid in self.engine.scheduler.requests:
+            self.engine.step()
+
+    def start_decodes(self, count: int, context: int) -> None:
+        """Abort the decoding requests, start `count` at about `context` tokens."""
+        for rid in self.decoders:
+            self.engine.abort(rid)
+        self.engine.step()  # collects the aborted outputs
+        self.decoders = []
+        if count == 0:
+            return
+        prefix = self.prompts(context)
+        self._run_to_end(self._add(prefix + self.prompts(1), GREEDY_ONE))  # cache the prefix
+        self.decoders = [self._add(prefix + self.prompts(1), DECODING) for _ in range(count)]
+        while any(
+            r.num_tokens - r.num_computed_tokens > 1
+            for r in map(self.engine.scheduler.requests.get, self.decoders)
+        ):
+            self.engine.step()
+
+    def measure(self, prefill: int, context: int) -> tuple[StepShape, float]:
+        """One step at this point: the decoders plus (if prefill) a fresh chunk; its seconds."""
+        requests = self.engine.scheduler.requests
+        decode_contexts = [requests[rid].num_computed_tokens for rid in self.decoders]
+        expected = dict.fromkeys(self.decoders, 1)
+        chunks = []
+        if prefill:
+            rid = self._add(self.context_prefix[:context] + self.prompts(prefill), GREEDY_ONE)
+            expected[rid] = prefill
+            chunks = [(context, prefill)]
+        start = time.perf_counter()
+        result = self.engine.step()
+        seconds = time.perf_counter() - start
+        if result.scheduled != expected:
+            raise RuntimeError(f"step ran {result.scheduled}, not the grid point {expected}")
+        return StepShape.of(decode_contexts, chunks), seconds
+
+    def points(self, decodes: int) -> list[tuple[int, int]]:
+        """(P, C) points of a decode batch: every chunk at every context, plus decodes only."""
+        pts = [(p, c) for p in self.grid.prefill for c in self.grid.context]
+        return pts + ([(0, 0)] if decodes else [])
+
+
+def profile(engine: LLMEngine, grid: Grid, repeats: int) -> list[dict]:
+    """Median seconds per grid point, with the shape of its median run."""
+    profiler = Profiler(engine, grid)
+    rows = []
+    for count, context in grid.decodes:
+        log(f"decodes: {count} at context {context}")
+        profiler.start_decodes(count, context)
+        profiler.measure(min(grid.prefill), 0)  # warm-up, not recorded
+        runs: dict[tuple[int, int], list[tuple[StepShape, float]]] = {}
+        for _ in range(repeats):
+            for point in profiler.points(count):
+                runs.setdefault(point, []).append(profiler.measure(*point))
+        for (p, c), samples in runs.items():
+            samples.sort(key=lambda s: s[1])
+            shape, _ = samples[len(samples) // 2]
+            seconds = statistics.median(s for _, s in samples)
+            rows.append(
+                {"decodes": count, "decode_len": context, "prefill": p, "context": c}
+                | {"shape": asdict(shape), "seconds": seconds}
+            )
+            log(f"  P={p:5d} C={c:5d}  {seconds * 1000:9.1f} ms")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="baton profile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a tiny grid (tests)")
+    parser.add_argument("--out", help="profile path (default: benchmarks/profiles/<key>.json)")
+    parser.add_argument("--note", default="", help="kept in the profile (how it was measured)")
+    args = parser.parse_args(argv)
+
+    grid = QUICK if args.quick else FULL
+    max_decodes = max(d for d, _ in grid.decodes)
+    engine = LLMEngine(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        num_threads=args.threads,
+        skip_tokenizer_init=True,
+        block_size=BLOCK,
+        chunk_size=max(grid.prefill),
+        max_num_batched_tokens=max(grid.prefill) + max_decodes,
+        num_kv_blocks=800,
+    )
+    key = engine.step_profile_key()
+    log(f"profiling {key}: grid {grid}, {args.repeats} repeats")
+    start = time.perf_counter()
+    rows = profile(engine, grid, args.repeats)
+    samples = [(StepShape(**r["shape"]), r["seconds"]) for r in rows]
+    cpu = engine.runner.device.type == "cpu"
+    info = {
+        "model": args.model,
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "device": "cpu" if cpu else torch.cuda.get_device_name(engine.runner.device),
+        "threads": torch.get_num_threads() if cpu else None,
+    }
+    model = fit_with_holdout(samples, key=info, note=args.note)
+    print(
+        f"{'decodes':>8} {'L':>5} {'P':>5} {'C':>5} {'measured ms':>12} {'model ms':>9} {'err':>6}"
+    )
+    for r, (shape, seconds) in zip(rows, samples, strict=True):
+        predicted = model.predict(shape)
+        print(
+            f"{r['decodes']:8d} {r['decode_len']:5d} {r['prefill']:5d} {r['context']:5d} "
+            f"{seconds * 1000:12.1f} {predicted * 1000:9.1f} {abs(predicted / seconds - 1):6.1%}"
+        )
+    print("coefficients (seconds per unit):")
+    for name, value in model.coefficients.items():
+        print(f"  {name:18s} {value:.3e}")
+    e = model.error
+    print(
+        f"held-out error ({e['held_out']} points, fitted without them): mean "
+        f"{e['mean_rel']:.1%}, max {e['max_rel']:.1%}; on all points refitted: mean "
+        f"{e['fit_mean_rel']:.1%}  ({time.perf_counter() - start:.0f} s)"
+    )
+    out = Path(args.out) if args.out else PROFILES_DIR / f"{key}.json"
+    data = model.to_json() | {"grid": asdict(grid), "repeats": args.repeats, "points": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

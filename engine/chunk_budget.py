@@ -1,0 +1,78 @@
+"""Dynamic chunking: prefill tokens per step chosen so the predicted step time stays within a
+target (engine option itl_target_ms), the step-time model corrected online.
+
+Each step the scheduler opens a StepPlan, adds its decode rows, then asks for each prefill
+chunk in turn: a chunk gets the most tokens whose predicted step (decodes, earlier chunks and
+this one) stays within the target, and the first chunk of a step at least `min_tokens` so a
+prompt always advances. The correction is an EWMA of measured / predicted seconds over steps
+that had prefill tokens (the steps the budget shapes).
+"""
+
+from __future__ import annotations
+
+from engine.step_model import StepModel, StepShape
+
+RATIO_LIMITS = (0.1, 10.0)  # one measured step moves the ratio at most by this factor
+TOLERANCE = 1e-9  # relative slack when comparing a prediction with the target
+
+
+class ChunkBudget:
+    """Holds the model, the target and the online correction ratio across steps."""
+
+    def __init__(
+        self, model: StepModel, target_s: float, min_tokens: int, alpha: float = 0.25
+    ) -> None:
+        if target_s <= 0 or min_tokens < 1 or not 0 < alpha <= 1:
+            raise ValueError("need target_s > 0, min_tokens >= 1 and 0 < alpha <= 1")
+        self.model = model
+        self.target_s = target_s
+        self.min_tokens = min_tokens
+        self.alpha = alpha
+        self.ratio = 1.0  # EWMA of measured / predicted seconds
+
+    def predict(self, shape: StepShape) -> float:
+        """Corrected predicted seconds of a step of this shape."""
+        return self.ratio * self.model.predict(shape)
+
+    def plan(self) -> StepPlan:
+        """An empty plan for the next step."""
+        return StepPlan(self)
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Correct the model by a step that ran: only steps with prefill tokens count."""
+        predicted = self.model.predict(shape)
+        if shape.prefill_tokens == 0 or predicted <= 0 or seconds <= 0:
+            return
+        low, high = RATIO_LIMITS
+        ratio = min(max(seconds / predicted, self.ratio * low), self.ratio * high)
+        self.ratio += self.alpha * (ratio - self.ratio)
+
+
+class StepPlan:
+    """The shape of one step being scheduled, and the prefill tokens it can still take."""
+
+    def __init__(self, budget: ChunkBudget) -> None:
+        self.budget = budget
+        self.shape = StepShape()
+
+    def add_decode(self, context: int) -> None:
+        self.shape = self.shape.with_decode(context)
+
+    def fits(self, context: int, n: int) -> bool:
+        limit = self.budget.target_s * (1 + TOLERANCE)
+        return self.budget.predict(self.shape.with_chunk(context, n)) <= limit
+
+    def grant(self, context: int, want: int) -> int:
+        """Tokens (<= want) for a prefill chunk after `context` computed tokens; adds them."""
+        if want <= 0:
+            return 0
+        lo, hi = (want, want) if self.fits(context, want) else (0, want)
+        while hi - lo > 1:  # lo tokens fit (0: the empty chunk), hi do not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits(context, mid) else (lo, mid)
+        n = lo
+        if self.shape.prefill_tokens == 0:
+            n = max(n, min(self.budget.min_tokens, want))
+        if n > 0:
+            self.shape = self.shape.with_chunk(context, n)
+        return n

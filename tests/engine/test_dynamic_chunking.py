@@ -1,0 +1,129 @@
+"""Dynamic chunking (itl_target_ms): exact prefill tokens per step under a fake step model,
+the floor, the online correction, and unchanged greedy outputs on the tiny checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import InvalidRequestError, LLMEngine, SamplingParams
+from engine.chunk_budget import ChunkBudget
+from engine.step_model import StepModel, StepShape
+from tests.engine.test_scheduler import make_request, make_scheduler, run_to_completion, step
+from tests.helpers import random_prompts
+from tests.helpers import run_to_completion as run_engine
+
+# 10 ms a step, 1 ms a decode row, 0.1 ms a prefill token
+LINEAR = StepModel({"const": 0.010, "decodes": 0.001, "prefill_tokens": 0.0001})
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def scheduler_with(model: StepModel, target_s: float, min_tokens: int = 4, **kw):
+    sched = make_scheduler(num_blocks=1024, budget=2048, chunk=16, **kw)
+    sched.budget = ChunkBudget(model, target_s, min_tokens)
+    return sched
+
+
+def test_prefill_fills_the_target_left_by_the_decodes():
+    sched = scheduler_with(LINEAR, 0.050)
+    sched.add(make_request("long", range(1000, 2000), max_tokens=1))
+    # alone: 10 ms + n * 0.1 ms <= 50 ms -> 400 tokens (chunk_size 16 does not apply)
+    assert run_to_completion(sched) == [{"long": 400}, {"long": 400}, {"long": 200}]
+
+    for i in range(4):
+        sched.add(make_request(f"d{i}", range(10 * i, 10 * i + 3), max_tokens=50))
+    step(sched)  # the four 3-token prompts (prefill)
+    sched.add(make_request("A", range(3000, 3900), max_tokens=1))
+    # with 4 decodes: 10 + 4 + n * 0.1 <= 50 -> 360 tokens a step
+    steps = [step(sched)[0].num_tokens for _ in range(3)]
+    decodes = {f"d{i}": 1 for i in range(4)}
+    assert steps == [decodes | {"A": 360}, decodes | {"A": 360}, decodes | {"A": 180}]
+
+
+def test_chunks_share_the_target_in_order_and_attention_bounds_them():
+    quadratic = StepModel({"prefill_attention": 1e-6})  # 1 us per query-key pair
+    plan = ChunkBudget(quadratic, 0.010, 4).plan()
+    assert plan.grant(0, 5000) == 140  # 140 * 141 / 2 = 9870 pairs; 141 tokens: 10011
+    plan = ChunkBudget(quadratic, 0.010, 4).plan()
+    assert plan.grant(1000, 5000) == 9  # 9 * 1000 + 45 = 9045 pairs; 10 tokens: 10055
+    assert plan.grant(0, 5000) == 43  # the rest: 9045 + 43 * 44 / 2 = 9991; 44 tokens: 10035
+    assert plan.grant(0, 5000) == 3  # 9991 + 6 = 9997 pairs; 4 tokens: 10001
+
+    sched = scheduler_with(LINEAR, 0.050)
+    sched.add(make_request("a", range(100, 350), max_tokens=1))
+    sched.add(make_request("b", range(400, 1000), max_tokens=1))
+    assert step(sched)[0].num_tokens == {"a": 250, "b": 150}  # 400 tokens in all
+
+
+def test_floor_advances_one_prompt_when_decodes_fill_the_target():
+    sched = scheduler_with(LINEAR, 0.005, min_tokens=4)  # the step's constant alone is 10 ms
+    sched.add(make_request("a", range(100, 120), max_tokens=1))
+    sched.add(make_request("b", range(200, 212), max_tokens=1))
+    steps = run_to_completion(sched)
+    assert steps == [{"a": 4}] * 5 + [{"b": 4}] * 3
+
+
+def test_online_correction_scales_the_budget_by_the_measured_ratio():
+    budget = ChunkBudget(LINEAR, 0.050, 4, alpha=0.25)
+    prefill = StepShape.of(chunks=[(0, 400)])  # predicted 50 ms
+    budget.observe(StepShape.of(decode_contexts=[5]), 1.0)  # a decode-only step: ignored
+    assert budget.ratio == 1.0
+    budget.observe(prefill, 0.100)  # measured twice the prediction
+    assert budget.ratio == pytest.approx(1.25)
+    assert budget.plan().grant(0, 5000) == 300  # 1.25 * (10 + 0.1 n) <= 50 ms
+    budget.observe(prefill, 0.025)  # half the prediction: 1.25 + 0.25 * (0.5 - 1.25)
+    assert budget.ratio == pytest.approx(1.0625)
+    assert budget.plan().grant(0, 5000) == 370  # (50 / 1.0625 - 10) / 0.1 = 370.6
+    budget.observe(prefill, 1e-9)  # an outlier moves the ratio at most 10x
+    assert budget.ratio == pytest.approx(1.0625 + 0.25 * (0.10625 - 1.0625))
+
+
+def test_no_target_no_plan():
+    sched = make_scheduler()
+    sched.add(make_request("a", range(40), max_tokens=1))
+    out = sched.schedule()
+    assert sched.budget is None and out.plan is None and out.num_tokens == {"a": 16}
+
+
+def test_engine_with_a_target_keeps_greedy_outputs(tiny_llama):
+    prompts = random_prompts([300, 57, 21], seed=5)
+    outputs = []
+    for options in ({}, {"itl_target_ms": 1e-3}):
+        engine = LLMEngine(
+            tiny_llama, skip_tokenizer_init=True, block_size=8, num_kv_blocks=256, **options
+        )
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, GREEDY)
+        first = engine.step()
+        tokens = {rid: out.new_token_ids for rid, out in first.outputs.items()}
+        for rid, more in run_engine(engine).items():
+            tokens[rid] = tokens.get(rid, []) + more
+        outputs.append(tokens | {"first": first.scheduled})
+        engine.check_integrity()
+    fixed, dynamic = outputs
+    assert fixed.pop("first") == {"0": 300, "1": 57, "2": 21}
+    assert dynamic.pop("first") == {"0": 8}  # the floor: one block a step
+    assert dynamic == fixed and all(len(t) == 8 for t in fixed.values())
+
+
+def test_engine_loads_the_profile_and_corrects_it_from_measured_steps(tiny_llama, tmp_path):
+    StepModel({"prefill_tokens": 0.001}).save(tmp_path / "p.json")  # 1 ms a token
+    engine = LLMEngine(
+        tiny_llama,
+        skip_tokenizer_init=True,
+        block_size=8,
+        num_kv_blocks=256,
+        itl_target_ms=50,
+        step_profile=str(tmp_path / "p.json"),
+    )
+    engine.add_request("a", random_prompts([120])[0], GREEDY)
+    assert engine.step().scheduled == {"a": 50}
+    assert engine.scheduler.budget.ratio != 1.0  # the tiny model runs far faster than 1 ms/token
+    with pytest.raises(InvalidRequestError, match="step_profile"):
+        LLMEngine(
+            tiny_llama,
+            skip_tokenizer_init=True,
+            itl_target_ms=50,
+            step_profile=str(tmp_path / "none.json"),
+        )
+    with pytest.raises(InvalidRequestError, match="itl_target_ms"):
+        LLMEngine(tiny_llama, skip_tokenizer_init=True, itl_target_ms=0)

@@ -1,0 +1,115 @@
+"""Step-time model: shapes, exact least-squares fits, JSON, profile lookup, and the profiler
+(benchmarks/profile.py --quick) end to end on the tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import profile
+from engine.step_model import (
+    FALLBACK,
+    PROFILES_DIR,
+    StepModel,
+    StepShape,
+    find_step_model,
+    fit_with_holdout,
+    profile_key,
+)
+
+TRUE = {
+    "const": 0.004,
+    "prefill_tokens": 2e-4,
+    "prefill_chunks": 1e-3,
+    "prefill_attention": 3e-8,
+    "decodes": 5e-4,
+    "decode_context": 1e-7,
+}
+
+
+def grid_shapes() -> list[StepShape]:
+    return [
+        StepShape.of([ctx] * d, [(c, p)] if p else [])
+        for d, ctx in ((0, 0), (4, 100), (8, 900), (16, 300))
+        for p in (0, 16, 256, 1000)
+        for c in (0, 500, 2000)
+        if d or p
+    ]
+
+
+def test_shape_counts_attention_pairs_and_decode_keys():
+    shape = StepShape.of(decode_contexts=[10, 20], chunks=[(100, 4), (0, 3)])
+    assert shape == StepShape(
+        prefill_tokens=7,
+        prefill_chunks=2,
+        prefill_attention=(4 * 100 + 10) + 6,  # token i of a chunk after c reads c + i + 1 keys
+        decodes=2,
+        decode_context=11 + 21,
+    )
+
+
+def test_fit_recovers_the_coefficients_of_noise_free_steps():
+    true = StepModel(TRUE)
+    samples = [(s, true.predict(s)) for s in grid_shapes()]
+    fitted = fit_with_holdout(samples, key={"model": "m"})
+    assert fitted.coefficients == pytest.approx(TRUE, rel=1e-6)
+    assert fitted.error["held_out"] == len(samples) // 4
+    assert fitted.error["max_rel"] < 1e-9 and fitted.error["mean_rel"] < 1e-9
+    assert fitted.key == {"model": "m"}
+
+
+def test_fit_keeps_coefficients_non_negative():
+    # Step time falls with decode context in these (nonsense) samples: that feature is dropped.
+    samples = [
+        (StepShape.of([ctx], [(0, p)]), 0.01 + p * 1e-4 - ctx * 1e-7)
+        for p, ctx in ((16, 0), (64, 1000), (256, 5000), (512, 100), (128, 3000), (32, 7000))
+    ]
+    fitted = StepModel.fit(samples)
+    assert fitted.coefficients["decode_context"] == 0.0
+    assert all(v >= 0 for v in fitted.coefficients.values())
+
+
+def test_json_round_trip_and_unknown_coefficients(tmp_path):
+    model = StepModel(TRUE, key={"model": "m", "threads": 1}, error={"mean_rel": 0.1}, note="n")
+    model.save(tmp_path / "p.json")
+    assert StepModel.load(tmp_path / "p.json") == model
+    with pytest.raises(ValueError, match="flops"):
+        StepModel.from_json({"coefficients": {"flops": 1.0}})
+
+
+def test_profile_key_names_model_dtype_device_and_threads():
+    assert profile_key("smollm2-135m-instruct", "float32", "cpu", 1) == (
+        "smollm2-135m-instruct-float32-cpu-1t"
+    )
+    assert profile_key("/m/SmolLM2-135M.Q4_1.gguf", "float32", "cpu", 2) == (
+        "smollm2-135m.q4-1-float32-cpu-2t"
+    )
+    assert profile_key("/models/Llama-3/", "bfloat16", "NVIDIA H200", None) == (
+        "llama-3-bfloat16-nvidia-h200"
+    )
+
+
+def test_find_step_model(tmp_path):
+    assert find_step_model(None, "no-such-model-float32-cpu-1t") is FALLBACK
+    shipped = PROFILES_DIR / "smollm2-135m-instruct-float32-cpu-1t.json"
+    assert find_step_model(None, shipped.stem) == StepModel.load(shipped)
+    StepModel(TRUE).save(tmp_path / "mine.json")
+    assert find_step_model(str(tmp_path / "mine.json"), shipped.stem) == StepModel(TRUE)
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        find_step_model(str(tmp_path / "missing.json"), shipped.stem)
+
+
+def test_profiler_quick_grid_writes_a_loadable_profile(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    profile.main(["--model", tiny_llama, "--quick", "--repeats", "1", "--out", str(out)])
+    data = json.loads(out.read_text())
+    grid = profile.QUICK
+    decode_batches = sum(1 for d, _ in grid.decodes if d)
+    points = len(grid.decodes) * len(grid.prefill) * len(grid.context) + decode_batches
+    assert len(data["points"]) == points
+    assert data["key"]["dtype"] == "float32" and data["key"]["device"] == "cpu"
+    assert data["error"]["held_out"] == points // 4
+    model = StepModel.load(out)
+    assert all(v >= 0 for v in model.coefficients.values())
+    assert "held-out error" in capsys.readouterr().out
