@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import profile
 from engine.step_model import (
@@ -102,7 +103,12 @@ def test_find_step_model(tmp_path):
 
 def test_profiler_quick_grid_writes_a_loadable_profile(tiny_llama, tmp_path, capsys):
     out = tmp_path / "profile.json"
-    profile.main(["--model", tiny_llama, "--quick", "--repeats", "1", "--out", str(out)])
+    threads = torch.get_num_threads()  # the profiler sets 1; later tests get theirs back
+    try:
+        argv = ["--model", tiny_llama, "--quick", "--repeats", "1", "--out", str(out)]
+        assert profile.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
     data = json.loads(out.read_text())
     grid = profile.QUICK
     decode_batches = sum(1 for d, _ in grid.decodes if d)
