@@ -125,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.serving import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["profile"]:  # its own parser: one engine's step-time profile
+        from benchmarks.profile import main as profile_main
+
+        return profile_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="baton", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -159,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(run=fn)
     add_deploy_parser(sub)
     sub.add_parser("bench", help="benchmark a cluster (see `baton bench --help`)", add_help=False)
+    sub.add_parser(
+        "profile",
+        help="measure one engine's step times and fit a step profile (see `baton profile --help`)",
+        add_help=False,
+    )
     args = parser.parse_args(argv)
     try:
         return args.run(args)
