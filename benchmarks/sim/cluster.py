@@ -1,0 +1,160 @@
+"""The simulated cluster: workers, and the router's choices made by router/policy.py itself
+over a KVIndex fed by the workers' own KV events, with its LoadTracker; KV moves in
+latency + bytes / bandwidth.
+
+Request path (router/router.py `_attempt`): choose prefill P (policy) and decode D
+(choose_decode); local when aggregated or the uncached tail on D is at most
+local_prefill_tokens. Local: D prefills and decodes. Remote: D reserves blocks (its own
+cached prefix + new ones; a reservation that does not fit waits on D), P prefills in chunks
+and samples the first token, the blocks D lacks travel, then the first token reaches the
+client and D decodes the rest. Transfers do not contend with each other.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from benchmarks.sim.events import EventLoop
+from benchmarks.sim.request import DECODE, FULL, PREFILL, Job, SimRequest
+from benchmarks.sim.worker import SimWorker, WorkerConfig
+from engine.step_model import StepModel
+from router.kv_index import KVIndex
+from router.policy import (
+    DecodeLoad,
+    LoadTracker,
+    WorkerLoad,
+    choose_decode,
+    choose_prefill,
+    make_policy,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """The cluster's shape: pools, routing and the KV link."""
+
+    prefill: int = 1  # 0: aggregated
+    decode: int = 1
+    policy: str = "cache_aware"
+    local_prefill_tokens: int = 0
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    prefill_worker: WorkerConfig | None = None  # the prefill pool's own options, if they differ
+    block_bytes: int = 0  # KV bytes of one block (benchmarks/sim/kv_bytes.py)
+    kv_bandwidth_gbs: float = 4.0  # GB/s (1e9 bytes) of one transfer
+    kv_latency_s: float = 0.002  # fixed cost of one transfer
+    seed: int = 0  # the random policy's
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0 or self.decode < 1:
+            raise ValueError(f"need prefill >= 0 and decode >= 1, got {self.prefill}/{self.decode}")
+        if self.kv_bandwidth_gbs <= 0:
+            raise ValueError(f"kv bandwidth must be > 0 GB/s, got {self.kv_bandwidth_gbs}")
+
+
+class SimCluster:
+    """Workers named prefill-i / decode-i; route(request) sends a request through."""
+
+    def __init__(self, config: ClusterConfig, model: StepModel, loop: EventLoop) -> None:
+        self.config = config
+        self.loop = loop
+        self.index = KVIndex()
+        self.load = LoadTracker()
+        options = {"seed": config.seed} if config.policy == "random" else {}
+        self.policy = make_policy(config.policy, **options)
+        pw = config.prefill_worker or config.worker
+        self.prefill = {
+            f"prefill-{i}": SimWorker(f"prefill-{i}", pw, model, loop, self)
+            for i in range(config.prefill)
+        }
+        self.decode = {
+            f"decode-{i}": SimWorker(f"decode-{i}", config.worker, model, loop, self)
+            for i in range(config.decode)
+        }
+        for wid in (*self.prefill, *self.decode):
+            self.index.add_worker(wid)
+        self.pending: dict[str, deque[tuple[str, Job]]] = {w: deque() for w in self.decode}
+        self.transfers = 0
+        self.bytes_moved = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.config.worker.block_size
+
+    def workers(self) -> dict[str, list[str]]:
+        return {"prefill": list(self.prefill), "decode": list(self.decode)}
+
+    def route(self, r: SimRequest) -> None:
+        """The router's choice for one request, then its first move."""
+        n, bs = r.prompt_tokens, self.block_size
+        choice = None
+        if self.prefill:
+            loads = [WorkerLoad(w, self.load.queued(w)) for w in self.prefill]
+            choice = choose_prefill(
+                self.policy, r.hashes, bs, loads, self.index, num_prompt_tokens=n
+            )
+        decode_loads = [
+            DecodeLoad(
+                w,
+                d.pool.num_free_blocks,
+                d.num_requests + len(self.pending[w]),
+                total_blocks=d.pool.num_blocks,
+            )
+            for w, d in self.decode.items()
+        ]
+        d = choose_decode(r.hashes, n, bs, decode_loads, self.index)
+        r.decode_worker = d.worker_id
+        worker = self.decode[d.worker_id]
+        if choice is None or n - d.hit_blocks * bs <= self.config.local_prefill_tokens:
+            r.prefill_worker = d.worker_id
+            worker.submit(Job(r, FULL, n))
+            return
+        r.prefill_worker = choice.worker_id
+        job = Job(r, DECODE, n + 1, output=1, queued=n - choice.cached_tokens)
+        if worker.reserve(job):
+            self._dispatch(choice.worker_id, job)
+        else:  # the router would wait for room on D: here the reservation queues on D
+            self.pending[d.worker_id].append((choice.worker_id, job))
+
+    def _dispatch(self, prefill_id: str, decode_job: Job) -> None:
+        self.load.dispatched(prefill_id, decode_job.queued)
+        r = decode_job.request
+        job = Job(r, PREFILL, r.prompt_tokens, peer=decode_job, queued=decode_job.queued)
+        self.prefill[prefill_id].submit(job)
+
+    # ---- worker callbacks ---------------------------------------------------------------
+    def prefilled(self, worker: SimWorker, job: Job) -> None:
+        """P sampled the first token: send the blocks D lacks."""
+        self.load.prefilled(worker.worker_id, job.queued)
+        d = job.peer
+        blocks = -(-job.request.prompt_tokens // self.block_size) - d.hit_blocks
+        nbytes = blocks * self.config.block_bytes
+        self.transfers += 1
+        self.bytes_moved += nbytes
+        seconds = self.config.kv_latency_s + nbytes / (self.config.kv_bandwidth_gbs * 1e9)
+        self.loop.at(self.loop.now + seconds, self._transferred, worker, job)
+
+    def _transferred(self, prefill: SimWorker, job: Job) -> None:
+        prefill.release(job)
+        prefill._kick()  # its waiting prompts may fit now
+        d, r = job.peer, job.request
+        r.chunks.append((self.loop.now, 1))
+        decode = self.decode[r.decode_worker]
+        if r.max_tokens <= 1:
+            decode.reserved -= 1
+            decode.release(d)
+            self.finished(decode, d)
+        else:
+            decode.activate(d)
+
+    def finished(self, worker: SimWorker, job: Job) -> None:
+        """The request's last token is out; a decode worker's queued reservations retry."""
+        r = job.request
+        r.end_s = self.loop.now
+        queue = self.pending.get(worker.worker_id)
+        while queue and worker.reserve(queue[0][1]):
+            prefill_id, decode_job = queue.popleft()
+            self._dispatch(prefill_id, decode_job)
+        worker._kick()
+        if r.on_done is not None:
+            r.on_done(r)

@@ -1,0 +1,220 @@
+"""A simulated worker: the real BlockPool (prefix cache, LRU eviction, KV events) and the
+scheduler's budgets (engine/scheduler.py: decodes, then running prefills, then waiting prompts
+in order; chunk_size or a ChunkBudget for itl_target_ms; max_num_batched_tokens,
+max_num_seqs), with each step's duration predicted by the step profile.
+
+Differences from the engine, kept on purpose (simpler, and no effect without memory pressure):
+a job reserves all its blocks when admitted (prompt + max_tokens for a decoding job, the
+prompt for a prefill-only one), so nothing is preempted; a job that does not fit waits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from benchmarks.sim.events import EventLoop
+from benchmarks.sim.request import DECODE, PREFILL, Job
+from engine.block_pool import BlockPool
+from engine.chunk_budget import ChunkBudget
+from engine.step_model import StepModel, StepShape
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """The engine options the simulation reads (names as in engine/options.py)."""
+
+    block_size: int = 16
+    num_kv_blocks: int = 2048
+    chunk_size: int = 1024
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    itl_target_ms: float | None = None
+    enable_prefix_caching: bool = True
+
+
+def _key(h: int) -> tuple:
+    """The BlockPool hash key of a simulated block: prompts carry hashes, not tokens."""
+    return (h, (), ())
+
+
+class SimWorker:
+    """One engine; `cluster` gets prefilled(worker, job) and finished(worker, job) calls."""
+
+    def __init__(
+        self, worker_id: str, config: WorkerConfig, model: StepModel, loop: EventLoop, cluster
+    ) -> None:
+        self.worker_id = worker_id
+        self.config = config
+        self.model = model
+        self.loop = loop
+        self.cluster = cluster
+        self.pool = BlockPool(config.num_kv_blocks, config.enable_prefix_caching)
+        self.budget = (
+            ChunkBudget(model, config.itl_target_ms / 1000.0, config.block_size)
+            if config.itl_target_ms
+            else None
+        )
+        self.waiting: deque[Job] = deque()
+        self.running: list[Job] = []
+        self.busy = False
+        self.steps = 0
+        self.reserved = 0  # DECODE jobs holding blocks here, waiting for their KV
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the engine tracks (as its stats report them): reserved ones included."""
+        return len(self.waiting) + len(self.running) + self.reserved
+
+    # ---- jobs --------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        """A prompt to prefill here (PREFILL or FULL)."""
+        self.waiting.append(job)
+        self._kick()
+
+    def reserve(self, job: Job) -> bool:
+        """A DECODE job's blocks: its own cached prefix plus new ones; False if they do not fit
+        now (nothing taken)."""
+        if not self._take_blocks(job):
+            return False
+        self.reserved += 1
+        self._publish()
+        return True
+
+    def activate(self, job: Job) -> None:
+        """The job's prompt KV is here: register its blocks and join the batch as a decode."""
+        self.reserved -= 1
+        job.num_computed = job.request.prompt_tokens
+        self._store(job)
+        self._publish()
+        self.running.append(job)
+        self._kick()
+
+    def release(self, job: Job) -> None:
+        """Free a job's blocks, tail first (the head, most shareable, is evicted last)."""
+        self.pool.free(job.blocks[::-1])
+        job.blocks = []
+
+    # ---- blocks ------------------------------------------------------------------------
+    def _take_blocks(self, job: Job) -> bool:
+        bs, r = self.config.block_size, job.request
+        hits = []
+        if self.config.enable_prefix_caching:
+            for h in r.hashes[: (r.prompt_tokens - 1) // bs]:
+                block = self.pool.lookup(h, _key(h))
+                if block is None:
+                    break
+                hits.append(block)
+        total = r.prompt_tokens + (0 if job.mode == PREFILL else r.max_tokens)
+        need = -(-total // bs) - len(hits)
+        free_after_touch = self.pool.num_free_blocks - sum(b.ref_cnt == 0 for b in hits)
+        if need > free_after_touch:
+            return False
+        self.pool.touch(hits)
+        job.blocks = hits + self.pool.allocate(need)
+        job.hit_blocks = job.stored = len(hits)
+        job.num_computed = len(hits) * bs
+        return True
+
+    def _store(self, job: Job) -> None:
+        """Register the job's newly computed full prompt blocks in the prefix cache."""
+        r, bs = job.request, self.config.block_size
+        upto = min(len(r.hashes), job.num_computed // bs)
+        for i in range(job.stored, upto):
+            h = r.hashes[i]
+            self.pool.cache_block(job.blocks[i], h, _key(h))
+        job.stored = max(job.stored, upto)
+
+    def _publish(self) -> None:
+        events = self.pool.take_events()
+        if events:
+            self.cluster.index.apply(self.worker_id, events)
+
+    # ---- steps -------------------------------------------------------------------------
+    def _kick(self) -> None:
+        if not self.busy and (self.running or self.waiting):
+            self.busy = True
+            self.loop.at(self.loop.now, self._step)
+
+    def _step(self) -> None:
+        c = self.config
+        plan = self.budget.plan() if self.budget else None
+        budget = c.max_num_batched_tokens
+        rows: list[tuple[Job, int]] = []
+        shape = [0, 0, 0, 0, 0]  # prefill tokens, chunks, attention pairs, decodes, context
+        decodes = [j for j in self.running if j.num_tokens - j.num_computed == 1]
+        prefills = [j for j in self.running if j.num_tokens - j.num_computed > 1]
+        for job in decodes + prefills:
+            n = self._chunk(job, budget, plan, shape, running=True)
+            if n > 0:
+                budget -= n
+                rows.append((job, n))
+        while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
+            job = self.waiting[0]
+            if not self._take_blocks(job):
+                break
+            n = self._chunk(job, budget, plan, shape, running=False)
+            if n <= 0:  # cannot happen while budget > 0; keep the blocks' accounting exact
+                self.release(job)
+                break
+            if job.mode != DECODE:
+                job.request.cached_tokens = job.hit_blocks * c.block_size
+            self.waiting.popleft()
+            self.running.append(job)
+            rows.append((job, n))
+            budget -= n
+        self._publish()
+        if not rows:  # everything waits for blocks: idle until some are freed
+            self.busy = False
+            return
+        if plan is not None:
+            seconds = self.model.predict(plan.shape)
+        else:
+            seconds = self.model.predict(StepShape(*shape))
+        self.steps += 1
+        self.loop.at(self.loop.now + seconds, self._step_done, rows)
+
+    def _chunk(self, job: Job, budget: int, plan, shape: list[int], running: bool) -> int:
+        """engine/scheduler.py's Scheduler._chunk (a running job with one token left is a
+        decode row), adding the row to the step's shape."""
+        remaining = job.num_tokens - job.num_computed
+        if remaining == 1 and running:
+            if budget < 1:
+                return 0
+            if plan is not None:
+                plan.add_decode(job.num_computed)
+            shape[3] += 1
+            shape[4] += job.num_computed + 1
+            return 1
+        if plan is not None:
+            return plan.grant(job.num_computed, min(remaining, budget))
+        n = min(remaining, self.config.chunk_size, budget)
+        if n > 0:
+            shape[0] += n
+            shape[1] += 1
+            shape[2] += n * job.num_computed + n * (n + 1) // 2
+        return n
+
+    def _step_done(self, rows: list[tuple[Job, int]]) -> None:
+        now = self.loop.now
+        for job, n in rows:
+            job.num_computed += n
+            if job.stored < len(job.request.hashes):
+                self._store(job)
+            if job.num_computed < job.num_tokens:
+                continue
+            r = job.request
+            if job.mode == PREFILL:  # first token sampled; blocks kept until the KV is sent
+                self.running.remove(job)
+                self.cluster.prefilled(self, job)
+                continue
+            job.output += 1
+            job.num_tokens += 1
+            r.chunks.append((now, 1))
+            if job.output >= r.max_tokens:
+                self.running.remove(job)
+                self.release(job)
+                self.cluster.finished(self, job)
+        self._publish()
+        self.busy = False
+        self._kick()

@@ -1,0 +1,184 @@
+"""`baton simulate`: a `baton bench` run against a simulated cluster (benchmarks/sim/).
+
+    python -m benchmarks.simulate --manifest deploy/examples/local.yaml --workload agentic \\
+        --num-requests 200 --request-rate 4 --slo ttft=500,tpot=50 --out runs/agentic-sim
+    python -m benchmarks.simulate --prefill 4 --decode 8 --policy cache_aware \\
+        --workload trace -o path=trace.jsonl --profile benchmarks/profiles/X.json
+
+Same workloads, seeds, pacing flags, report and results.json as benchmarks/serving.py, so
+`baton bench compare` puts a simulated and a real run side by side. The cluster's shape comes
+from --manifest or from the flags (the flags override the manifest's values); step times from
+--profile (a step profile JSON, benchmarks/profile.py), KV transfers from the profile's model
+shape over --kv-bandwidth-gbps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from benchmarks.driver import BenchConfig
+from benchmarks.report import parse_slo, summarize, table
+from benchmarks.serving import _options
+from benchmarks.sim.cluster import ClusterConfig
+from benchmarks.sim.driver import simulate
+from benchmarks.sim.kv_bytes import block_bytes, shape_of
+from benchmarks.sim.worker import WorkerConfig
+from benchmarks.timeline import write_results
+from benchmarks.workloads import WORKLOADS, TokenSpace, make_workload
+from engine.step_model import PROFILES_DIR, StepModel
+
+DEFAULT_PROFILE = PROFILES_DIR / "smollm2-135m-instruct-float32-cpu-1t.json"
+WORKER_FIELDS = (
+    "block_size",
+    "num_kv_blocks",
+    "chunk_size",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "itl_target_ms",
+    "enable_prefix_caching",
+)
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """The cluster's shape and the time model (shared with benchmarks/plan.py)."""
+    p.add_argument("--manifest", help="take the cluster's shape from this manifest")
+    p.add_argument("--prefill", type=int, help="prefill replicas (0: aggregated); default 1")
+    p.add_argument("--decode", type=int, help="decode replicas; default 1")
+    p.add_argument("--policy", help="routing policy (router/policy.py); default cache_aware")
+    p.add_argument("--local-prefill-tokens", type=int, help="conditional disaggregation")
+    p.add_argument("--itl-target-ms", type=float, help="dynamic chunking on every worker")
+    p.add_argument("--chunk-size", type=int)
+    p.add_argument("--num-kv-blocks", type=int, help="KV capacity of each worker in blocks")
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--profile", default=str(DEFAULT_PROFILE), help="step profile JSON")
+    p.add_argument(
+        "--kv-bandwidth-gbps",
+        type=float,
+        default=4.0,
+        help="GB/s (1e9 bytes/s, as benchmarks.kvtransfer reports) of one transfer",
+    )
+    p.add_argument("--kv-latency-ms", type=float, default=2.0, help="fixed cost per transfer")
+
+
+def run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="baton simulate", description=__doc__.split("\n")[0])
+    p.add_argument("--workload", choices=list(WORKLOADS), default="random")
+    p.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a workload option (a field of its class in benchmarks/workloads.py)",
+    )
+    p.add_argument("--num-requests", type=int, help="default 100 unless --duration is given")
+    p.add_argument("--duration", type=float, help="seconds to keep sending")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf: all at once")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo", help="e.g. ttft=500,tpot=50 (ms); goodput counts requests meeting all")
+    p.add_argument("--out", help="directory for results.json")
+    p.add_argument("--vocab-size", type=int, default=49152)
+    add_cluster_args(p)
+    return p
+
+
+def cluster_config(args: argparse.Namespace, seed: int = 0) -> tuple[ClusterConfig, StepModel]:
+    """The simulated cluster of --manifest and the flags, and the step model of --profile."""
+    worker, prefill_worker = WorkerConfig(), None
+    shape = dict(prefill=1, decode=1, policy="cache_aware", local_prefill_tokens=0)
+    if args.manifest:
+        from deploy.manifest import load_manifest
+
+        spec = load_manifest(args.manifest).spec
+        worker = _worker_of(spec.engine_for("decode"))
+        prefill_worker = _worker_of(spec.engine_for("prefill"))
+        shape = dict(
+            prefill=spec.prefill.replicas,
+            decode=spec.decode.replicas,
+            policy=spec.router.policy,
+            local_prefill_tokens=spec.router.local_prefill_tokens,
+        )
+    for name in shape:
+        if getattr(args, name) is not None:
+            shape[name] = getattr(args, name)
+    flags = {f: getattr(args, f) for f in WORKER_FIELDS if getattr(args, f, None) is not None}
+    worker = replace(worker, **flags)
+    if prefill_worker is not None:
+        prefill_worker = replace(prefill_worker, **flags)
+    data = json.loads(Path(args.profile).read_text())
+    model = StepModel.from_json(data)
+    dtype = data.get("key", {}).get("dtype", "float32")
+    config = ClusterConfig(
+        **shape,
+        worker=worker,
+        prefill_worker=prefill_worker,
+        block_bytes=block_bytes(shape_of(data), dtype, worker.block_size),
+        kv_bandwidth_gbs=args.kv_bandwidth_gbps,
+        kv_latency_s=args.kv_latency_ms / 1000.0,
+        seed=seed,
+    )
+    return config, model
+
+
+def _worker_of(engine) -> WorkerConfig:
+    values = {f: getattr(engine, f) for f in WORKER_FIELDS}
+    if values["num_kv_blocks"] is None:
+        values["num_kv_blocks"] = WorkerConfig.num_kv_blocks
+    return WorkerConfig(**values)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    try:
+        workload = make_workload(args.workload, _options(args.option))
+        slo = parse_slo(args.slo)
+        cluster, model = cluster_config(args, args.seed)
+        config = BenchConfig(
+            num_requests=args.num_requests or (None if args.duration else 100),
+            duration_s=args.duration,
+            request_rate=args.request_rate,
+            burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency,
+            seed=args.seed,
+            block_size=cluster.worker.block_size,
+        )
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    records, run = simulate(workload, TokenSpace(high=args.vocab_size), config, cluster, model)
+    wall = time.perf_counter() - start
+    info = dict(
+        asdict(config),
+        workload=type(workload).__name__,
+        options=asdict(workload),
+        simulated=dict(
+            cluster=asdict(cluster), profile=args.profile, wall_s=wall, events=run.loop.processed
+        ),
+    )
+    summary = summarize(records, slo, run.cluster.workers(), info)
+    summary["kv"]["kv_bytes_moved"] = run.cluster.bytes_moved
+    print(table(summary))
+    print(
+        f"{'simulated in (s)':<28}{wall:.2f} ({run.loop.processed} events, "
+        f"{run.loop.processed / max(wall, 1e-9):,.0f}/s)"
+    )
+    if args.out:
+        print(f"results: {write_results(args.out, summary, records)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(run_parser().parse_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
