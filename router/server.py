@@ -18,8 +18,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.errors import CapacityError, InvalidRequestError
+from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
+from router.errors import grpc_status
 from router.policy import NoWorkerAvailable
 from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
@@ -83,12 +84,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 raise InvalidRequestError("prompt is empty")
             limit = self.router.max_model_len
             if limit is not None and len(ids) >= limit:
-                await context.abort(
-                    grpc.StatusCode.OUT_OF_RANGE,
-                    f"prompt has {len(ids)} tokens; max_model_len is {limit}",
-                )
+                raise PromptTooLongError(f"prompt has {len(ids)} tokens; max_model_len is {limit}")
         except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc_status(exc), str(exc))
         stream = self.router.generate(request_id, ids, params, request.cache_salt or None)
         completion = 0
         try:
@@ -121,12 +119,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except asyncio.CancelledError:  # client cancel or deadline
             await asyncio.to_thread(self.router.abort, request_id)
             raise
-        except NoWorkerAvailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except CapacityError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (NoWorkerAvailable, EngineError) as exc:  # router/errors.py maps them
+            await context.abort(grpc_status(exc), str(exc))
         finally:
             stream.close()
 
