@@ -1,6 +1,6 @@
 """The simulated cluster: workers, and the router's choices made by router/policy.py itself
-over a KVIndex fed by the workers' own KV events, with its LoadTracker; KV moves in
-latency + bytes / bandwidth.
+over a KVIndex (FastKVIndex: the same answers, one walk per query) fed by the workers' own KV
+events, with its LoadTracker; KV moves in latency + bytes / bandwidth.
 
 Request path (router/router.py `_attempt`): choose prefill P (policy) and decode D
 (choose_decode); local when aggregated or the uncached tail on D is at most
@@ -16,12 +16,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from benchmarks.sim.events import EventLoop
+from benchmarks.sim.fast_index import FastKVIndex
 from benchmarks.sim.request import DECODE, FULL, PREFILL, Job, SimRequest
 from benchmarks.sim.worker import SimWorker, WorkerConfig
 from engine.step_model import StepModel
-from router.kv_index import KVIndex
 from router.policy import (
-    DecodeLoad,
     LoadTracker,
     WorkerLoad,
     choose_decode,
@@ -58,7 +57,7 @@ class SimCluster:
     def __init__(self, config: ClusterConfig, model: StepModel, loop: EventLoop) -> None:
         self.config = config
         self.loop = loop
-        self.index = KVIndex()
+        self.index = FastKVIndex()
         self.load = LoadTracker()
         options = {"seed": config.seed} if config.policy == "random" else {}
         self.policy = make_policy(config.policy, **options)
@@ -93,15 +92,7 @@ class SimCluster:
             choice = choose_prefill(
                 self.policy, r.hashes, bs, loads, self.index, num_prompt_tokens=n
             )
-        decode_loads = [
-            DecodeLoad(
-                w,
-                d.pool.num_free_blocks,
-                d.num_requests + len(self.pending[w]),
-                total_blocks=d.pool.num_blocks,
-            )
-            for w, d in self.decode.items()
-        ]
+        decode_loads = [d.decode_load(len(self.pending[w])) for w, d in self.decode.items()]
         d = choose_decode(r.hashes, n, bs, decode_loads, self.index)
         r.decode_worker = d.worker_id
         worker = self.decode[d.worker_id]

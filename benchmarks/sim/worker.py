@@ -18,6 +18,7 @@ from benchmarks.sim.request import DECODE, PREFILL, Job
 from engine.block_pool import BlockPool
 from engine.chunk_budget import ChunkBudget
 from engine.step_model import StepModel, StepShape
+from router.policy import DecodeLoad
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +61,23 @@ class SimWorker:
         self.busy = False
         self.steps = 0
         self.reserved = 0  # DECODE jobs holding blocks here, waiting for their KV
+        self._load: DecodeLoad | None = None
 
     @property
     def num_requests(self) -> int:
         """Requests the engine tracks (as its stats report them): reserved ones included."""
         return len(self.waiting) + len(self.running) + self.reserved
+
+    def decode_load(self, pending: int) -> DecodeLoad:
+        """The router's view of this worker (its stats: free blocks, requests), reused while
+        they are unchanged."""
+        free, requests = len(self.pool._free), self.num_requests + pending
+        cached = self._load
+        if cached is None or cached.free_blocks != free or cached.running_requests != requests:
+            cached = self._load = DecodeLoad(
+                self.worker_id, free, requests, total_blocks=self.pool.num_blocks
+            )
+        return cached
 
     # ---- jobs --------------------------------------------------------------------------
     def submit(self, job: Job) -> None:

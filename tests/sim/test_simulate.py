@@ -183,3 +183,29 @@ def test_cli_writes_bench_results(tmp_path):
     summary, records = read_results(out)
     assert summary["completed"] == 5 and len(records) == 5
     assert summary["config"]["simulated"]["cluster"]["prefill"] == 1
+
+
+def test_fast_index_answers_as_kv_index():
+    import random
+
+    from benchmarks.sim.fast_index import FastKVIndex
+    from router.kv_index import KVIndex
+
+    rng = random.Random(0)
+    fast, slow = FastKVIndex(), KVIndex()
+    workers = [f"w{i}" for i in range(5)]
+    for index in (fast, slow):
+        for w in workers:
+            index.add_worker(w)
+    prompts = [[rng.randrange(8) for _ in range(6)] for _ in range(40)]
+    for step in range(200):
+        w = rng.choice(workers)
+        hashes = rng.choice(prompts)
+        kind = rng.choice(("stored", "removed"))
+        events = [{"kind": kind, "block_hashes": hashes[: rng.randrange(7)]}]
+        fast.apply(w, events)
+        slow.apply(w, events)
+        query = rng.choice(prompts)[: rng.randrange(7)]
+        assert [fast.prefix_hits(x, query) for x in workers] == [
+            slow.prefix_hits(x, query) for x in workers
+        ], step
