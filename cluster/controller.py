@@ -276,6 +276,7 @@ class Controller:
                         options["local_prefill_tokens"],
                         options["wait_for_workers_s"],
                         options["aggregated"],
+                        options.get("migration_limit"),
                     ),
                     timeout=T.ROUTER_CONFIGURE_S,
                 )

@@ -29,6 +29,7 @@ SERVE_FLAGS = {
     "kv_cache_memory_gb": ("engine", "kv_cache_memory_gb"),
     "threads": ("pools", "threads"),
     "local_prefill_tokens": ("router", "local_prefill_tokens"),
+    "migration_limit": ("router", "migration_limit"),
 }
 
 
@@ -47,6 +48,7 @@ class LocalOptions:
     kv_cache_memory_gb: float | None = None  # replaces the example's num_kv_blocks
     threads: int | None = None  # torch threads per worker, both pools
     local_prefill_tokens: int | None = None  # conditional disaggregation threshold
+    migration_limit: int | None = None  # moves of a request whose worker failed
     resources: dict | None = None  # per worker; None: {"GPU": 1} if CUDA is visible
     transfer: dict = field(default_factory=dict)  # TransferSpec fields
     engine_extra: dict = field(default_factory=dict)  # EngineSpec fields, skip_tokenizer_init

@@ -50,6 +50,7 @@ class RouterActor:
             local_prefill_tokens=o["local_prefill_tokens"],
             wait_for_workers_s=o["wait_for_workers_s"],
             aggregated=o["aggregated"],
+            migration_limit=o.get("migration_limit", 3),
         )
         tokenizer = (
             None
@@ -81,10 +82,20 @@ class RouterActor:
         )
 
     async def configure(
-        self, policy: str, local_prefill_tokens: int, wait_for_workers_s: float, aggregated: bool
+        self,
+        policy: str,
+        local_prefill_tokens: int,
+        wait_for_workers_s: float,
+        aggregated: bool,
+        migration_limit: int | None = None,
     ) -> None:
         await self._control(
-            self.router.configure, policy, local_prefill_tokens, wait_for_workers_s, aggregated
+            self.router.configure,
+            policy,
+            local_prefill_tokens,
+            wait_for_workers_s,
+            aggregated,
+            migration_limit,
         )
 
     async def active_counts(self) -> dict[str, int]:

@@ -73,6 +73,7 @@ def router_options(manifest: Manifest) -> dict:
         "local_prefill_tokens": spec.router.local_prefill_tokens,
         "aggregated": spec.prefill.replicas == 0,
         "wait_for_workers_s": spec.router.wait_for_workers_seconds,
+        "migration_limit": spec.router.migration_limit,
         "block_size": engine.block_size,
         "hash_seed": engine.hash_seed,
     }

@@ -160,6 +160,13 @@ class RouterSpec(_Strict):
         "pool (one being replaced or restarted; then UNAVAILABLE) and for a decode worker "
         "with free KV blocks for its prompt (then RESOURCE_EXHAUSTED)",
     )
+    migration_limit: int = Field(
+        3,
+        ge=0,
+        description="how many times a request moves to other workers when its worker dies or "
+        "stops answering (it continues from the tokens already streamed); past it the client "
+        "gets UNAVAILABLE naming the failed workers (0: never move)",
+    )
 
 
 class ClusterSpecModel(_Strict):

@@ -19,6 +19,13 @@ class IncrementalDetokenizer:
         self.text = ""  # text emitted so far
         self._ids: list[int] = []
 
+    def prime(self, token_ids: list[int]) -> None:
+        """Output ids (and their text) emitted before this detokenizer took over: a migrated
+        request's earlier tokens. Later deltas continue that text; stop strings may span it."""
+        self._ids = list(token_ids)
+        if self.tokenizer is not None:
+            self.text = self.tokenizer.decode(self._ids, skip_special_tokens=True).rstrip("\ufffd")
+
     def add(self, token_ids: list[int]) -> tuple[str, str | None]:
         """Append tokens; return (new text, matched stop string or None)."""
         if self.tokenizer is None:

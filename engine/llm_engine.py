@@ -142,6 +142,11 @@ class LLMEngine:
                 f"prompt has {n} tokens; max_model_len is "
                 f"{self.max_model_len} (need room for one new token)"
             )
+        if params.num_prior_output_tokens >= n:
+            raise InvalidRequestError(
+                f"num_prior_output_tokens={params.num_prior_output_tokens} must be less than "
+                f"the prompt's {n} tokens (they are its tail)"
+            )
         need = -(-(n + 1) // self.config.block_size)
         if need > self.pool.num_blocks:
             raise CapacityError(
@@ -158,9 +163,12 @@ class LLMEngine:
         if seed is None:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self._seeds[request_id] = seed
-        self._detok[request_id] = IncrementalDetokenizer(
+        detok = IncrementalDetokenizer(
             self.tokenizer, params.stop, params.include_stop_str_in_output
         )
+        if params.num_prior_output_tokens:
+            detok.prime(req.prompt_token_ids[n - params.num_prior_output_tokens :])
+        self._detok[request_id] = detok
         return req
 
     def seed_of(self, request_id: str) -> int:
@@ -384,7 +392,10 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOPPED
         if not p.ignore_eos and token in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if (
+            req.num_output_tokens + p.num_prior_output_tokens >= p.max_tokens
+            or req.num_tokens >= self.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -26,6 +26,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token (0: sampled only)
     include_stop_str_in_output: bool = False
+    # A migrated request's continuation: the last this-many prompt tokens are its own earlier
+    # output. They count towards max_tokens and prime the detokenizer (text and stop strings
+    # continue across the move); the sampling position is the token's absolute index either way.
+    num_prior_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +59,14 @@ class SamplingParams:
             raise bad("logprobs", self.logprobs, "must be between 0 and 20")
         if any(not s for s in self.stop):
             raise bad("stop", self.stop, "stop strings must be non-empty")
+        if not isinstance(self.num_prior_output_tokens, int) or not (
+            0 <= self.num_prior_output_tokens < self.max_tokens
+        ):
+            raise bad(
+                "num_prior_output_tokens",
+                self.num_prior_output_tokens,
+                "must be an integer in [0, max_tokens)",
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "token ids must be >= 0")
 

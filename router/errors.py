@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from engine.errors import CapacityError, InvalidRequestError, NoFreeBlocksError, PromptTooLongError
+from router.migration import MigrationLimitExceeded
 from router.policy import NoWorkerAvailable
 
 
@@ -68,6 +69,7 @@ _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (NoFreeBlocksError, BUSY),  # fits, but not now, after the router's wait
     (CapacityError, NEVER_FITS),  # no decode worker's KV cache can ever hold the prompt
     (NoWorkerAvailable, UNAVAILABLE),
+    (MigrationLimitExceeded, UNAVAILABLE),  # its workers kept failing; the message names them
 )
 
 

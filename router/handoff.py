@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 
 from kvtransfer.worker_api import DecodeAPI, PrefillAPI, PromptRequest
+from router.migration import is_worker_failure
 
 
 def error_output(request_id: str, message: str, reason: str = "error") -> dict:
@@ -56,7 +57,10 @@ def generate_disaggregated(
         first = prefill.prefill(request, decode_id, reservation)
     except Exception as exc:  # noqa: BLE001 - reported to the client as this request's error
         decode.abort(request_id, propagate=False)
-        yield error_output(request_id, f"prefill worker {prefill_id} failed: {exc}")
+        out = error_output(request_id, f"prefill worker {prefill_id} failed: {exc}")
+        if is_worker_failure(exc):
+            out["failed_worker"] = prefill_id  # the router moves the request (router/migration)
+        yield out
         return
     if not first.prefilled:
         decode.abort(request_id, propagate=False)
@@ -64,7 +68,20 @@ def generate_disaggregated(
             request_id, first.error or f"prefill {first.finish_reason}", first.finish_reason
         )
         return
-    yield from stream_outputs(decode, request_id, timeout, poll_s, first.num_cached_tokens)
+    for out in stream_outputs(decode, request_id, timeout, poll_s, first.num_cached_tokens):
+        if kv_never_arrived(out, prefill_id):
+            out["failed_worker"] = prefill_id
+        yield out
+
+
+def kv_never_arrived(out: dict, prefill_id: str) -> bool:
+    """Whether the decode worker failed the request before its first token because the KV
+    from prefill_id broke or did not come within the lease (its error names that worker)."""
+    return (
+        out["finish_reason"] == "error"
+        and not out["token_ids"]
+        and f"prefill worker {prefill_id}" in (out["error"] or "")
+    )
 
 
 def generate_local(

@@ -28,6 +28,7 @@ from engine.errors import InvalidRequestError, NoFreeBlocksError
 from kvtransfer.worker_api import DecodeAPI, PrefillAPI, Role, WorkerStats
 from router.handoff import generate_disaggregated, generate_local
 from router.kv_index import KVIndex
+from router.migration import Progress, WorkerFailed, watch
 from router.policy import (
     DecodeLoad,
     LoadTracker,
@@ -72,6 +73,7 @@ class Router:
         max_model_len: int | None = None,
         wait_for_workers_s: float = 0.0,
         aggregated: bool = False,
+        migration_limit: int = 3,
     ) -> None:
         self.prefill = dict(prefill)
         self.decode = dict(decode)
@@ -90,6 +92,9 @@ class Router:
         # Aggregated mode as configured, and as in effect (on _lock; see _set_mode): every
         # request is prefilled on its decode worker and the prefill pool takes none.
         self._configured_aggregated = self.aggregated = aggregated
+        # A request whose worker fails moves to another one at most this many times
+        # (router/migration.py); past it the client gets MigrationLimitExceeded.
+        self.migration_limit = migration_limit
         self.index = KVIndex()
         self.load = LoadTracker()
         for worker_id in [*self.prefill, *self.decode]:
@@ -152,9 +157,12 @@ class Router:
         local_prefill_tokens: int,
         wait_for_workers_s: float,
         aggregated: bool = False,
+        migration_limit: int | None = None,
     ) -> None:
         """Change the prefill policy, the conditional-disaggregation threshold, the wait for
-        workers and aggregated mode in place."""
+        workers, aggregated mode and the migration limit (None: unchanged) in place."""
+        if migration_limit is not None:
+            self.migration_limit = migration_limit
         if policy != self.policy_name:
             self.policy, self.policy_name = make_policy(policy), policy
         self.local_prefill_tokens = local_prefill_tokens
@@ -260,13 +268,31 @@ class Router:
 
         Up to wait_for_workers_s, a request waits for a healthy worker in each pool and for a
         decode worker with enough free KV blocks for its prompt (running requests free them
-        as they finish), instead of failing."""
-        hashes = hash_prompt_blocks(prompt_token_ids, self.block_size, self.hash_seed, cache_salt)
+        as they finish), instead of failing. When a worker fails under it (router/migration.py)
+        it moves: prompt + the tokens streamed so far go to other workers, the client's stream
+        goes on; after migration_limit moves it fails with MigrationLimitExceeded."""
+        progress = Progress(prompt_token_ids, params, self.migration_limit)
+        failed: set[str] = set()  # workers this request does not go back to
         deadline = time.monotonic() + self.wait_for_workers_s
         while True:
-            again = yield from self._attempt(
-                request_id, prompt_token_ids, params, cache_salt, hashes, deadline
-            )
+            prompt, attempt_params = progress.attempt()
+            hashes = hash_prompt_blocks(prompt, self.block_size, self.hash_seed, cache_salt)
+            try:
+                again = yield from progress.track(
+                    self._attempt(
+                        request_id, prompt, attempt_params, cache_salt, hashes, deadline, failed
+                    )
+                )
+            except NoWorkerAvailable as exc:
+                if progress.failures:  # the workers it could move to are gone too
+                    raise progress.no_worker_left(exc) from exc
+                raise
+            except WorkerFailed as exc:
+                logger.warning("request %s: %s; moving it", request_id, exc)
+                failed.add(exc.worker_id)
+                progress.failed(exc)  # raises past migration_limit
+                deadline = time.monotonic() + self.wait_for_workers_s
+                continue
             if not again:
                 return
 
@@ -278,15 +304,17 @@ class Router:
         cache_salt: str | None,
         hashes: list,
         deadline: float,
+        failed: set[str] = frozenset(),
     ) -> Generator[dict, None, bool]:
         """Choose workers and stream the request; returns True (having streamed nothing) when
         it must be tried again: the pools changed while choosing, or the decode worker's
-        blocks went to other requests between its stats and the reservation."""
+        blocks went to other requests between its stats and the reservation. Raises
+        WorkerFailed when a worker fails (workers in `failed` are not chosen)."""
         n = len(prompt_token_ids)
         self.refresh_index()
         while True:
             try:
-                choice, decode_choice, prefill_pool, decode_pool = self._choose(hashes, n)
+                choice, decode_choice, prefill_pool, decode_pool = self._choose(hashes, n, failed)
             except NoWorkerAvailable:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -315,24 +343,31 @@ class Router:
         if stale:  # choose again among the new pools
             return True
         if local:
-            yield from self._generate_local(
-                request_id, prompt_token_ids, params, cache_salt, decode
-            )
+            try:
+                yield from self._generate_local(
+                    request_id, prompt_token_ids, params, cache_salt, decode
+                )
+            except WorkerFailed as exc:
+                self._worker_failed(request_id, exc, [decode])
+                raise
             return False
         uncached = n - choice.cached_tokens
         self.load.dispatched(choice.worker_id, uncached)  # load counts from dispatch
         prefilled = False
         try:
-            for out in generate_disaggregated(
-                prefill[1],
-                decode[1],
-                request_id,
-                prompt_token_ids,
-                params,
-                prefill_id=prefill[0],
-                decode_id=decode[0],
-                cache_salt=cache_salt,
-                timeout=self.timeout,
+            for out in watch(
+                generate_disaggregated(
+                    prefill[1],
+                    decode[1],
+                    request_id,
+                    prompt_token_ids,
+                    params,
+                    prefill_id=prefill[0],
+                    decode_id=decode[0],
+                    cache_salt=cache_salt,
+                    timeout=self.timeout,
+                ),
+                decode[0],
             ):
                 if not prefilled:
                     prefilled = True
@@ -341,6 +376,9 @@ class Router:
                 if out["finished"]:
                     out.update(prefill_worker=prefill[0], decode_worker=decode[0], prompt_tokens=n)
                 yield out
+        except WorkerFailed as exc:
+            self._worker_failed(request_id, exc, [prefill, decode])
+            raise
         except Exception as exc:
             if not (
                 not prefilled
@@ -358,14 +396,14 @@ class Router:
         time.sleep(CAPACITY_POLL_S)  # the reservation was refused for now
         return True
 
-    def _choose(self, hashes: list, n: int):
+    def _choose(self, hashes: list, n: int, failed: set[str] = frozenset()):
         """(prefill choice, or None when aggregated; decode choice, prefill pool, decode pool)
-        among healthy workers."""
+        among healthy workers not in `failed`."""
         with self._lock:  # a worker set_workers removed is never picked after it returns
             prefill_pool, decode_pool = dict(self.prefill), dict(self.decode)
             health = dict(self._healthy)
             aggregated = self.aggregated
-        healthy = lambda w: health.get(w, True)  # noqa: E731
+        healthy = lambda w: health.get(w, True) and w not in failed  # noqa: E731
         choice = None
         if not aggregated:
             loads = [WorkerLoad(w, self.load.queued(w), healthy=healthy(w)) for w in prefill_pool]
@@ -395,13 +433,16 @@ class Router:
     ) -> Iterator[dict]:
         counted = False
         try:
-            for out in generate_local(
-                decode[1],
-                request_id,
-                prompt_token_ids,
-                params,
-                cache_salt=cache_salt,
-                timeout=self.timeout,
+            for out in watch(
+                generate_local(
+                    decode[1],
+                    request_id,
+                    prompt_token_ids,
+                    params,
+                    cache_salt=cache_salt,
+                    timeout=self.timeout,
+                ),
+                decode[0],
             ):
                 if not counted:
                     counted = True
@@ -415,6 +456,22 @@ class Router:
                 yield out
         finally:
             self._finish(request_id)
+
+    def _worker_failed(
+        self, request_id: str, exc: WorkerFailed, workers: list[tuple[str, object] | None]
+    ) -> None:
+        """Mark the failed worker unhealthy (until the controller's next health report) and
+        abort the request on this attempt's workers, quietly: on the failed one in the
+        background (it may hang), on the others now (the next attempt may reuse one)."""
+        with self._changed:
+            if exc.worker_id in {*self.prefill, *self.decode}:
+                self._healthy[exc.worker_id] = False
+        for worker_id, worker in filter(None, workers):
+            abort = lambda w=worker: w.abort(request_id, propagate=False)  # noqa: E731
+            if worker_id == exc.worker_id:
+                self._calls.submit(_ask, worker_id, "abort", abort)
+            else:
+                _ask(worker_id, "abort", abort)
 
     def _finish(self, request_id: str) -> None:
         with self._lock:

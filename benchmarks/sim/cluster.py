@@ -6,8 +6,9 @@ Request path (router/router.py `_attempt`): choose prefill P (policy) and decode
 (choose_decode); local when aggregated or the uncached tail on D is at most
 local_prefill_tokens. Local: D prefills and decodes. Remote: D reserves blocks (its own
 cached prefix + new ones; a reservation that does not fit waits on D), P prefills in chunks
-and samples the first token, the blocks D lacks travel, then the first token reaches the
-client and D decodes the rest. Transfers do not contend with each other.
+and samples the first token, the blocks D lacks travel, then (between two of D's steps, as
+its engine loop does it) the first token reaches the client and D decodes the rest.
+Transfers do not contend with each other.
 """
 
 from __future__ import annotations
@@ -128,9 +129,13 @@ class SimCluster:
     def _transferred(self, prefill: SimWorker, job: Job) -> None:
         prefill.release(job)
         prefill._kick()  # its waiting prompts may fit now
-        d, r = job.peer, job.request
+        decode = self.decode[job.request.decode_worker]
+        decode.between_steps(lambda: self._first_token(decode, job.peer))
+
+    def _first_token(self, decode: SimWorker, d: Job) -> None:
+        """D completes the remote request: the first token goes out, decoding starts."""
+        r = d.request
         r.chunks.append((self.loop.now, 1))
-        decode = self.decode[r.decode_worker]
         if r.max_tokens <= 1:
             decode.reserved -= 1
             decode.release(d)

@@ -62,6 +62,7 @@ class SimWorker:
         self.steps = 0
         self.reserved = 0  # DECODE jobs holding blocks here, waiting for their KV
         self._load: DecodeLoad | None = None
+        self._between_steps: list = []  # calls the engine loop runs when the step ends
 
     @property
     def num_requests(self) -> int:
@@ -102,6 +103,14 @@ class SimWorker:
         self._publish()
         self.running.append(job)
         self._kick()
+
+    def between_steps(self, call) -> None:
+        """Run call() now if idle, else when the current step ends (as EngineLoop.run does:
+        a remote request joins, and its first token leaves, between two steps)."""
+        if self.busy:
+            self._between_steps.append(call)
+        else:
+            call()
 
     def release(self, job: Job) -> None:
         """Free a job's blocks, tail first (the head, most shareable, is evicted last)."""
@@ -230,4 +239,7 @@ class SimWorker:
                 self.cluster.finished(self, job)
         self._publish()
         self.busy = False
+        calls, self._between_steps = self._between_steps, []
+        for call in calls:
+            call()
         self._kick()
