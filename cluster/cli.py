@@ -10,6 +10,7 @@ baton deploy apply -f MANIFEST | scale prefill=N decode=M | status [--json] | do
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -17,7 +18,7 @@ import time
 
 import grpc
 
-from cluster.local import LocalCluster, LocalOptions, add_serve_flags
+from cluster.local import API_KEY_ENV, LocalCluster, LocalOptions, add_serve_flags
 from deploy.commands import add_parser as add_deploy_parser
 from deploy.manifest import ManifestError, load_manifest
 from router.proto import inference_pb2 as pb
@@ -30,16 +31,28 @@ def _serve(args: argparse.Namespace) -> int:
         manifest = (
             load_manifest(args.file) if args.file else LocalOptions.from_args(args).manifest()
         )
+        if getattr(args, "api_key", None):  # the local router actor inherits it
+            os.environ[API_KEY_ENV] = args.api_key
         cluster = LocalCluster(manifest)
         try:
             cluster.start(log=lambda m: print(m, flush=True))
             for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
                 signal.signal(sig, lambda *_: stop.set())
+            http = cluster.http_address
             print(
                 f"Baton is serving {manifest.spec.model.path} on {cluster.address} "
-                "(gRPC baton.v1.Inference)."
-                f'\nTry:  baton generate "Hello" --address {cluster.address}\n'
-                "Ctrl-C stops everything.",
+                "(gRPC baton.v1.Inference)"
+                + (f" and {http} (OpenAI-compatible HTTP)" if http else "")
+                + "."
+                + f'\nTry:  baton generate "Hello" --address {cluster.address}'
+                + (
+                    f"\n      curl {http}/v1/chat/completions -H 'Content-Type: application/json' "
+                    f'-d \'{{"model": "{manifest.spec.model.path}", "messages": '
+                    f'[{{"role": "user", "content": "Hello"}}]}}\''
+                    if http
+                    else ""
+                )
+                + "\nCtrl-C stops everything.",
                 flush=True,
             )
             while not stop.wait(0.5):
@@ -54,8 +67,27 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client(address: str):
-    return pb_grpc.InferenceStub(grpc.insecure_channel(address))
+def _client(args: argparse.Namespace):
+    """A stub for --address: TLS when --tls-ca is given, the API key as `authorization`."""
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            channel = grpc.secure_channel(args.address, grpc.ssl_channel_credentials(f.read()))
+    else:
+        channel = grpc.insecure_channel(args.address)
+    if args.api_key:
+        channel = grpc.intercept_channel(channel, _BearerKey(args.api_key))
+    return pb_grpc.InferenceStub(channel)
+
+
+class _BearerKey(grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer KEY` to each Generate call."""
+
+    def __init__(self, key: str) -> None:
+        self.metadata = (("authorization", f"Bearer {key}"),)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        details = details._replace(metadata=tuple(details.metadata or ()) + self.metadata)
+        return continuation(details, request)
 
 
 def _stream(stub, request, timeout: float) -> tuple[int, str]:
@@ -96,11 +128,11 @@ def _generate(args: argparse.Namespace) -> int:
             messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=args.prompt)]),
             sampling=_sampling(args),
         )
-    return _stream(_client(args.address), request, args.timeout)[0]
+    return _stream(_client(args), request, args.timeout)[0]
 
 
 def _chat(args: argparse.Namespace) -> int:
-    stub = _client(args.address)
+    stub = _client(args)
     history = [pb.ChatMessage(role="system", content=args.system)] if args.system else []
     while True:
         try:
@@ -129,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.profile import main as profile_main
 
         return profile_main(argv[1:])
+    if argv[:1] == ["simulate"]:  # its own parser: a bench run against a simulated cluster
+        from benchmarks.simulate import main as simulate_main
+
+        return simulate_main(argv[1:])
+    if argv[:1] == ["plan"]:  # its own parser: cheapest shape meeting SLOs, by simulation
+        from benchmarks.plan import main as plan_main
+
+        return plan_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="baton", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -141,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         "deploy/examples/local.yaml with the flags below applied",
     )
     add_serve_flags(serve)  # types, choices and help: the manifest fields they set
+    serve.add_argument(
+        "--api-key",
+        help=f"clients must send this key (HTTP `Authorization: Bearer`, gRPC `authorization` "
+        f"metadata); it is passed to the router in ${API_KEY_ENV}, never written to a manifest",
+    )
     serve.set_defaults(run=_serve)
     for name, fn, text in (
         ("generate", _generate, "stream one completion"),
@@ -160,12 +205,29 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--max-tokens", type=int, default=128)
         p.add_argument("--temperature", type=float, default=0.0)
         p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+        p.add_argument(
+            "--api-key",
+            default=os.environ.get(API_KEY_ENV),
+            help=f"sent as `authorization: Bearer KEY` (default: ${API_KEY_ENV})",
+        )
+        p.add_argument("--tls-ca", help="PEM CA bundle: connect over TLS, trusting this CA")
         p.set_defaults(run=fn)
     add_deploy_parser(sub)
     sub.add_parser("bench", help="benchmark a cluster (see `baton bench --help`)", add_help=False)
     sub.add_parser(
         "profile",
         help="measure one engine's step times and fit a step profile (see `baton profile --help`)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "simulate",
+        help="a bench run against a simulated cluster (see `baton simulate --help`)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "plan",
+        help="cheapest cluster shape meeting TTFT/ITL p99 SLOs, by simulation "
+        "(see `baton plan --help`)",
         add_help=False,
     )
     args = parser.parse_args(argv)

@@ -67,6 +67,7 @@ class Controller:
         self.router = None
         self.router_key: tuple | None = None  # what the router's server was started with
         self.router_address: str | None = None
+        self.router_http_address: str | None = None  # the OpenAI front door, if served
         self._pairs: set[tuple[str, str]] = set()  # (prefill id, decode id) with a group
         self._next_index = dict.fromkeys(ROLES, 0)
         self._apply_lock = threading.Lock()  # one reconcile at a time
@@ -267,7 +268,7 @@ class Controller:
     def _ensure_router(self, options: dict) -> str | None:
         """Start the router actor, or restart it when what its server was started with
         changed; a new policy is set in place. Returns "start", "restart" or None."""
-        key = tuple(options[k] for k in ("model", "skip_tokenizer", "host", "port"))
+        key = _router_key(options)
         if self.router is not None and key == self.router_key:
             try:
                 ray.get(
@@ -297,10 +298,17 @@ class Controller:
         self.router = RouterActor.options(
             name=ROUTER_NAME, namespace=NAMESPACE, resources={HEAD_NODE_RESOURCE: 0.001}
         ).remote(me, options)
-        port = ray.get(self.router.start.remote(), timeout=T.ROUTER_START_S)
-        self.router_key = tuple(options[k] for k in ("model", "skip_tokenizer", "host", "port"))
-        self.router_address = f"{options['host']}:{port}"
-        self._log(f"router serving gRPC on {self.router_address}")
+        ports = ray.get(self.router.start.remote(), timeout=T.ROUTER_START_S)
+        self.router_key = _router_key(options)
+        self.router_address = f"{options['host']}:{ports['grpc']}"
+        scheme = "https" if options.get("tls") else "http"
+        self.router_http_address = (
+            f"{scheme}://{options['host']}:{ports['http']}" if ports["http"] is not None else None
+        )
+        self._log(
+            f"router serving gRPC on {self.router_address}"
+            + (f", OpenAI HTTP on {self.router_http_address}" if self.router_http_address else "")
+        )
         return verb
 
     def _publish(self, m) -> None:
@@ -457,6 +465,7 @@ class Controller:
             except Exception as exc:  # noqa: BLE001 - shown as such
                 router = {"error": str(exc)}
             router["address"] = self.router_address
+            router["http_address"] = self.router_http_address
         workers = self.workers()
         counts = {
             role: sum(1 for w in workers if w["role"] == role and w["state"] == "active")
@@ -483,7 +492,7 @@ class Controller:
             logger.warning("stopping the router: %s", exc)
         ray.kill(self.router)
         self.router = None
-        self.router_key = self.router_address = None
+        self.router_key = self.router_address = self.router_http_address = None
 
     def shutdown(self) -> None:
         """Stop the router and remove every worker and its bundle (no drain)."""
@@ -542,3 +551,23 @@ def controller_handle(create: bool = False):
         )
         .remote()
     )
+
+
+# What the router's servers were started with: a change restarts the router actor (policy,
+# conditional disaggregation, waits and migration limit change in place).
+ROUTER_SERVER_OPTIONS = (
+    "model",
+    "skip_tokenizer",
+    "host",
+    "port",
+    "http_port",
+    "served_model_names",
+    "api_key_env",
+    "api_key_file",
+    "tls",
+    "max_pending_requests",
+)
+
+
+def _router_key(options: dict) -> tuple:
+    return tuple(options.get(k) for k in ROUTER_SERVER_OPTIONS)

@@ -8,7 +8,8 @@ import argparse
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args, get_origin
+from types import UnionType
+from typing import Literal, Union, get_args, get_origin
 
 from deploy.manifest import Manifest, load_manifest, parse_manifest
 from kvtransfer.worker_api import Role
@@ -30,7 +31,13 @@ SERVE_FLAGS = {
     "threads": ("pools", "threads"),
     "local_prefill_tokens": ("router", "local_prefill_tokens"),
     "migration_limit": ("router", "migration_limit"),
+    "http_port": ("router", "http_port"),
+    "max_pending_requests": ("router", "max_pending_requests"),
 }
+# `baton serve --api-key KEY` puts the key in this variable of the serving process (the
+# local cluster's router actor inherits it) and names it in spec.router.api_key_env: the
+# key itself never goes into a manifest.
+API_KEY_ENV = "BATON_API_KEY"
 
 
 @dataclass
@@ -49,6 +56,9 @@ class LocalOptions:
     threads: int | None = None  # torch threads per worker, both pools
     local_prefill_tokens: int | None = None  # conditional disaggregation threshold
     migration_limit: int | None = None  # moves of a request whose worker failed
+    http_port: int | None = None  # the OpenAI-compatible HTTP front door
+    max_pending_requests: int | None = None  # admission bound at the router
+    api_key: str | None = None  # clients must send it (see API_KEY_ENV)
     resources: dict | None = None  # per worker; None: {"GPU": 1} if CUDA is visible
     transfer: dict = field(default_factory=dict)  # TransferSpec fields
     engine_extra: dict = field(default_factory=dict)  # EngineSpec fields, skip_tokenizer_init
@@ -73,6 +83,8 @@ class LocalOptions:
             engine["max_num_batched_tokens"], engine["chunk_size"]
         )
         spec["transfer"].update(self.transfer)
+        if self.api_key:
+            spec["router"]["api_key_env"] = API_KEY_ENV
         resources = self.resources or default_resources()
         for role in POOLS:
             spec[role]["resources"] = dict(resources)
@@ -81,7 +93,10 @@ class LocalOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LocalOptions:
         """The options of parsed `baton serve` flags (add_serve_flags)."""
-        return cls(**{name: getattr(args, name) for name in SERVE_FLAGS})
+        return cls(
+            **{name: getattr(args, name) for name in SERVE_FLAGS},
+            api_key=getattr(args, "api_key", None),
+        )
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +124,9 @@ def _flag_type(annotation) -> tuple[type, tuple | None]:
     """The argparse type and choices of a manifest field's annotation."""
     if get_origin(annotation) is Literal:
         return str, get_args(annotation)
+    if get_origin(annotation) in (Union, UnionType):  # `int | None`: the flag sets the int
+        (kind,) = [a for a in get_args(annotation) if a is not type(None)]
+        return kind, None
     return annotation, None
 
 
@@ -127,6 +145,7 @@ class LocalCluster:
         self.manifest = options if isinstance(options, Manifest) else options.manifest()
         self.address: str | None = None
         self.port: int | None = None
+        self.http_address: str | None = None  # e.g. http://127.0.0.1:8000, None without HTTP
         self._controller = None
 
     def start(self, log=print) -> LocalCluster:
@@ -157,6 +176,7 @@ class LocalCluster:
         status = ray.get(self._controller.status.remote(), timeout=60)
         self.address = status["router"]["address"]
         self.port = int(self.address.rsplit(":", 1)[1])
+        self.http_address = status["router"].get("http_address")
         return self
 
     def close(self) -> None:

@@ -28,17 +28,31 @@ class RouterActor:
         self.controller = controller
         self.options = options
         self.server = None
+        self.http_server = None
         self.router = None
+        self.api_keys = None  # router.security.ApiKeys: num_refused for the metrics
+        self.admission = None  # router.admission.Admission: pending, num_refused
         self._watch_task = None
         self._control_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="control")
 
-    async def start(self) -> int:
-        """Start serving with no workers yet (requests get UNAVAILABLE until set_workers);
-        returns the bound port."""
+    async def start(self) -> dict:
+        """Start both front doors with no workers yet (requests get UNAVAILABLE until
+        set_workers); returns the bound ports {"grpc": port, "http": port or None}."""
         from engine.model_resolver import resolve_model
         from engine.tokenizer import load_tokenizer
+        from router.admission import Admission, GrpcAdmissionInterceptor
+        from router.http_server import start_http_server
+        from router.metrics_exposition import router_scrape
+        from router.openai_http import create_app
         from router.router import Router
-        from router.server import start_server
+        from router.security import (
+            ApiKeys,
+            GrpcKeyInterceptor,
+            TLSFiles,
+            load_api_keys,
+            warn_if_exposed,
+        )
+        from router.server import SERVICE, start_server
 
         o = self.options
         self.router = Router(
@@ -57,9 +71,36 @@ class RouterActor:
             if o.get("skip_tokenizer")
             else await asyncio.to_thread(load_tokenizer, resolve_model(o["model"]))
         )
-        self.server, port = await start_server(self.router, o["host"], o["port"], tokenizer)
+        # Checked once, before a request reaches the router's queue: key, then admission.
+        self.api_keys = ApiKeys(
+            load_api_keys(env_var=o.get("api_key_env"), file=o.get("api_key_file"))
+        )
+        tls = TLSFiles(**o["tls"]) if o.get("tls") else None
+        self.admission = Admission(o.get("max_pending_requests"))
+        interceptors = [
+            GrpcKeyInterceptor(self.api_keys),
+            GrpcAdmissionInterceptor(self.admission, (f"/{SERVICE}/Generate",)),
+        ]
+        self.server, port = await start_server(
+            self.router, o["host"], o["port"], tokenizer, interceptors=interceptors, tls=tls
+        )
+        warn_if_exposed("gRPC", o["host"], self.api_keys)
+        http_port = None
+        if o.get("http_port") is not None:
+            app = create_app(
+                self.router,
+                o["served_model_names"],
+                tokenizer=tokenizer,
+                api_keys=self.api_keys,
+                admission=self.admission,
+                metrics_text=lambda: router_scrape(self.router),  # the whole cluster's series
+            )
+            self.http_server, http_port = await start_http_server(
+                app, o["host"], o["http_port"], tls
+            )
+            warn_if_exposed("HTTP", o["host"], self.api_keys)
         self._watch_task = asyncio.create_task(self._watch(o.get("health_period_s", 2.0)))
-        return port
+        return {"grpc": port, "http": http_port}
 
     async def set_workers(
         self,
@@ -128,6 +169,9 @@ class RouterActor:
     async def stop(self) -> None:
         if self._watch_task is not None:
             self._watch_task.cancel()
+        if self.http_server is not None:
+            await self.http_server.stop(grace=5)
+            self.http_server = None
         if self.server is not None:
             await self.server.stop(grace=5)
             self.server = None

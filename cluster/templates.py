@@ -74,6 +74,15 @@ def router_options(manifest: Manifest) -> dict:
         "aggregated": spec.prefill.replicas == 0,
         "wait_for_workers_s": spec.router.wait_for_workers_seconds,
         "migration_limit": spec.router.migration_limit,
+        "http_port": spec.router.http_port,
+        "served_model_names": [
+            spec.router.served_model_name or spec.model.path,
+            *spec.router.model_aliases,
+        ],
+        "api_key_env": spec.router.api_key_env,
+        "api_key_file": spec.router.api_key_file,
+        "tls": spec.router.tls.model_dump() if spec.router.tls else None,
+        "max_pending_requests": spec.router.max_pending_requests,
         "block_size": engine.block_size,
         "hash_seed": engine.hash_seed,
     }

@@ -159,7 +159,8 @@ def format_status(status: dict) -> str:
         f"cluster {status['name']}  generation {status['generation']}  "
         f"prefill {replicas['prefill']}  decode {replicas['decode']}  "
         f"{status.get('mode', '-')}",
-        f"router {router.get('address', '-')}  policy {router.get('policy', '-')}  "
+        f"router grpc {router.get('address', '-')}  http {router.get('http_address') or '-'}  "
+        f"policy {router.get('policy', '-')}  "
         f"hit rate {router.get('hit_rate', 0.0):.2f}",
         "",
         f"{'WORKER':<12}{'ROLE':<9}{'STATE':<10}{'HEALTHY':<9}{'REQUESTS':>9}"

@@ -143,6 +143,14 @@ class PrefillPoolSpec(PoolSpec):
     )
 
 
+class TLSSpec(_Strict):
+    cert_file: str = Field(description="PEM certificate chain of the server (on the head node)")
+    key_file: str = Field(description="PEM private key of the server (on the head node)")
+    client_ca_file: str | None = Field(
+        None, description="PEM CA bundle: when set, clients must present a certificate it signed"
+    )
+
+
 class RouterSpec(_Strict):
     policy: Literal[POLICY_NAMES] = Field(DEFAULT_POLICY, description=POLICY_DESCRIPTION)
     host: str = Field("127.0.0.1", description="gRPC listen address")
@@ -167,6 +175,39 @@ class RouterSpec(_Strict):
         "stops answering (it continues from the tokens already streamed); past it the client "
         "gets UNAVAILABLE naming the failed workers (0: never move)",
     )
+    http_port: int | None = Field(
+        8000,
+        ge=0,
+        le=65535,
+        description="OpenAI-compatible HTTP port on the router's host (0: any free port; "
+        "null: no HTTP front door)",
+    )
+    served_model_name: str | None = Field(
+        None,
+        description="the model name clients send (`model` in OpenAI requests; default: "
+        "spec.model.path)",
+    )
+    model_aliases: list[str] = Field(
+        default_factory=list, description="other names clients may send for the same model"
+    )
+    api_key_env: str | None = Field(
+        None,
+        description="name of an environment variable on the head node holding the API keys "
+        "(comma-separated); the keys themselves never go in the manifest",
+    )
+    api_key_file: str | None = Field(
+        None,
+        description="path on the head node of a file holding the API keys (one per line)",
+    )
+    tls: TLSSpec | None = Field(
+        None, description="TLS for both front doors (gRPC and HTTP) from cert/key files"
+    )
+    max_pending_requests: int | None = Field(
+        None,
+        ge=1,
+        description="admission: most requests waiting at the router for their first token; "
+        "past it new requests get 429 / RESOURCE_EXHAUSTED at once (null: no bound)",
+    )
 
 
 class ClusterSpecModel(_Strict):
@@ -179,7 +220,7 @@ class ClusterSpecModel(_Strict):
     )
     decode: PoolSpec = Field(default_factory=PoolSpec, description="the decode pool")
     router: RouterSpec = Field(
-        default_factory=RouterSpec, description="the gRPC front door and its routing"
+        default_factory=RouterSpec, description="the front doors (gRPC, OpenAI HTTP) and routing"
     )
     transfer: TransferSpec = Field(
         default_factory=TransferSpec, description="KV transfer between the pools"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -25,6 +26,7 @@ from router.policy import NoWorkerAvailable
 from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
 from router.router import Router
+from router.security import TLSFiles, add_port
 
 logger = logging.getLogger(__name__)
 SERVICE = "baton.v1.Inference"
@@ -143,24 +145,29 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
 
 async def start_server(
-    router: Router, host: str = "127.0.0.1", port: int = 50051, tokenizer=None
+    router: Router,
+    host: str = "127.0.0.1",
+    port: int = 50051,
+    tokenizer=None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    tls: TLSFiles | None = None,
 ) -> tuple[object, int]:
-    """Start the aio server; returns (server, bound port). Port 0 picks a free one."""
+    """Start the aio server (TLS when given; interceptors such as router.security's key
+    check and router.admission's bound run before the servicer); returns (server, bound
+    port). Port 0 picks a free one."""
     # Every open stream holds a thread while it waits for its next tokens: asyncio's default
     # pool (cpus + 4 threads) would queue streams behind each other.
     asyncio.get_running_loop().set_default_executor(
         ThreadPoolExecutor(max_workers=STREAM_THREADS, thread_name_prefix="stream")
     )
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=list(interceptors))
     pb_grpc.add_InferenceServicer_to_server(InferenceServicer(router, tokenizer), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+    bound = add_port(server, f"{host}:{port}", tls)
     await server.start()
     await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

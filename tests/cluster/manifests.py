@@ -15,7 +15,7 @@ def tiny_manifest(
             "engine": {"block_size": 4, "num_kv_blocks": 256, "chunk_size": 16, **engine},
             "prefill": {"replicas": prefill},
             "decode": {"replicas": decode},
-            "router": {"port": 0},
+            "router": {"port": 0, "http_port": 0},
             "transfer": {"timeout_seconds": 10.0},
         },
     }

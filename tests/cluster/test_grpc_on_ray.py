@@ -28,6 +28,7 @@ def local(tiny_llama: str, policy: str) -> LocalCluster:
             prefill=2,
             decode=1,
             port=0,
+            http_port=0,
             block_size=4,
             chunk_size=32,
             policy=policy,

@@ -17,7 +17,9 @@ pytest.importorskip("ray")
 def test_grpc_on_ray_cluster_equals_offline_engine_and_shuts_down(tiny_llama):
     extra = {"skip_tokenizer_init": True, "num_kv_blocks": 256}
     cluster = LocalCluster(
-        LocalOptions(model=tiny_llama, port=0, block_size=4, chunk_size=16, engine_extra=extra)
+        LocalOptions(
+            model=tiny_llama, port=0, http_port=0, block_size=4, chunk_size=16, engine_extra=extra
+        )
     )
     try:
         cluster.start(log=lambda _m: None)

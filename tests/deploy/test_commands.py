@@ -53,7 +53,7 @@ def test_status_table_lists_every_worker_with_role_state_health_load_kv_and_hits
     }
     lines = format_status(status).splitlines()
     assert lines[0] == "cluster local  generation 3  prefill 1  decode 1  disaggregated"
-    assert lines[1] == "router 127.0.0.1:50051  policy cache_aware  hit rate 0.50"
+    assert lines[1] == "router grpc 127.0.0.1:50051  http -  policy cache_aware  hit rate 0.50"
     assert lines[3].split() == [
         "WORKER",
         "ROLE",

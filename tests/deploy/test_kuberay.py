@@ -192,10 +192,14 @@ def test_router_port_is_exposed_on_the_head_and_served(raycluster_docs, cluster,
         "ray.io/cluster": cluster["metadata"]["name"],
         "ray.io/node-type": "head",
     }
-    (port,) = service["spec"]["ports"]
-    target = port["targetPort"]
-    assert (ports[target] if isinstance(target, str) else target) == manifest.spec.router.port
-    assert port["port"] == manifest.spec.router.port
+    want = {"grpc": manifest.spec.router.port, "http": manifest.spec.router.http_port}
+    assert ports["http"] == want["http"]
+    served = {p["name"]: p for p in service["spec"]["ports"]}
+    assert set(served) == set(want)
+    for name, port in served.items():
+        target = port["targetPort"]
+        assert (ports[target] if isinstance(target, str) else target) == want[name]
+        assert port["port"] == want[name]
 
 
 def test_check_resources_passes_on_what_the_raycluster_provides(cluster, manifest):

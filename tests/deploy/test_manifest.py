@@ -157,5 +157,5 @@ def test_every_field_has_a_description():
                     walk(t, f"{prefix}{name}.")
 
     walk(Manifest, "")
-    # metadata, spec, model, engine, prefill pool, decode pool, router, transfer
-    assert missing == [] and len(seen) == 8
+    # metadata, spec, model, engine, prefill pool, decode pool, router, router TLS, transfer
+    assert missing == [] and len(seen) == 9
