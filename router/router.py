@@ -113,6 +113,7 @@ class Router:
         self._calls = ThreadPoolExecutor(max_workers=16, thread_name_prefix="router-call")
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
+        self.num_migrations = 0  # requests moved after a worker failed (a metric's counter)
         # request id -> ((prefill id, worker) or None when prefilled locally, (decode id, worker))
         self._active: dict[str, tuple[tuple[str, PrefillAPI] | None, tuple[str, DecodeAPI]]] = {}
         self._healthy: dict[str, bool] = {}  # from the controller; unknown = healthy
@@ -291,6 +292,8 @@ class Router:
                 logger.warning("request %s: %s; moving it", request_id, exc)
                 failed.add(exc.worker_id)
                 progress.failed(exc)  # raises past migration_limit
+                with self._lock:
+                    self.num_migrations += 1
                 deadline = time.monotonic() + self.wait_for_workers_s
                 continue
             if not again:

@@ -151,6 +151,7 @@ def test_killed_decode_worker_continues_on_another(cluster_of, tiny_llama, sampl
     assert last["prompt_tokens"] == len(prompt)
     assert last["decode_worker"] != killed[0]
     assert router._healthy[killed[0]] is False
+    assert router.num_migrations == 1
     c.check_clean()
 
 
