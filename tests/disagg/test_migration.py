@@ -231,3 +231,17 @@ def test_no_migration_left_is_unavailable_naming_the_workers(cluster_of, limit):
     if not limit:
         assert "migration_limit=0" in str(err.value)
     c.check_clean()
+
+
+def test_aggregated_request_moves_to_another_decode_worker(cluster_of, tiny_llama):
+    c = cluster_of([], ["d0", "d1"])  # no prefill pool: every request is prefilled locally
+    router = c.router(aggregated=True)
+    prompt = random_prompts([18], seed=11)[0]
+    params = dict(max_tokens=200, ignore_eos=True, temperature=0.8, seed=3)
+    want = expected_tokens(tiny_llama, prompt, params)
+    outs = stream_with_fault(
+        router, "agg", prompt, params, lambda rid: c.kill(serving(router, rid, router.decode))
+    )
+    assert tokens(outs) == want
+    assert outs[-1]["num_migrations"] == 1 and outs[-1]["decode_worker"] not in c.dead
+    c.check_clean()
