@@ -232,6 +232,7 @@ class DecodeWorker(TransferEndpoint):
                 self._receiving.discard(rid)
                 self._aborted.discard(rid)
                 self._expect.pop(rid, None)
+        self.transfer_metrics.failed(len(broken))
         for rid in broken:
             self.leases.release(rid)
             self.loop.call(
@@ -255,6 +256,7 @@ class DecodeWorker(TransferEndpoint):
                     continue  # the transfer's own timeout bounds it
                 self._expect.pop(lease.request_id, None)
             self.leases.release(lease.request_id)
+            self.transfer_metrics.failed()
             self._fail_remote(
                 lease.request_id,
                 f"KV from prefill worker {lease.owner} did not "

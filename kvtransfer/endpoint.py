@@ -12,8 +12,10 @@ from typing import Any
 
 from engine import LLMEngine
 from engine.engine_loop import EngineLoop
+from engine.metrics import snapshot
 from kvtransfer.group import GroupRegistry
 from kvtransfer.lease import LeaseTable
+from kvtransfer.metrics import TransferMetrics
 from kvtransfer.options import TransferOptions
 from kvtransfer.transfer import KVTransfer
 from kvtransfer.worker_api import KVEvent, Role, WorkerInfo, WorkerStats
@@ -40,6 +42,7 @@ class TransferEndpoint:
             self.engine.runner.device, self.options.backend, timeout=self.options.timeout_seconds
         )
         self.transfer = KVTransfer(self.registry)
+        self.transfer_metrics = TransferMetrics()  # bytes, blocks, failures, hand-over time
         self.leases = LeaseTable()
         self._lock = threading.Lock()
         self._peers: dict[str, Any] = {}  # peer worker id -> its PrefillAPI / DecodeAPI
@@ -85,6 +88,11 @@ class TransferEndpoint:
         with self._lock:
             events, self._events = self._events, []
         return events
+
+    def metrics(self) -> list[dict]:
+        """This worker's Prometheus families (engine and KV transfer) as plain values
+        (engine.metrics.snapshot); the router merges every worker's into one scrape."""
+        return snapshot(self.engine.metrics.registry, self.transfer_metrics.registry)
 
     def check_integrity(self) -> None:
         """Raise unless the block pool's accounting adds up."""

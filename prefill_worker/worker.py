@@ -13,6 +13,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,7 +150,11 @@ class PrefillWorker(TransferEndpoint):
     def ack(self, request_id: str) -> bool:
         """The decode side has the KV: release the held blocks (they stay cached)."""
         self.leases.release(request_id)
-        return self.loop.run(self.engine.release_held, request_id)
+        since = self.engine.held_since(request_id)  # when its prefill ended
+        released = self.loop.run(self.engine.release_held, request_id)
+        if released and since is not None:
+            self.transfer_metrics.handed_over(time.monotonic() - since)
+        return released
 
     def abort(self, request_id: str, propagate: bool = True) -> bool:
         """Abort a prefill in progress or release a request's held blocks; with propagate,
@@ -217,6 +222,7 @@ class PrefillWorker(TransferEndpoint):
         )
         stats = self.transfer.send(job.decode_id, eng.kv_caches, desc)
         self.bytes_sent += stats.payload_bytes
+        self.transfer_metrics.sent(stats.num_blocks, stats.payload_bytes)
         self.blocks_sent += stats.num_blocks
 
     def _expire_leases(self) -> None:

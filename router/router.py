@@ -28,6 +28,7 @@ from engine.errors import InvalidRequestError, NoFreeBlocksError
 from kvtransfer.worker_api import DecodeAPI, PrefillAPI, Role, WorkerStats
 from router.handoff import generate_disaggregated, generate_local
 from router.kv_index import KVIndex
+from router.metrics import RouterMetrics
 from router.migration import Progress, WorkerFailed, watch
 from router.policy import (
     DecodeLoad,
@@ -117,6 +118,12 @@ class Router:
         # request id -> ((prefill id, worker) or None when prefilled locally, (decode id, worker))
         self._active: dict[str, tuple[tuple[str, PrefillAPI] | None, tuple[str, DecodeAPI]]] = {}
         self._healthy: dict[str, bool] = {}  # from the controller; unknown = healthy
+        self.metrics = RouterMetrics()  # router/metrics.py; the scrape: metrics_exposition
+        self.metrics.read_counter(
+            "request_migrations",
+            "Requests moved to other workers after a worker failed.",
+            lambda: self.num_migrations,
+        )
 
     def set_workers(
         self,
@@ -274,14 +281,17 @@ class Router:
         goes on; after migration_limit moves it fails with MigrationLimitExceeded."""
         progress = Progress(prompt_token_ids, params, self.migration_limit)
         failed: set[str] = set()  # workers this request does not go back to
+        timer = self.metrics.start()  # TTFT, ITL, E2E and finish reason as clients see them
         deadline = time.monotonic() + self.wait_for_workers_s
         while True:
             prompt, attempt_params = progress.attempt()
             hashes = hash_prompt_blocks(prompt, self.block_size, self.hash_seed, cache_salt)
             try:
-                again = yield from progress.track(
-                    self._attempt(
-                        request_id, prompt, attempt_params, cache_salt, hashes, deadline, failed
+                again = yield from timer.track(
+                    progress.track(
+                        self._attempt(
+                            request_id, prompt, attempt_params, cache_salt, hashes, deadline, failed
+                        )
                     )
                 )
             except NoWorkerAvailable as exc:
@@ -345,6 +355,7 @@ class Router:
                 self._active[request_id] = (prefill, decode)
         if stale:  # choose again among the new pools
             return True
+        self.metrics.decided(self.policy_name, local)
         if local:
             try:
                 yield from self._generate_local(
@@ -481,6 +492,7 @@ class Router:
             self._active.pop(request_id, None)
 
     def _count(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.metrics.prefix_cache(prompt_tokens, cached_tokens)
         with self._lock:
             self.num_prompt_tokens += prompt_tokens
             self.num_cached_tokens += cached_tokens
