@@ -71,6 +71,7 @@ class RouterMetrics:
         self.cache_hits = Counter(
             f"{PREFIX}prefix_cache_hits", "Prefix cache hits, in tokens served.", registry=r
         )
+        self._read: dict[str, _ReadCounter] = {}  # read_counter()'s collectors by name
 
     def start(self) -> RequestTimer:
         """A timer for one request, started now (call when the request reaches the router)."""
@@ -87,8 +88,12 @@ class RouterMetrics:
 
     def read_counter(self, name: str, documentation: str, read: Callable[[], float]) -> None:
         """Expose a counter another module keeps (e.g. auth failures) as baton:<name>_total,
-        read at scrape time."""
-        self.registry.register(_ReadCounter(f"{PREFIX}{name}", documentation, read))
+        read at scrape time. Registering a name again replaces its reader."""
+        old = self._read.pop(name, None)
+        if old is not None:
+            self.registry.unregister(old)
+        self._read[name] = _ReadCounter(f"{PREFIX}{name}", documentation, read)
+        self.registry.register(self._read[name])
 
 
 class RequestTimer:

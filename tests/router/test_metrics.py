@@ -71,6 +71,8 @@ def test_decisions_prefix_cache_and_read_counters():
     assert (g("baton:prefix_cache_queries_total"), g("baton:prefix_cache_hits_total")) == (100, 64)
     failures[0] = 5
     assert g("baton:auth_failures_total") == 5
+    m.read_counter("auth_failures", "Auth failures.", lambda: 7)  # a restarted door
+    assert g("baton:auth_failures_total") == 7
 
 
 def worker_snapshot(prompt_tokens: int, sent_bytes: int = 0) -> list[dict]:
