@@ -68,6 +68,7 @@ class Controller:
         self.router_key: tuple | None = None  # what the router's server was started with
         self.router_address: str | None = None
         self.router_http_address: str | None = None  # the OpenAI front door, if served
+        self.router_ports: dict | None = None  # bound at its start; a restarted router reuses them
         self._pairs: set[tuple[str, str]] = set()  # (prefill id, decode id) with a group
         self._next_index = dict.fromkeys(ROLES, 0)
         self._apply_lock = threading.Lock()  # one reconcile at a time
@@ -300,6 +301,7 @@ class Controller:
         ).remote(me, options)
         ports = ray.get(self.router.start.remote(), timeout=T.ROUTER_START_S)
         self.router_key = _router_key(options)
+        self.router_ports = ports
         self.router_address = f"{options['host']}:{ports['grpc']}"
         scheme = "https" if options.get("tls") else "http"
         self.router_http_address = (
@@ -387,6 +389,32 @@ class Controller:
         with self._state_lock:
             self.workers_by_id.pop(worker.worker_id, None)
         self._log(f"removed {worker.worker_id}")
+
+    # ---- a router that Ray restarted (cluster/router_actor.py: recover) -------------------
+    def bound_router_ports(self) -> dict | None:
+        """The ports the router bound at its start: its restarted incarnation binds them again."""
+        return self.router_ports
+
+    def router_restarted(self) -> None:
+        """The router came back empty: set its policy and publish the workers again (after a
+        running apply, which may change both)."""
+        with self._apply_lock:
+            if self.router is None or self.manifest is None:
+                return  # stopped meanwhile, or the first apply failed before its publish
+            self._log(f"the router was restarted; serving again on {self.router_address}")
+            m = parse_manifest(self.manifest)
+            options = router_options(m)
+            ray.get(
+                self.router.configure.remote(
+                    options["policy"],
+                    options["local_prefill_tokens"],
+                    options["wait_for_workers_s"],
+                    options["aggregated"],
+                    options.get("migration_limit"),
+                ),
+                timeout=T.ROUTER_CONFIGURE_S,
+            )
+            self._publish(m)
 
     # ---- health ------------------------------------------------------------------------
     def check_health(self, timeout: float = T.HEALTH_PING_S) -> dict:
@@ -493,6 +521,7 @@ class Controller:
         ray.kill(self.router)
         self.router = None
         self.router_key = self.router_address = self.router_http_address = None
+        self.router_ports = None
 
     def shutdown(self) -> None:
         """Stop the router and remove every worker and its bundle (no drain)."""

@@ -5,12 +5,19 @@ it which workers still run requests (active_counts) before a leaving worker is r
 server runs on the actor's event loop; blocking Router calls run in threads. A task polls
 the controller's health check so that the router forgets restarted workers' lost caches and
 skips unhealthy ones.
+
+A dead router comes back by itself: the actor has max_restarts=-1, Ray re-runs __init__ in a
+new process, and a reconstructed incarnation queues recover() on itself, which binds the ports
+the first incarnation bound (asked from the controller, which recorded them; the options may
+say port 0) and asks the controller to publish the workers and settings again. Until the
+servers listen, clients get connection refused (gRPC UNAVAILABLE), never a hang.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -18,9 +25,10 @@ import ray
 logger = logging.getLogger(__name__)
 
 ROUTER_NAME = "baton-router"
+RECOVER_ATTEMPTS = 30  # a restarted router tries to listen again this many times, 1 s apart
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
 class RouterActor:
     """Routes gRPC requests over the workers the controller assigns."""
 
@@ -34,10 +42,47 @@ class RouterActor:
         self.admission = None  # router.admission.Admission: pending, num_refused
         self._watch_task = None
         self._control_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="control")
+        self._recovering = False
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            # Ray restarted this actor after its process died: serve again on our own.
+            ray.get_runtime_context().current_actor.recover.remote()
 
-    async def start(self) -> dict:
+    # Submitted from __init__ while Ray still counts the actor as restarting: such a call
+    # fails as "actor unavailable" and is retried once the actor is alive (maybe twice).
+    @ray.method(max_task_retries=20)
+    async def recover(self) -> dict | None:
+        """Restarted by Ray: listen on the ports the first incarnation bound, then ask the
+        controller to publish the workers again. If it cannot listen, the process exits and
+        Ray restarts it once more."""
+        if self._recovering:
+            return None
+        self._recovering = True
+        try:
+            ports = await self.controller.bound_router_ports.remote()
+        except Exception as exc:  # noqa: BLE001 - no controller: the options' ports
+            logger.warning("router restarted; the controller does not answer: %s", exc)
+            ports = None
+        for attempt in range(1, RECOVER_ATTEMPTS + 1):
+            try:
+                bound = await self.start(ports)
+                break
+            except Exception as exc:  # noqa: BLE001 - e.g. the old sockets linger a moment
+                logger.warning("router restarted; cannot listen yet (%d): %s", attempt, exc)
+                await self.stop()
+                await asyncio.sleep(1.0)
+        else:
+            os._exit(1)
+        logger.warning("router restarted; serving again on %s", bound)
+        try:
+            await self.controller.router_restarted.remote()
+        except Exception as exc:  # noqa: BLE001 - keep serving; the next apply publishes
+            logger.warning("router restarted; the controller did not publish the workers: %s", exc)
+        return bound
+
+    async def start(self, ports: dict | None = None) -> dict:
         """Start both front doors with no workers yet (requests get UNAVAILABLE until
-        set_workers); returns the bound ports {"grpc": port, "http": port or None}."""
+        set_workers); returns the bound ports {"grpc": port, "http": port or None}. `ports`
+        (a restart: what the first incarnation bound) overrides the options' ports."""
         from engine.model_resolver import resolve_model
         from engine.tokenizer import load_tokenizer
         from router.admission import Admission, GrpcAdmissionInterceptor
@@ -54,7 +99,11 @@ class RouterActor:
         )
         from router.server import SERVICE, start_server
 
-        o = self.options
+        o = dict(self.options)
+        if ports:
+            o["port"] = ports["grpc"]
+            if o.get("http_port") is not None and ports.get("http") is not None:
+                o["http_port"] = ports["http"]
         self.router = Router(
             {},
             {},

@@ -22,6 +22,7 @@ RAY_MODULES = (
     "tests/cluster/test_http_on_ray.py",
     "tests/cluster/test_local_cluster.py",
     "tests/cluster/test_ray_cluster.py",
+    "tests/cluster/test_router_restart.py",
     "tests/cluster/test_serve_cli.py",
     "tests/deploy/test_deploy_on_ray.py",
     "tests/deploy/test_replace_at_capacity.py",
