@@ -59,7 +59,10 @@ async def start_http_server(
     """Serve `app` on host:port (TLS when given) as a task of the running loop; returns
     (server, bound port). Port 0 picks a free one; raises OSError when it cannot listen."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only for TCP
+    # sockets, and without it a response written as headers then body waits ~40 ms for the
+    # client's delayed ACK (measured by benchmarks/front_doors.py on short SSE streams).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
