@@ -238,3 +238,24 @@ def test_http_mutual_tls_refuses_a_client_without_certificate(pki):
         with httpx.Client(base_url=url, verify=client_context(pki, False)) as http:
             with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
                 http.get("/health")
+
+
+def test_http_listening_socket_is_tcp_so_connections_get_nodelay():
+    """asyncio sets TCP_NODELAY on accepted connections only when the listening socket is
+    IPPROTO_TCP; with protocol 0 a short SSE response waited ~40 ms on Nagle + delayed ACK
+    (benchmarks/front_doors.py)."""
+    import asyncio
+    import socket
+
+    from fastapi import FastAPI
+
+    from router.http_server import start_http_server
+
+    async def listening_protocols() -> list[int]:
+        server, _ = await start_http_server(FastAPI(), "127.0.0.1", 0)
+        try:
+            return [sock.proto for sock in server._server.servers[0].sockets]
+        finally:
+            await server.stop(grace=0.5)
+
+    assert asyncio.run(listening_protocols()) == [socket.IPPROTO_TCP]
