@@ -126,6 +126,16 @@ class RouterActor:
         )
         tls = TLSFiles(**o["tls"]) if o.get("tls") else None
         self.admission = Admission(o.get("max_pending_requests"))
+        self.router.metrics.read_counter(
+            "auth_failures",
+            "Requests refused for a missing or unknown API key (both doors).",
+            lambda: self.api_keys.num_refused,
+        )
+        self.router.metrics.read_counter(
+            "admission_refused",
+            "Requests refused because max_pending_requests were already waiting.",
+            lambda: self.admission.num_refused,
+        )
         interceptors = [
             GrpcKeyInterceptor(self.api_keys),
             GrpcAdmissionInterceptor(self.admission, (f"/{SERVICE}/Generate",)),
