@@ -53,11 +53,8 @@ class Progress:
 
 
 # ---- command line ----------------------------------------------------------------------------
-def run_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="baton bench", description=__doc__.split("\n")[0])
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--address", help="a running router's gRPC address, HOST:PORT")
-    where.add_argument("--manifest", help="start a local cluster from this manifest for the run")
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The workload and arrival flags a bench run and a simulated run share."""
     p.add_argument("--workload", choices=list(WORKLOADS), default="random")
     p.add_argument(
         "-o",
@@ -74,6 +71,14 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo", help="e.g. ttft=500,tpot=50 (ms); goodput counts requests meeting all")
+
+
+def run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="baton bench", description=__doc__.split("\n")[0])
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--address", help="a running router's gRPC address, HOST:PORT")
+    where.add_argument("--manifest", help="start a local cluster from this manifest for the run")
+    add_run_args(p)
     p.add_argument("--out", help="directory for results.json and the plots")
     p.add_argument("--tokenizer", help="a model directory: draw ids from its vocabulary")
     p.add_argument("--vocab-size", type=int, default=49152, help="without --tokenizer")

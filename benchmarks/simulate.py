@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import asdict, replace
@@ -24,13 +23,13 @@ from pathlib import Path
 
 from benchmarks.driver import BenchConfig
 from benchmarks.report import parse_slo, summarize, table
-from benchmarks.serving import _options
+from benchmarks.serving import _options, add_run_args
 from benchmarks.sim.cluster import ClusterConfig
 from benchmarks.sim.driver import simulate
 from benchmarks.sim.kv_bytes import block_bytes, shape_of
 from benchmarks.sim.worker import WorkerConfig
 from benchmarks.timeline import write_results
-from benchmarks.workloads import WORKLOADS, TokenSpace, make_workload
+from benchmarks.workloads import TokenSpace, make_workload
 from engine.step_model import PROFILES_DIR, StepModel
 
 DEFAULT_PROFILE = PROFILES_DIR / "smollm2-135m-instruct-float32-cpu-1t.json"
@@ -69,22 +68,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="baton simulate", description=__doc__.split("\n")[0])
-    p.add_argument("--workload", choices=list(WORKLOADS), default="random")
-    p.add_argument(
-        "-o",
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a workload option (a field of its class in benchmarks/workloads.py)",
-    )
-    p.add_argument("--num-requests", type=int, help="default 100 unless --duration is given")
-    p.add_argument("--duration", type=float, help="seconds to keep sending")
-    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf: all at once")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
-    p.add_argument("--max-concurrency", type=int)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo", help="e.g. ttft=500,tpot=50 (ms); goodput counts requests meeting all")
+    add_run_args(p)
     p.add_argument("--out", help="directory for results.json")
     p.add_argument("--vocab-size", type=int, default=49152)
     add_cluster_args(p)

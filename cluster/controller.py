@@ -266,22 +266,27 @@ class Controller:
             for worker in workers:
                 self._remove(worker)
 
+    def _configure_router(self, options: dict) -> None:
+        """Set what the router changes in place: policy, conditional disaggregation, the
+        wait for workers, aggregated mode and the migration limit."""
+        ray.get(
+            self.router.configure.remote(
+                options["policy"],
+                options["local_prefill_tokens"],
+                options["wait_for_workers_s"],
+                options["aggregated"],
+                options.get("migration_limit"),
+            ),
+            timeout=T.ROUTER_CONFIGURE_S,
+        )
+
     def _ensure_router(self, options: dict) -> str | None:
         """Start the router actor, or restart it when what its server was started with
         changed; a new policy is set in place. Returns "start", "restart" or None."""
         key = _router_key(options)
         if self.router is not None and key == self.router_key:
             try:
-                ray.get(
-                    self.router.configure.remote(
-                        options["policy"],
-                        options["local_prefill_tokens"],
-                        options["wait_for_workers_s"],
-                        options["aggregated"],
-                        options.get("migration_limit"),
-                    ),
-                    timeout=T.ROUTER_CONFIGURE_S,
-                )
+                self._configure_router(options)
                 return None
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
                 self._log(f"the router does not answer ({short_error(exc)}); starting a new one")
@@ -404,16 +409,7 @@ class Controller:
             self._log(f"the router was restarted; serving again on {self.router_address}")
             m = parse_manifest(self.manifest)
             options = router_options(m)
-            ray.get(
-                self.router.configure.remote(
-                    options["policy"],
-                    options["local_prefill_tokens"],
-                    options["wait_for_workers_s"],
-                    options["aggregated"],
-                    options.get("migration_limit"),
-                ),
-                timeout=T.ROUTER_CONFIGURE_S,
-            )
+            self._configure_router(options)
             self._publish(m)
 
     # ---- health ------------------------------------------------------------------------
