@@ -1,11 +1,16 @@
-"""The benchmark's gRPC client: one streamed Generate per request spec, recorded as a timeline
-(benchmarks/timeline.py). It uses only the public baton.v1.Inference API."""
+"""The benchmark's clients: one streamed request per request spec, recorded as a timeline
+(benchmarks/timeline.py). GrpcClient uses only the public baton.v1.Inference API, HttpClient
+only the OpenAI-compatible /v1/completions (streamed, token-id prompts; router/openai_http.py).
+kv_bytes_total reads the KV bytes the prefill workers sent from a /metrics page."""
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 
 import grpc
+import httpx
 
 from benchmarks.timeline import OK, RequestRecord
 from benchmarks.workloads import RequestSpec
@@ -16,18 +21,21 @@ from router.proto import inference_pb2_grpc as pb_grpc
 class GrpcClient:
     """An aio channel to one router; times are seconds since `start` (a perf_counter value)."""
 
-    def __init__(self, address: str, start: float) -> None:
+    def __init__(self, address: str, start: float, api_key: str | None = None) -> None:
         self.address = address
         self.start = start
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = pb_grpc.InferenceStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def now(self) -> float:
         return time.perf_counter() - self.start
 
     async def workers(self, timeout: float = 30.0) -> dict[str, list[str]]:
         """Worker ids by role, from ClusterStatus."""
-        status = await self.stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=timeout)
+        status = await self.stub.ClusterStatus(
+            pb.ClusterStatusRequest(), timeout=timeout, metadata=self.metadata
+        )
         out: dict[str, list[str]] = {}
         for w in status.workers:
             out.setdefault(w.role, []).append(w.worker_id)
@@ -51,7 +59,7 @@ class GrpcClient:
         usage, status, error = None, OK, ""
         send = self.now()
         try:
-            async for reply in self.stub.Generate(request, timeout=timeout):
+            async for reply in self.stub.Generate(request, timeout=timeout, metadata=self.metadata):
                 if reply.token_ids:
                     chunks.append((self.now(), len(reply.token_ids)))
                     answer += reply.token_ids
@@ -77,3 +85,143 @@ class GrpcClient:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+class HttpClient:
+    """Keep-alive httpx connections to a router's OpenAI-compatible door (base URL such as
+    http://127.0.0.1:8000); times are seconds since `start`. `model`: the name sent in each
+    request (None: the first one /v1/models lists)."""
+
+    def __init__(
+        self, url: str, start: float, api_key: str | None = None, model: str | None = None
+    ) -> None:
+        self.address = url.rstrip("/")
+        self.start = start
+        self.model = model
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self.http = httpx.AsyncClient(
+            base_url=self.address, headers=headers, limits=limits, timeout=None, trust_env=False
+        )
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    async def workers(self, timeout: float = 30.0) -> dict[str, list[str]]:
+        """The HTTP door has no ClusterStatus: no worker list (load balance counts the workers
+        the records name). Learns the model name from /v1/models when none was given."""
+        if self.model is None:
+            reply = await self.http.get("/v1/models", timeout=timeout)
+            reply.raise_for_status()
+            self.model = reply.json()["data"][0]["id"]
+        return {}
+
+    async def generate(
+        self, spec: RequestSpec, run_id: str, timeout: float
+    ) -> tuple[RequestRecord, list[int]]:
+        """Stream one request greedily to exactly max_tokens tokens; (record, answer ids).
+        A failure is recorded as HTTP_<status> (or the stream's error type), never raised."""
+        body = {
+            "model": self.model,
+            "prompt": list(spec.prompt_token_ids),
+            "max_tokens": spec.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if spec.cache_salt:
+            body["cache_salt"] = spec.cache_salt
+        chunks: list[tuple[float, int]] = []
+        answer: list[int] = []
+        cached, workers, status, error = 0, {}, OK, ""
+        send = self.now()
+        try:
+            async with self.http.stream(
+                "POST", "/v1/completions", json=body, timeout=timeout
+            ) as reply:
+                if reply.status_code != 200:
+                    status, error = f"HTTP_{reply.status_code}", _message(await reply.aread())
+                else:
+                    async for line in reply.aiter_lines():
+                        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                            continue
+                        event = json.loads(line[5:])
+                        if "error" in event:
+                            status, error = _error_status(event["error"]), _message(event)
+                            continue
+                        ids = [
+                            i for c in event.get("choices") or [] for i in c.get("token_ids", ())
+                        ]
+                        if ids:
+                            chunks.append((self.now(), len(ids)))
+                            answer += ids
+                        usage = event.get("usage") or {}
+                        details = usage.get("prompt_tokens_details") or {}
+                        cached = details.get("cached_tokens", cached) or 0
+                        workers = event.get("baton") or workers
+        except httpx.TimeoutException as exc:
+            status, error = "DEADLINE_EXCEEDED", str(exc)
+        except httpx.HTTPError as exc:
+            status, error = "UNAVAILABLE", f"{type(exc).__name__}: {exc}"
+        record = RequestRecord(
+            request_id=spec.request_id,
+            send_s=send,
+            end_s=self.now(),
+            chunks=tuple(chunks),
+            prompt_tokens=len(spec.prompt_token_ids),
+            cached_tokens=cached,
+            prefill_worker=workers.get("prefill_worker", ""),
+            decode_worker=workers.get("decode_worker", ""),
+            status=status,
+            error=error,
+            kind=spec.kind,
+            tenant=spec.tenant,
+        )
+        return record, answer
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+def _message(raw: bytes | dict) -> str:
+    """An OpenAI error body's message (or the raw text)."""
+    try:
+        data = json.loads(raw) if isinstance(raw, bytes) else raw
+        return str(data["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return raw.decode(errors="replace")[:500] if isinstance(raw, bytes) else str(raw)
+
+
+def _error_status(error: dict) -> str:
+    """A mid-stream error event (headers already sent as 200): its code or type."""
+    code = error.get("code")
+    return f"HTTP_{code}" if isinstance(code, int) else str(error.get("type") or "STREAM_ERROR")
+
+
+KV_BYTES = "baton:kv_transfer_bytes"
+
+
+async def kv_bytes_total(url: str, api_key: str | None = None, timeout: float = 30.0):
+    """baton:kv_transfer_bytes_total summed over workers, from the Prometheus text at `url`
+    (a /metrics page); None (with a warning on stderr) when the page cannot be read, e.g. 404:
+    metrics are not enabled, or 401: a wrong key. None when it has no such family."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(headers=headers, timeout=timeout, trust_env=False) as http:
+            reply = await http.get(url)
+    except httpx.HTTPError as exc:
+        print(f"no KV bytes: {url}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+    if reply.status_code != 200:
+        print(f"no KV bytes: {url}: HTTP {reply.status_code}", file=sys.stderr)
+        return None
+    total = None
+    for family in text_string_to_metric_families(reply.text):
+        for sample in family.samples:
+            if sample.name == KV_BYTES + "_total":
+                total = (total or 0.0) + sample.value
+    return total

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import asdict, dataclass, replace
 
 from benchmarks.arrivals import arrival_times
-from benchmarks.client import GrpcClient
+from benchmarks.client import GrpcClient, HttpClient, kv_bytes_total
 from benchmarks.oracle import OracleCache
 from benchmarks.report import summarize
 from benchmarks.timeline import RequestRecord
@@ -80,7 +80,7 @@ class ProgressSink:
 
 
 async def run_bench(
-    client: GrpcClient,
+    client: GrpcClient | HttpClient,
     workload: Workload,
     tokens: TokenSpace,
     config: BenchConfig,
@@ -138,16 +138,40 @@ async def bench(
     config: BenchConfig,
     slo: dict | None = None,
     progress: ProgressSink | None = None,
+    *,
+    door: str = "grpc",
+    api_key: str | None = None,
+    metrics_url: str | None = None,
+    model: str | None = None,
 ) -> tuple[dict, list[RequestRecord]]:
-    """One run against the router at `address` (HOST:PORT): (summary, records)."""
-    client = GrpcClient(address, time.perf_counter())
+    """One run against the router at `address`: HOST:PORT for door "grpc", a base URL
+    (http://HOST:PORT) for door "http"; (summary, records). kv.kv_bytes_moved is the rise of
+    baton:kv_transfer_bytes_total at metrics_url (default: the HTTP door's /metrics) over the
+    run, None without a metrics page."""
+    if door == "http":
+        client = HttpClient(address, time.perf_counter(), api_key, model)
+        metrics_url = metrics_url or f"{client.address}/metrics"
+    elif door == "grpc":
+        client = GrpcClient(address, time.perf_counter(), api_key)
+    else:
+        raise ValueError(f"unknown door {door!r}: grpc or http")
     try:
         workers = await client.workers()
+        before = await kv_bytes_total(metrics_url, api_key) if metrics_url else None
         client.start = time.perf_counter()
         records = await run_bench(client, workload, tokens, config, progress)
+        after = await kv_bytes_total(metrics_url, api_key) if before is not None else None
     finally:
         await client.close()
     info = dict(
-        asdict(config), workload=type(workload).__name__, options=asdict(workload), address=address
+        asdict(config),
+        workload=type(workload).__name__,
+        options=asdict(workload),
+        address=address,
+        door=door,
+        metrics_url=metrics_url,
     )
-    return summarize(records, slo, workers, info), records
+    summary = summarize(records, slo, workers, info)
+    if before is not None and after is not None:
+        summary["kv"]["kv_bytes_moved"] = int(after - before)
+    return summary, records

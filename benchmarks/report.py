@@ -141,8 +141,8 @@ def summarize(
         kv=dict(
             remote_prefills=sum(not r.local_prefill for r in ok),
             local_prefills=sum(r.local_prefill for r in ok),
-            # KV bytes moved are not in the public API (usage has no transfer size); they
-            # need the workers' transfer metrics.
+            # KV bytes moved are not in the public API (usage has no transfer size): the
+            # driver fills this in from the cluster's /metrics when it can reach one.
             kv_bytes_moved=None,
         ),
     )
@@ -193,6 +193,11 @@ def table(summary: dict) -> str:
         )
     kv = summary["kv"]
     lines.append(f"{'prefills remote / local':<28}{kv['remote_prefills']} / {kv['local_prefills']}")
+    moved = kv.get("kv_bytes_moved")
+    lines.append(
+        f"{'KV bytes moved':<28}"
+        + (f"{moved:,} ({moved / 2**20:.1f} MiB)" if moved is not None else "- (no /metrics)")
+    )
     return "\n".join(lines)
 
 

@@ -3,9 +3,11 @@
     python -m benchmarks.serving --address 127.0.0.1:50051 --workload agentic \\
         --num-requests 200 --request-rate 4 --slo ttft=500,tpot=50 --out runs/agentic
     python -m benchmarks.serving --manifest deploy/examples/local.yaml --workload long-prompt ...
+    python -m benchmarks.serving --door http --address http://127.0.0.1:8000 --api-key K ...
     python -m benchmarks.serving compare runs/a runs/b [--out runs/compare.png]
 
-The cluster is reached only through its public gRPC API; how requests are paced is
+The cluster is reached only through a public front door: gRPC (default) or, with --door http,
+the OpenAI-compatible /v1/completions (streamed, token-id prompts); how requests are paced is
 benchmarks/driver.py's docstring. The same --seed gives the same arrivals and prompts (and,
 greedy as every request is, the same answers). With --manifest a local cluster (Ray in this
 process) is started for the run and torn down after it.
@@ -76,8 +78,26 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="baton bench", description=__doc__.split("\n")[0])
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--address", help="a running router's gRPC address, HOST:PORT")
+    where.add_argument(
+        "--address",
+        help="a running router: HOST:PORT (gRPC) or its HTTP base URL with --door http",
+    )
     where.add_argument("--manifest", help="start a local cluster from this manifest for the run")
+    p.add_argument(
+        "--door",
+        choices=("grpc", "http"),
+        default="grpc",
+        help="the front door to send requests to (with --manifest: the cluster's gRPC or HTTP "
+        "address)",
+    )
+    p.add_argument("--api-key", help="sent as Authorization: Bearer (gRPC metadata or header)")
+    p.add_argument("--model", help="--door http: the model name sent (default: /v1/models' first)")
+    p.add_argument(
+        "--metrics-url",
+        help="a Prometheus /metrics page of the cluster (default with --door http: ADDRESS/metrics)"
+        "; KV bytes moved = the rise of baton:kv_transfer_bytes_total over the run, summed over "
+        "workers. Without one (gRPC and no --metrics-url) kv_bytes_moved stays null",
+    )
     add_run_args(p)
     p.add_argument("--out", help="directory for results.json and the plots")
     p.add_argument("--tokenizer", help="a model directory: draw ids from its vocabulary")
@@ -130,8 +150,26 @@ def run_command(args: argparse.Namespace) -> int:
             from engine.tokenizer import load_tokenizer
 
             tokens = TokenSpace.from_tokenizer(load_tokenizer(Path(tokenizer_dir)))
-        address = cluster.address if cluster is not None else args.address
-        summary, records = asyncio.run(bench(address, workload, tokens, config, slo, progress))
+        address = args.address
+        if cluster is not None:
+            address = cluster.http_address if args.door == "http" else cluster.address
+            if address is None:
+                raise SystemExit("the manifest's cluster has no HTTP door (spec.router.http_port)")
+        elif args.door == "http" and "://" not in address:
+            address = f"http://{address}"
+        run = bench(
+            address,
+            workload,
+            tokens,
+            config,
+            slo,
+            progress,
+            door=args.door,
+            api_key=args.api_key,
+            metrics_url=args.metrics_url,
+            model=args.model,
+        )
+        summary, records = asyncio.run(run)
     finally:
         progress.close()
         if cluster is not None:
