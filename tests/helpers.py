@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import torch
 
@@ -42,3 +45,27 @@ def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
             out[h * d + 2 * i] = w[h * d + i]  # first half of each head -> even rows
             out[h * d + 2 * i + 1] = w[h * d + d // 2 + i]  # second half -> odd rows
     return out
+
+
+def generate_in_thread(
+    router, request_id: str, prompt: list[int], params: dict, out: dict
+) -> threading.Thread:
+    """Run router.generate on a thread; out[request_id] gets its outputs or its exception."""
+
+    def body() -> None:
+        try:
+            out[request_id] = list(router.generate(request_id, prompt, params))
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            out[request_id] = exc
+
+    t = threading.Thread(target=body)
+    t.start()
+    return t
+
+
+def wait_until(cond, timeout: float = 10.0) -> None:
+    """Poll cond() until it holds; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)

@@ -15,7 +15,7 @@ from decode_worker.worker import DecodeWorker
 from engine import LLM, SamplingParams
 from kvtransfer.worker_api import PrefillResult, Reservation, Role, TokenOutput, WorkerStats
 from router.router import Router
-from tests.helpers import random_prompts
+from tests.helpers import generate_in_thread, random_prompts, wait_until
 
 PARAMS = {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
 
@@ -111,22 +111,7 @@ class FakeDecode:
 
 
 def run(router: Router, request_id: str, out: dict) -> threading.Thread:
-    def body() -> None:
-        try:
-            out[request_id] = list(router.generate(request_id, [1, 2, 3, 4, 5], PARAMS))
-        except Exception as exc:  # noqa: BLE001 - the test inspects it
-            out[request_id] = exc
-
-    t = threading.Thread(target=body)
-    t.start()
-    return t
-
-
-def wait_until(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
+    return generate_in_thread(router, request_id, [1, 2, 3, 4, 5], PARAMS, out)
 
 
 def workers_of(out: list[dict]) -> tuple[str, str]:
