@@ -123,3 +123,28 @@ def compare_figure(runs: dict[str, tuple[dict, list[RequestRecord]]], path: Path
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def pareto_figure(points: dict[str, tuple[float | None, float | None]], path: Path) -> Path:
+    """One point per run: running decodes' ITL p99 (x, ms) against the long prompts' TTFT
+    (y, ms); lower-left is better on both. Runs missing either value are left out."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for name, (itl, ttft) in points.items():
+        if itl is None or ttft is None:
+            continue
+        marker = "o" if name.startswith("chunk") else "s"
+        ax.scatter([itl], [ttft / 1000.0], marker=marker)
+        ax.annotate(
+            name, (itl, ttft / 1000.0), fontsize="small", xytext=(4, 4), textcoords="offset points"
+        )
+    ax.set(
+        xlabel="chat ITL p99 (ms)",
+        ylabel="long-prompt TTFT p50 (s)",
+        title="ITL vs long-prompt TTFT (o fixed chunk, s itl_target_ms)",
+    )
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -9,6 +9,9 @@ Definitions (per request: see benchmarks/timeline.py for TTFT, TPOT, ITL and E2E
   answer has no TPOT and meets a TPOT SLO.
 - Cached fraction: cached prompt tokens / prompt tokens; the oracle fraction is the same for
   one infinite shared cache over the same request sequence (benchmarks/oracle.py).
+- By kind (when a workload mixes kinds, e.g. long-prompt's "chat" and "long"): TTFT, TPOT
+  and ITL of each kind's successful requests apart, so a long prompt's price (its TTFT) and
+  its effect on the others (their ITL) are read separately.
 - Load balance, per pool: max / mean over its workers of requests and of prefill tokens (the
   prompt tokens a worker computed: prompt - cached). Local prefills (the decode worker
   prefilled the prompt itself) count for that decode worker and are also counted apart.
@@ -91,6 +94,29 @@ def load_balance(records: list[RequestRecord], workers: dict[str, list[str]]) ->
     return out
 
 
+def latency_ms(records: list[RequestRecord]) -> dict:
+    """TTFT / TPOT / ITL / E2E statistics (ms) of the successful records."""
+    ok = [r for r in records if r.ok]
+    return dict(
+        ttft=stats_ms(r.ttft for r in ok if r.ttft is not None),
+        tpot=stats_ms(r.tpot for r in ok if r.tpot is not None),
+        itl=stats_ms(g for r in ok for g in r.itls),
+        e2e=stats_ms(r.e2e for r in ok),
+    )
+
+
+def by_kind(records: list[RequestRecord]) -> dict:
+    """latency_ms per request kind, with the count; {} when every request is of one kind."""
+    kinds = sorted({r.kind for r in records})
+    if len(kinds) < 2:
+        return {}
+    out = {}
+    for kind in kinds:
+        mine = [r for r in records if r.kind == kind]
+        out[kind] = dict(requests=len(mine), latency_ms=latency_ms(mine))
+    return out
+
+
 def summarize(
     records: list[RequestRecord],
     slo: dict[str, float] | None = None,
@@ -114,12 +140,8 @@ def summarize(
         completed=len(ok),
         failed=len(records) - len(ok),
         failures=dict(Counter(r.status for r in records if not r.ok)),
-        latency_ms=dict(
-            ttft=stats_ms(r.ttft for r in ok if r.ttft is not None),
-            tpot=stats_ms(r.tpot for r in ok if r.tpot is not None),
-            itl=stats_ms(g for r in ok for g in r.itls),
-            e2e=stats_ms(r.e2e for r in ok),
-        ),
+        latency_ms=latency_ms(records),
+        by_kind=by_kind(records),
         throughput=dict(
             requests_per_s=per_s(len(ok)),
             output_tokens_per_s=per_s(output),
@@ -181,6 +203,13 @@ def table(summary: dict) -> str:
     for name, s in summary["latency_ms"].items():
         cells = "".join(f"{_ms(s[k]):>9}" for k in ("mean", "median", "p90", "p99"))
         lines.append(f"  {name.upper():<26}{cells}")
+    for kind, k in summary.get("by_kind", {}).items():
+        for name in ("ttft", "itl"):
+            s = k["latency_ms"][name]
+            cells = "".join(f"{_ms(s[q]):>9}" for q in ("mean", "median", "p90", "p99"))
+            lines.append(
+                f"  {(kind + ' ' + name.upper() + ' (' + str(k['requests']) + ')'):<26}{cells}"
+            )
     c = summary["cache"]
     lines.append(
         f"{'cached prompt tokens':<28}{c['cached_fraction']:.1%}"

@@ -26,6 +26,7 @@ RAY_MODULES = (
     "tests/cluster/test_serve_cli.py",
     "tests/deploy/test_deploy_on_ray.py",
     "tests/deploy/test_replace_at_capacity.py",
+    "tests/bench/test_experiments_on_ray.py",
 )
 
 

@@ -130,3 +130,18 @@ def test_plots_are_written(tmp_path):
     )
     for p in [*paths, fig]:
         assert p.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_latencies_by_kind():
+    """The long prompt (e) apart from the chats (a, b, c ok; d failed and not counted)."""
+    s = summarize(timeline(), workers=WORKERS)
+    chat, long = s["by_kind"]["chat"], s["by_kind"]["long"]
+    assert (chat["requests"], long["requests"]) == (4, 1)
+    # chat TTFT 100, 300, 200 ms; ITL 100, 200, 200 ms
+    assert chat["latency_ms"]["ttft"] == pytest.approx(dict(mean=200, median=200, p90=280, p99=298))
+    assert chat["latency_ms"]["itl"]["p99"] == pytest.approx(200)
+    assert long["latency_ms"]["ttft"]["median"] == pytest.approx(100)
+    assert long["latency_ms"]["itl"]["median"] == pytest.approx(400)
+    assert "long TTFT (1)" in table(s)
+    one_kind = [r for r in timeline() if r.kind == "chat"]
+    assert summarize(one_kind)["by_kind"] == {}
