@@ -31,6 +31,8 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+import yaml
+
 from benchmarks.driver import BenchConfig, bench
 from benchmarks.report import parse_slo, table
 from benchmarks.serving import Progress
@@ -370,6 +372,7 @@ def run_one(
         progress.close()
         cluster.close()
     summary["config"].update(
+        workload_name=experiment.workload,
         shape=dict(
             prefill=run.shape.prefill,
             decode=run.shape.decode,
@@ -380,6 +383,8 @@ def run_one(
     )
     run_dir = out / experiment.name / slug(run.name)
     write_results(run_dir, summary, records)
+    # what benchmarks/sim_validation.py simulates the run from
+    (run_dir / "manifest.yaml").write_text(yaml.safe_dump(manifest.model_dump(mode="json")))
     if not args.no_plots:
         from benchmarks.plots import run_figures
 

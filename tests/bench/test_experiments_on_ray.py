@@ -1,4 +1,4 @@
-"""One experiment run for real: a local Ray cluster of the run's shape started from the base
+"""One experiment run for real (then simulated by benchmarks/sim_validation.py): a local Ray cluster of the run's shape started from the base
 manifest (the path `baton bench --manifest` takes), the workload through its gRPC door, the
 results and summary written, the cluster torn down."""
 
@@ -8,6 +8,7 @@ import json
 
 import yaml
 
+from benchmarks import sim_validation
 from benchmarks.experiments import main
 from tests.cluster.manifests import tiny_manifest
 
@@ -31,3 +32,8 @@ def test_quick_aggregated_run_prefills_every_prompt_locally(tiny_llama, tmp_path
     assert "seed 3" in text and "8 requests per run" in text
     assert "no verdict: run 'disaggregated' was not part of this invocation" in text
     assert "written:" in capsys.readouterr().out
+    # the run simulated again from its manifest.yaml and results.json
+    assert sim_validation.main([str(out), "--vocab-size", "512"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[2].startswith("| short-random: aggregated | ")
+    assert table[2].count(" / ") == 4  # real / sim of each metric
