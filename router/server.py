@@ -19,10 +19,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
+from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
-from router.errors import grpc_status
-from router.policy import NoWorkerAvailable
+from router.errors import grpc_status, is_known
 from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
 from router.router import Router
@@ -121,8 +120,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except asyncio.CancelledError:  # client cancel or deadline
             await asyncio.to_thread(self.router.abort, request_id)
             raise
-        except (NoWorkerAvailable, EngineError) as exc:  # router/errors.py maps them
-            await context.abort(grpc_status(exc), str(exc))
+        except grpc.aio.AbortError:  # context.abort above: the status is already set
+            raise
+        except Exception as exc:  # noqa: BLE001 - router/errors.py maps it; no traceback leaves
+            if not is_known(exc):
+                logger.error("request %s failed", request_id, exc_info=exc)
+            await context.abort(grpc_status(exc), str(exc) or type(exc).__name__)
         finally:
             stream.close()
 

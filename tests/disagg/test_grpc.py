@@ -201,3 +201,44 @@ def test_admission_refusal_is_resource_exhausted(tiny_llama):
         )
         d.check_integrity()
         p.check_integrity()
+
+
+class DroppedConnection:
+    """A prefill worker whose connection drops on the prefill call (its process died)."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+
+    def prefill(self, *args, **kwargs):
+        raise ConnectionError("connection reset by peer")
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+
+def test_request_with_no_worker_left_to_move_to_is_unavailable(server):
+    """The only prefill worker fails under the request: it cannot move (no other prefill
+    worker), and the client gets UNAVAILABLE naming the worker, not UNKNOWN and a class."""
+    stub, _, options, (p, d) = server
+    router = Router(
+        {"p0": DroppedConnection(p)},
+        {"d0": d},
+        block_size=options["block_size"],
+        hash_seed="baton",
+        wait_for_workers_s=0.0,
+    )
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    srv, port = asyncio.run_coroutine_threadsafe(start_server(router, port=0), loop).result(30)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                generate(pb_grpc.InferenceStub(channel), [5] * 20, max_tokens=4)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "request failed on workers p0 and could not move" in err.value.details()
+        assert "Unexpected" not in err.value.details()
+    finally:
+        asyncio.run_coroutine_threadsafe(srv.stop(1), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+    d.check_integrity()
+    assert d.stats().num_requests == 0
