@@ -419,7 +419,10 @@ class Router:
             aggregated = self.aggregated
         healthy = lambda w: health.get(w, True) and w not in failed  # noqa: E731
         choice = None
-        if not aggregated:
+        # A moving request whose prefill workers all failed under it is prefilled on its
+        # decode worker rather than failed: nothing is lost while a decode worker is left.
+        stranded = bool(failed) and not any(healthy(w) for w in prefill_pool)
+        if not aggregated and not stranded:
             loads = [WorkerLoad(w, self.load.queued(w), healthy=healthy(w)) for w in prefill_pool]
             choice = choose_prefill(
                 self.policy, hashes, self.block_size, loads, self.index, num_prompt_tokens=n

@@ -204,41 +204,69 @@ def test_admission_refusal_is_resource_exhausted(tiny_llama):
 
 
 class DroppedConnection:
-    """A prefill worker whose connection drops on the prefill call (its process died)."""
+    """A worker whose connection drops on one call (its process died): `method` raises."""
 
-    def __init__(self, worker) -> None:
-        self.worker = worker
-
-    def prefill(self, *args, **kwargs):
-        raise ConnectionError("connection reset by peer")
+    def __init__(self, worker, method: str) -> None:
+        self.worker, self.method = worker, method
 
     def __getattr__(self, name):
+        if name == self.method:
+            raise ConnectionError("connection reset by peer")
         return getattr(self.worker, name)
 
 
-def test_request_with_no_worker_left_to_move_to_is_unavailable(server):
-    """The only prefill worker fails under the request: it cannot move (no other prefill
-    worker), and the client gets UNAVAILABLE naming the worker, not UNKNOWN and a class."""
-    stub, _, options, (p, d) = server
-    router = Router(
-        {"p0": DroppedConnection(p)},
-        {"d0": d},
-        block_size=options["block_size"],
-        hash_seed="baton",
-        wait_for_workers_s=0.0,
-    )
+@contextmanager
+def door(router: Router):
+    """The real gRPC server over `router`; yields a stub."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     srv, port = asyncio.run_coroutine_threadsafe(start_server(router, port=0), loop).result(30)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            with pytest.raises(grpc.RpcError) as err:
-                generate(pb_grpc.InferenceStub(channel), [5] * 20, max_tokens=4)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "request failed on workers p0 and could not move" in err.value.details()
-        assert "Unexpected" not in err.value.details()
+            yield pb_grpc.InferenceStub(channel)
     finally:
         asyncio.run_coroutine_threadsafe(srv.stop(1), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_prefill_pool_lost_under_a_request_prefills_it_on_the_decode_worker(server):
+    """The only prefill worker fails under the request: it moves to a local prefill on the
+    decode worker and completes with the offline engine's tokens."""
+    _, _, options, (p, d) = server
+    router = Router(
+        {"p0": DroppedConnection(p, "prefill")},
+        {"d0": d},
+        block_size=options["block_size"],
+        hash_seed="baton",
+        wait_for_workers_s=0.0,
+    )
+    prompt = random_prompts([20], seed=41)[0]
+    greedy = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = LLM(**options).generate([prompt], SamplingParams(**greedy))[0].token_ids
+    with door(router) as stub:
+        replies = generate(stub, prompt, **greedy)
+    assert [t for r in replies for t in r.token_ids] == want
+    assert (replies[-1].usage.prefill_worker, replies[-1].usage.decode_worker) == ("d0", "d0")
+    assert router.num_migrations == 1
+    d.check_integrity()
+
+
+def test_request_with_no_worker_left_to_move_to_is_unavailable(server):
+    """Prefill worker and then the decode worker fail under the request: no worker is left,
+    and the client gets UNAVAILABLE naming both, not UNKNOWN and an exception class."""
+    _, _, options, (p, d) = server
+    router = Router(
+        {"p0": DroppedConnection(p, "prefill")},
+        {"d0": DroppedConnection(d, "local_generate")},
+        block_size=options["block_size"],
+        hash_seed="baton",
+        wait_for_workers_s=0.0,
+    )
+    with door(router) as stub:
+        with pytest.raises(grpc.RpcError) as err:
+            generate(stub, [5] * 20, max_tokens=4)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "request failed on workers p0, d0 and could not move" in err.value.details()
+    assert "Unexpected" not in err.value.details()
     d.check_integrity()
     assert d.stats().num_requests == 0
