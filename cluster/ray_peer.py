@@ -28,11 +28,13 @@ class RayPeer:
     def handle(self) -> Any:
         return self._handle
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """The actor method's return value; contract errors are raised as themselves."""
+    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """The actor method's return value (waiting up to `timeout` seconds, default the
+        peer's); contract errors are raised as themselves."""
         remote = getattr(self._handle, method)
+        wait = self._timeout if timeout is None else timeout
         try:
-            return ray.get(remote.remote(*args, **kwargs), timeout=self._timeout)
+            return ray.get(remote.remote(*args, **kwargs), timeout=wait)
         except ray.exceptions.RayTaskError as exc:
             # The contract's errors (bad input, no room, a failed transfer) come back as
             # themselves: their message is for the client, Ray's remote traceback is not.

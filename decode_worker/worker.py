@@ -26,6 +26,7 @@ from kvtransfer import (
     TransferTimeout,
 )
 from kvtransfer.endpoint import TransferEndpoint
+from kvtransfer.lease import LeaseError
 from kvtransfer.worker_api import PromptRequest, Reservation, Role, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,15 @@ class DecodeWorker(TransferEndpoint):
         return Reservation(
             num_hit_blocks=hits, dst_block_ids=tuple(ids[hits:]), num_blocks=len(ids)
         )
+
+    def renew(self, request_id: str) -> bool:
+        """The prefill worker is still computing the request's KV (a slow prefill is not a
+        dead one): its reservation's lease starts again. False without a live lease."""
+        try:
+            self.leases.renew(request_id, self.options.lease_seconds)
+        except LeaseError:
+            return False
+        return True
 
     def local_generate(self, request: PromptRequest) -> None:
         """Prefill locally (a short uncached tail: no transfer) and decode."""

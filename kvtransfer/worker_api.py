@@ -248,6 +248,10 @@ class DecodeAPI(WorkerAPI, Protocol):
     def poll(self, request_id: str, timeout: float = 1.0) -> list[TokenOutput]:
         """Outputs since the last poll; waits up to timeout for the first (KeyError: unknown)."""
 
+    def renew(self, request_id: str) -> bool:
+        """The prefill worker is still computing the request's KV: its reservation's lease
+        starts again. False when there is no live lease (lapsed, aborted or done)."""
+
 
 # ---- errors ----------------------------------------------------------------------------------
 # Errors that cross a transport as themselves (by class name over RPC, unwrapped over Ray); any

@@ -24,15 +24,17 @@ from kvtransfer.worker_api import (
     WorkerStats,
 )
 
-PEER_RPC_TIMEOUT_S = 30.0  # a worker's calls to its peer (ack, abort) are short
+PEER_RPC_TIMEOUT_S = 30.0  # a worker's calls to its peer (ack, abort, renew) are short
+CALL_MARGIN_S = 30.0  # a prefill call's wait beyond the prefill's own timeout
 
 
 @runtime_checkable
 class Transport(Protocol):
     """Runs one remote worker method."""
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """The method's return value; contract errors (worker_api.ERRORS) raised as themselves."""
+    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """The method's return value, waiting up to `timeout` seconds (None: the transport's
+        default); contract errors (worker_api.ERRORS) raised as themselves."""
 
 
 class _Client:
@@ -76,7 +78,11 @@ class PrefillClient(_Client):
         reservation: Reservation | None = None,
         timeout: float = 600.0,
     ) -> PrefillResult:
-        return self.transport.call("prefill", request, decode_id, reservation, timeout)
+        # A long prompt behind others may take minutes: the call waits as long as the prefill
+        # may take (its own timeout) plus a margin, not the transport's default.
+        return self.transport.call(
+            "prefill", request, decode_id, reservation, timeout, timeout=timeout + CALL_MARGIN_S
+        )
 
     def ack(self, request_id: str) -> bool:
         return self.transport.call("ack", request_id)
@@ -99,6 +105,9 @@ class DecodeClient(_Client):
 
     def poll(self, request_id: str, timeout: float = 1.0) -> list[TokenOutput]:
         return self.transport.call("poll", request_id, timeout)
+
+    def renew(self, request_id: str) -> bool:
+        return self.transport.call("renew", request_id)
 
 
 def client(role: Role, transport: Transport) -> PrefillClient | DecodeClient:

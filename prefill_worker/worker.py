@@ -53,6 +53,13 @@ class PrefillWorker(TransferEndpoint):
         self._addresses: dict[str, dict] = {}
         self.bytes_sent = 0
         self.blocks_sent = 0
+        # Requests being prefilled for a decode worker (id -> decode worker id): a third of a
+        # lease at a time, that worker is told their KV is still coming, so a prompt queued
+        # behind long ones, or long itself, is not taken for lost (only a dead or frozen
+        # prefill worker lets the reservation lapse).
+        self._computing: dict[str, str] = {}
+        self._stopped = threading.Event()
+        threading.Thread(target=self._renew_loop, daemon=True, name="lease-renew").start()
 
     # ---- control API -----------------------------------------------------------------------
     def connect_decode(self, decode_id: str, peer: Any = None) -> dict:
@@ -102,15 +109,20 @@ class PrefillWorker(TransferEndpoint):
         """
         rid, prompt, params = request.request_id, list(request.prompt_token_ids), request.params
         seed = request.seed if request.seed is not None else random.getrandbits(63)
-        stream = self.loop.submit(
-            rid,
-            prompt,
-            SamplingParams(**params),
-            cache_salt=request.cache_salt,
-            seed=seed,
-            prefill_only=True,
-        )
-        out = stream.get(timeout=timeout)
+        if decode_id is not None:
+            self._computing[rid] = decode_id  # its reservation is renewed until it is prefilled
+        try:
+            stream = self.loop.submit(
+                rid,
+                prompt,
+                SamplingParams(**params),
+                cache_salt=request.cache_salt,
+                seed=seed,
+                prefill_only=True,
+            )
+            out = stream.get(timeout=timeout)
+        finally:
+            self._computing.pop(rid, None)
         if out.finish_reason != "prefilled":
             return PrefillResult(out.finish_reason, None, seed, out.num_cached_tokens, out.error)
         result = PrefillResult(
@@ -177,11 +189,19 @@ class PrefillWorker(TransferEndpoint):
         }
 
     def shutdown(self) -> None:
+        self._stopped.set()
         for decode_id in list(self._senders):
             self._disconnect(decode_id)
         super().shutdown()
 
     # ---- internals -------------------------------------------------------------------------
+    def _renew_loop(self) -> None:
+        while not self._stopped.wait(self.options.lease_seconds / 3):
+            for rid, decode_id in list(self._computing.items()):
+                self._notify_peer(
+                    decode_id, f"renew({rid})", lambda decode, rid=rid: decode.renew(rid)
+                )
+
     def _sender(self, decode_id: str) -> queue.Queue:
         q = self._senders.get(decode_id)
         if q is None:

@@ -9,12 +9,20 @@ dicts (TokenOutput.to_dict()).
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
-from kvtransfer.worker_api import DecodeAPI, PrefillAPI, PromptRequest
+from kvtransfer.worker_api import DecodeAPI, PrefillAPI, PrefillResult, PromptRequest, Reservation
 from router.migration import is_worker_failure
+
+# How often a request waiting for its prefill checks that the decode worker still holds its
+# reservation; the calls themselves run on this pool (a frozen worker's call may outlive it).
+LEASE_CHECK_S = 1.0
+_PREFILL_CALLS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="prefill-call")
 
 
 def error_output(request_id: str, message: str, reason: str = "error") -> dict:
@@ -53,13 +61,25 @@ def generate_disaggregated(
         params["seed"] = random.getrandbits(63)
     request = PromptRequest(request_id, tuple(prompt_token_ids), params, cache_salt)
     reservation = decode.reserve(request, prefill_id)
+    early: list[dict] = []  # decode outputs that came while the prefill call ran
     try:
-        first = prefill.prefill(request, decode_id, reservation)
+        first = _prefill_while_leased(
+            prefill, decode, request, prefill_id, decode_id, reservation, early
+        )
+    except _DecodeFailed as failed:  # the router blames the decode worker (migration.watch)
+        _PREFILL_CALLS.submit(prefill.abort, request_id, False)
+        raise failed.__cause__ from None
     except Exception as exc:  # noqa: BLE001 - reported to the client as this request's error
         decode.abort(request_id, propagate=False)
         out = error_output(request_id, f"prefill worker {prefill_id} failed: {exc}")
         if is_worker_failure(exc):
             out["failed_worker"] = prefill_id  # the router moves the request (router/migration)
+        yield out
+        return
+    if first is None:  # the reservation lapsed: the prefill worker is frozen or dead
+        _PREFILL_CALLS.submit(prefill.abort, request_id, False)  # if it still answers
+        out = early[-1]
+        out["failed_worker"] = prefill_id
         yield out
         return
     if not first.prefilled:
@@ -68,10 +88,50 @@ def generate_disaggregated(
             request_id, first.error or f"prefill {first.finish_reason}", first.finish_reason
         )
         return
-    for out in stream_outputs(decode, request_id, timeout, poll_s, first.num_cached_tokens):
+    for out in early:
+        out["num_cached_tokens"] = first.num_cached_tokens
+    streamed = stream_outputs(decode, request_id, timeout, poll_s, first.num_cached_tokens)
+    finished = bool(early) and early[-1]["finished"]
+    for out in early if finished else itertools.chain(early, streamed):
         if kv_never_arrived(out, prefill_id):
             out["failed_worker"] = prefill_id
         yield out
+
+
+class _DecodeFailed(Exception):
+    """The decode worker's poll failed while the prefill ran (its __cause__ says how)."""
+
+
+def _prefill_while_leased(
+    prefill: PrefillAPI,
+    decode: DecodeAPI,
+    request: PromptRequest,
+    prefill_id: str,
+    decode_id: str,
+    reservation: Reservation,
+    early: list[dict],
+) -> PrefillResult | None:
+    """prefill.prefill(...), or None once the decode worker's reservation lapsed (its last
+    output, in `early`, says so). A live prefill worker renews the reservation while it
+    computes (prefill_worker: lease renewal), so a long or queued prompt may take minutes;
+    a frozen or dead one stops renewing, and the request moves within about a lease instead
+    of waiting out the call. Outputs the decode worker streams before the call returns (the
+    KV went over first) are kept in `early`, in order."""
+    call = _PREFILL_CALLS.submit(prefill.prefill, request, decode_id, reservation)
+    while True:
+        try:
+            return call.result(timeout=LEASE_CHECK_S)
+        except FutureTimeout:
+            pass
+        if early and early[-1]["finished"]:
+            continue  # finished already (e.g. one token): only the call's result is missing
+        try:
+            polled = decode.poll(request.request_id, 0.0)
+        except Exception as exc:
+            raise _DecodeFailed from exc
+        early.extend(o.to_dict() for o in polled)
+        if early and kv_never_arrived(early[-1], prefill_id):
+            return None
 
 
 def kv_never_arrived(out: dict, prefill_id: str) -> bool:

@@ -1,6 +1,7 @@
-"""One experiment run for real (then simulated by benchmarks/sim_validation.py): a local Ray cluster of the run's shape started from the base
-manifest (the path `baton bench --manifest` takes), the workload through its gRPC door, the
-results and summary written, the cluster torn down."""
+"""One experiment run for real, then simulated again by benchmarks/sim_validation.py: a local
+Ray cluster of the run's shape started from the base manifest (the path `baton bench
+--manifest` takes), the workload through its gRPC door, results and summary written, the
+cluster torn down."""
 
 from __future__ import annotations
 

@@ -208,6 +208,41 @@ def test_prefill_worker_killed_before_kv_arrived_is_retried(cluster_of, tiny_lla
     c.check_clean()
 
 
+def test_frozen_prefill_worker_lets_the_lease_lapse_and_the_request_moves(cluster_of, tiny_llama):
+    """A prefill worker frozen (SIGSTOP) mid-prefill stops renewing the decode worker's
+    reservation: within about a lease the request moves to the other prefill worker, long
+    before the router's call to the frozen one would time out (its RPC timeout is 60 s)."""
+    opts = dict(
+        engine_options(tiny_llama), block_size=16, num_kv_blocks=1024, max_num_batched_tokens=32
+    )
+    c = cluster_of(["p0", "p1"], ["d0"], opts)
+    router = c.router(rpc_timeout_s=60.0)
+    prompt = random_prompts([1500], seed=19)[0]
+    params = dict(max_tokens=8, ignore_eos=True, temperature=0.0)
+    want = expected_tokens(tiny_llama, prompt, params, opts)
+    result: dict = {}
+    thread = threading.Thread(
+        target=lambda: result.update(outs=list(router.generate("frozen", prompt, params)))
+    )
+    thread.start()
+    deadline = time.monotonic() + 30
+    while "frozen" not in router._active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    victim = serving(router, "frozen", router.prefill)
+    frozen_at = time.monotonic()
+    os.kill(c.workers[victim].process.pid, signal.SIGSTOP)
+    try:
+        thread.join(60)
+        moved_after = time.monotonic() - frozen_at
+    finally:
+        os.kill(c.workers[victim].process.pid, signal.SIGCONT)
+    outs = result["outs"]
+    assert tokens(outs) == want
+    assert outs[-1]["num_migrations"] == 1 and outs[-1]["prefill_worker"] == "p1"
+    assert moved_after < 40, moved_after  # lease 4 s + the move, not the 60 s call timeout
+    c.check_clean()
+
+
 @pytest.mark.parametrize("limit", [0, 3])
 def test_no_migration_left_is_unavailable_naming_the_workers(cluster_of, limit):
     c = cluster_of(["p0"], ["d0", "d1"])
