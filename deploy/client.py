@@ -164,10 +164,43 @@ class ControllerClient:
                 )
 
     def kill(self) -> None:
-        """Kill the controller: Ray removes every actor and placement group it owns."""
+        """Kill the controller for good (no restart). It owns nothing: the workers, their
+        placement groups and the router stay until removed (remove_leftovers)."""
         import ray
 
-        ray.kill(self._handle)
+        ray.kill(self._handle, no_restart=True)
+
+
+def remove_leftovers() -> list[str]:
+    """Kill every named actor in Baton's namespace, remove every Baton placement group and
+    the controller's saved state; returns what was removed (empty after a clean shutdown)."""
+    import ray
+    from ray.util.placement_group import (
+        get_placement_group,
+        placement_group_table,
+        remove_placement_group,
+    )
+
+    from cluster import state_store
+    from cluster.controller import NAMESPACE
+
+    removed = []
+    for name in baton_actors():
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            removed.append(name)
+        except ValueError:  # gone meanwhile
+            pass
+    for pg in placement_group_table().values():
+        name = pg.get("name") or ""
+        if name.startswith("baton-") and pg.get("state") != "REMOVED":
+            try:
+                remove_placement_group(get_placement_group(name))
+                removed.append(f"placement group {name}")
+            except ValueError:
+                pass
+    state_store.delete(NAMESPACE)
+    return removed
 
 
 def baton_actors() -> list[str]:
