@@ -658,7 +658,9 @@ class Controller:
         out = []
         for w, ref in zip(workers, refs, strict=True):
             try:
-                stats, healthy = ray.get(ref, timeout=T.STATS_S).summary(), True
+                # Answering is not enough: a worker Ray restarted is healthy again once the
+                # health check paired it again (w.healthy).
+                stats, healthy = ray.get(ref, timeout=T.STATS_S).summary(), w.healthy
             except Exception as exc:  # noqa: BLE001 - reported as unhealthy
                 stats, healthy = {"error": str(exc)}, False
             out.append(
@@ -806,6 +808,7 @@ def controller_handle(create: bool = False):
             lifetime="detached",
             max_restarts=-1,  # a new incarnation re-adopts the running cluster (_adopt_saved)
             num_cpus=0,
+            resources={HEAD_NODE_RESOURCE: 0.001},  # beside the router; worker nodes may go
             max_concurrency=16,
         )
         .remote()

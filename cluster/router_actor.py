@@ -198,6 +198,10 @@ class RouterActor:
             migration_limit,
         )
 
+    async def node_id(self) -> str:
+        """The Ray node this router runs on (hex): the head node (its address is stable)."""
+        return ray.get_runtime_context().get_node_id()
+
     async def active_counts(self) -> dict[str, int]:
         return await self._control(self.router.active_counts)
 
