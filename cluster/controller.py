@@ -88,6 +88,7 @@ class Controller:
         self.router_http_address: str | None = None  # the OpenAI front door, if served
         self.router_ports: dict | None = None  # bound at its start; a restarted router reuses them
         self._pairs: set[tuple[str, str]] = set()  # (prefill id, decode id) with a group
+        self._unreported: set[str] = set()  # re-paired workers the router was not told of
         self._next_index = dict.fromkeys(ROLES, 0)
         self._apply_lock = threading.Lock()  # one reconcile at a time
         self._state_lock = threading.Lock()  # workers_by_id changes
@@ -210,6 +211,33 @@ class Controller:
             f"re-adopted workers answering: {', '.join(healthy) or 'none'}"
             + (f"; re-paired (restarted meanwhile): {', '.join(repaired)}" if repaired else "")
         )
+        with self._apply_lock:
+            self._remove_orphans()
+            leftovers = [w for w in self.workers_by_id.values() if w.draining]
+            if leftovers and self.manifest is not None:  # the dead one was draining these
+                self._retire(leftovers, parse_manifest(self.manifest))
+
+    def _remove_orphans(self) -> None:
+        """Remove workers and bundles no record names: started by an incarnation that died
+        before it recorded them (they would hold their resources for ever)."""
+        known = set(self.workers_by_id)
+        prefixes = tuple(f"{role}-" for role in ROLES)
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            name = actor["name"]
+            if actor["namespace"] == NAMESPACE and name.startswith(prefixes) and name not in known:
+                try:
+                    ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+                    self._log(f"removed {name}: started by the dead controller, never recorded")
+                except ValueError:
+                    pass
+        for table in ray.util.placement_group_table().values():
+            name = table.get("name") or ""
+            worker_id = name.removeprefix("baton-")
+            if name.startswith("baton-") and worker_id not in known and table["state"] != "REMOVED":
+                try:
+                    remove_placement_group(get_placement_group(name))
+                except ValueError:
+                    pass
 
     # ---- progress ----------------------------------------------------------------------
     def _log(self, message: str) -> None:
@@ -604,6 +632,16 @@ class Controller:
             "restarted": [w.worker_id for w in repaired],
         }
 
+    def router_health(self) -> dict:
+        """check_health for the router: "restarted" lists every worker re-paired since the
+        router last asked, whichever check re-paired it (the router must forget the cache
+        and load of each)."""
+        health = self.check_health()
+        with self._state_lock:
+            restarted = sorted(self._unreported)
+            self._unreported.clear()
+        return {**health, "restarted": restarted}
+
     def _repair(self, worker: Worker, timeout: float) -> bool:
         """Pair a worker Ray restarted again with its peers; False (left unhealthy, tried
         again at the next check) if that fails."""
@@ -625,6 +663,8 @@ class Controller:
             return False
         moved = "" if node == worker.node_id else f" (was on node {short_node(worker.node_id)})"
         worker.incarnation, worker.node_id, worker.healthy = incarnation, node, True
+        with self._state_lock:
+            self._unreported.add(worker.worker_id)
         self._log(
             f"{worker.worker_id} was restarted by Ray on node {short_node(node)}{moved}; "
             "paired again and serving"
@@ -758,6 +798,32 @@ def cluster_mode(manifest: dict | None) -> str | None:
     if manifest is None:
         return None
     return "aggregated" if manifest["spec"]["prefill"]["replicas"] == 0 else "disaggregated"
+
+
+def remove_everything() -> list[str]:
+    """Kill every named actor in Baton's namespace (the controller included), remove every
+    Baton placement group and the saved state; returns what was removed. `down` runs it after
+    the controller's own shutdown: what a failed shutdown left (nothing is owned by the
+    controller, so nothing goes with it)."""
+    removed = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] != NAMESPACE:
+            continue
+        try:
+            ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE), no_restart=True)
+            removed.append(actor["name"])
+        except ValueError:  # gone meanwhile
+            pass
+    for table in ray.util.placement_group_table().values():
+        name = table.get("name") or ""
+        if name.startswith("baton-") and table.get("state") != "REMOVED":
+            try:
+                remove_placement_group(get_placement_group(name))
+                removed.append(f"placement group {name}")
+            except ValueError:
+                pass
+    state_store.delete(NAMESPACE)
+    return removed
 
 
 def placement_group_name(worker_id: str) -> str:

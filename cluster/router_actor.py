@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -26,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 ROUTER_NAME = "baton-router"
 RECOVER_ATTEMPTS = 30  # a restarted router tries to listen again this many times, 1 s apart
+# One health report from the controller (its pings and any re-pairing); a call that outlives
+# it (e.g. one caught in a controller restart) is given up and the next period asks again.
+HEALTH_CALL_S = 60.0
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
@@ -41,6 +45,7 @@ class RouterActor:
         self.api_keys = None  # router.security.ApiKeys: num_refused for the metrics
         self.admission = None  # router.admission.Admission: pending, num_refused
         self._watch_task = None
+        self._last_health: float | None = None  # time.monotonic() of the last report applied
         self._control_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="control")
         self._recovering = False
         if ray.get_runtime_context().was_current_actor_reconstructed:
@@ -217,17 +222,25 @@ class RouterActor:
             "aggregated": self.router.aggregated,
             "prompt_tokens": self.router.num_prompt_tokens,
             "cached_tokens": self.router.num_cached_tokens,
+            # Seconds since the controller's last health report (None: none yet); grows
+            # while the controller is down, the router serving on meanwhile.
+            "health_age_s": None
+            if self._last_health is None
+            else round(time.monotonic() - self._last_health, 1),
         }
 
     async def _watch(self, period_s: float) -> None:
         while True:
             await asyncio.sleep(period_s)
             try:
-                health = await self.controller.check_health.remote()
+                health = await asyncio.wait_for(
+                    self.controller.router_health.remote(), HEALTH_CALL_S
+                )
             except Exception as exc:  # noqa: BLE001 - keep serving; try again next period
                 logger.warning("health check failed: %s", exc)
                 continue
             await self._control(self.router.update_membership, health)
+            self._last_health = time.monotonic()
 
     async def stop(self) -> None:
         if self._watch_task is not None:

@@ -174,33 +174,9 @@ class ControllerClient:
 def remove_leftovers() -> list[str]:
     """Kill every named actor in Baton's namespace, remove every Baton placement group and
     the controller's saved state; returns what was removed (empty after a clean shutdown)."""
-    import ray
-    from ray.util.placement_group import (
-        get_placement_group,
-        placement_group_table,
-        remove_placement_group,
-    )
+    from cluster.controller import remove_everything
 
-    from cluster import state_store
-    from cluster.controller import NAMESPACE
-
-    removed = []
-    for name in baton_actors():
-        try:
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
-            removed.append(name)
-        except ValueError:  # gone meanwhile
-            pass
-    for pg in placement_group_table().values():
-        name = pg.get("name") or ""
-        if name.startswith("baton-") and pg.get("state") != "REMOVED":
-            try:
-                remove_placement_group(get_placement_group(name))
-                removed.append(f"placement group {name}")
-            except ValueError:
-                pass
-    state_store.delete(NAMESPACE)
-    return removed
+    return remove_everything()
 
 
 def baton_actors() -> list[str]:

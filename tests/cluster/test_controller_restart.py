@@ -24,6 +24,8 @@ from tests.cluster.manifests import tiny_manifest
 from tests.deploy.streams import MAX_TOKENS, RequestStream, stream_prompt
 
 ray = pytest.importorskip("ray")
+from ray.util.placement_group import placement_group  # noqa: E402
+
 BACK_WITHIN_S = 30.0  # Ray starts a new controller process, which loads the saved state
 
 
@@ -32,6 +34,11 @@ def ray_address():
     start_local_ray(num_cpus=8, namespace=NAMESPACE)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class Orphan:
+    """Stands for a worker nobody recorded."""
 
 
 def baton(address: str, *args: str) -> subprocess.CompletedProcess:
@@ -82,11 +89,18 @@ def test_killed_controller_readopts_the_running_cluster(ray_address, tiny_llama,
     before = incarnations()
     assert sorted(before) == ["decode-0", "prefill-0"]
 
+    # An orphan: a worker and its bundle that a controller started but died before recording.
+    orphan_pg = placement_group([{"CPU": 1}], name="baton-decode-99", lifetime="detached")
+    ray.get(orphan_pg.ready(), timeout=60)
+    Orphan.options(name="decode-99", namespace=NAMESPACE, lifetime="detached").remote()
+
     with RequestStream(address) as stream:
         stream.wait_for(3)
         killed = kill_controller()
+        t0 = time.monotonic()
         served_at_kill = len(stream.results)
         st = status_after_restart(ray_address, killed)
+        print(f"\nstatus answered {time.monotonic() - t0:.1f} s after the controller was killed")
         assert incarnations() == before  # re-adopted, not restarted
         assert (st["name"], st["generation"], st["replicas"], st["degraded"]) == (
             "restart-test",
@@ -104,6 +118,14 @@ def test_killed_controller_readopts_the_running_cluster(ray_address, tiny_llama,
         ), events
         assert any(e.startswith("generation 1:") for e in events)  # the saved lines came back
         stream.wait_for(served_at_kill + 6)  # served by the same router and workers
+        deadline = time.monotonic() + BACK_WITHIN_S
+        while "decode-99" in baton_actors():  # the re-adopting controller removes orphans
+            assert time.monotonic() < deadline, baton_actors()
+            time.sleep(0.5)
+        events = ray.get(controller.events.remote(), timeout=30)
+        assert any(
+            e.startswith("removed decode-99: started by the dead controller") for e in events
+        )
 
         # The restarted controller reconciles as before: a second decode worker.
         scaled = baton(ray_address, "scale", "decode=2")
@@ -127,7 +149,11 @@ def test_killed_controller_readopts_the_running_cluster(ray_address, tiny_llama,
         events = ray.get(controller.events.remote(), timeout=30)
         assert any("decode-1 was restarted by Ray" in e and "paired again" in e for e in events)
         served = len(stream.results)
-        stream.wait_for(served + 9)
+        deadline = time.monotonic() + BACK_WITHIN_S
+        while "decode-1" not in {d for *_, d in stream.results[served:]}:  # re-paired, serving
+            router = ray.get(controller.status.remote(), timeout=60)["router"]
+            assert time.monotonic() < deadline, (router, stream.results[served:])
+            time.sleep(0.5)
 
     assert stream.errors == []
     offline = LLM(
@@ -139,7 +165,6 @@ def test_killed_controller_readopts_the_running_cluster(ray_address, tiny_llama,
     )
     for (k, tokens, finish, _, _), exp in zip(stream.results, expected, strict=True):
         assert (tokens, finish) == (exp.token_ids, "length"), k
-    assert "decode-1" in {d for *_, d in stream.results[served:]}  # re-paired, serving
 
     removed = baton(ray_address, "down")
     assert removed.returncode == 0, removed.stderr
