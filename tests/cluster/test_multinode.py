@@ -30,7 +30,7 @@ from tests.helpers import random_prompts
 
 ray = pytest.importorskip("ray")
 NODE_MEMORY = 100 * 1024 * 1024  # each raylet's object store (KV never goes through it)
-LONG_TOKENS = 800  # long enough to be running on node B when it is removed
+LONG_TOKENS = 500  # long enough to be running on node B when it is removed
 DETECT_S = 90.0  # the lost worker reported; later, back on the new node
 ENGINE = dict(block_size=4, chunk_size=16, num_kv_blocks=2048, skip_tokenizer_init=True)
 
