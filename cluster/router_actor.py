@@ -9,8 +9,10 @@ skips unhealthy ones.
 A dead router comes back by itself: the actor has max_restarts=-1, Ray re-runs __init__ in a
 new process, and a reconstructed incarnation queues recover() on itself, which binds the ports
 the first incarnation bound (asked from the controller, which recorded them; the options may
-say port 0) and asks the controller to publish the workers and settings again. Until the
-servers listen, clients get connection refused (gRPC UNAVAILABLE), never a hang.
+say port 0; if the controller is down too, read from its saved state, cluster/state_store.py)
+and asks the controller to publish the workers and settings again (once a second until one
+answers). Until the servers listen, clients get connection refused (gRPC UNAVAILABLE), never a
+hang. The actor is detached and named: it outlives a dead controller, which re-adopts it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ RECOVER_ATTEMPTS = 30  # a restarted router tries to listen again this many time
 # One health report from the controller (its pings and any re-pairing); a call that outlives
 # it (e.g. one caught in a controller restart) is given up and the next period asks again.
 HEALTH_CALL_S = 60.0
+
+
+def saved_router_ports() -> dict | None:
+    """The ports the controller recorded in its saved state (cluster/state_store.py), for a
+    router restarted while the controller is down too; None if there are none."""
+    from cluster import state_store
+
+    saved = state_store.load(ray.get_runtime_context().namespace) or {}
+    return (saved.get("router") or {}).get("ports")
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
@@ -64,9 +75,14 @@ class RouterActor:
         self._recovering = True
         try:
             ports = await self.controller.bound_router_ports.remote()
-        except Exception as exc:  # noqa: BLE001 - no controller: the options' ports
-            logger.warning("router restarted; the controller does not answer: %s", exc)
-            ports = None
+        except Exception as exc:  # noqa: BLE001 - the controller is down or restarting
+            ports = saved_router_ports()
+            logger.warning(
+                "router restarted; the controller does not answer (%s); its saved state "
+                "says ports %s",
+                exc,
+                ports,
+            )
         for attempt in range(1, RECOVER_ATTEMPTS + 1):
             try:
                 bound = await self.start(ports)
@@ -78,10 +94,17 @@ class RouterActor:
         else:
             os._exit(1)
         logger.warning("router restarted; serving again on %s", bound)
-        try:
-            await self.controller.router_restarted.remote()
-        except Exception as exc:  # noqa: BLE001 - keep serving; the next apply publishes
-            logger.warning("router restarted; the controller did not publish the workers: %s", exc)
+        for attempt in range(1, RECOVER_ATTEMPTS + 1):  # the controller may be restarting too
+            try:
+                await self.controller.router_restarted.remote()
+                break
+            except Exception as exc:  # noqa: BLE001 - keep serving; ask again
+                logger.warning(
+                    "router restarted; the controller did not publish the workers (%d): %s",
+                    attempt,
+                    exc,
+                )
+                await asyncio.sleep(1.0)
         return bound
 
     async def start(self, ports: dict | None = None) -> dict:

@@ -13,13 +13,17 @@ import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 
 from cluster import state_store
 from cluster.controller import NAMESPACE, controller_handle
 from cluster.local_ray import start_local_ray
+from cluster.router_actor import ROUTER_NAME
 from deploy.client import baton_actors
 from engine import LLM, SamplingParams
+from router.proto import inference_pb2 as pb
+from router.proto import inference_pb2_grpc as pb_grpc
 from tests.cluster.manifests import tiny_manifest
 from tests.deploy.streams import MAX_TOKENS, RequestStream, stream_prompt
 
@@ -39,6 +43,19 @@ def ray_address():
 @ray.remote(num_cpus=0)
 class Orphan:
     """Stands for a worker nobody recorded."""
+
+
+def generate(address: str, ids: list[int]) -> list[int]:
+    """One greedy request on a new channel (a fresh connection, no reconnect backoff)."""
+    with grpc.insecure_channel(address) as channel:
+        replies = pb_grpc.InferenceStub(channel).Generate(
+            pb.GenerateRequest(
+                prompt_token_ids=pb.TokenIds(ids=ids),
+                sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+            ),
+            timeout=60,
+        )
+        return [t for r in replies for t in r.token_ids]
 
 
 def baton(address: str, *args: str) -> subprocess.CompletedProcess:
@@ -156,15 +173,33 @@ def test_killed_controller_readopts_the_running_cluster(ray_address, tiny_llama,
             time.sleep(0.5)
 
     assert stream.errors == []
+    # Router and controller die together: the router binds its old port again (read from the
+    # saved state while no controller answers) and the new controller publishes the workers.
+    killed = kill_controller()
+    ray.kill(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE), no_restart=False)
+    prompt = stream_prompt(10_001)
+    deadline = time.monotonic() + BACK_WITHIN_S
+    while True:
+        try:
+            after_both = generate(address, prompt)
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+            assert time.monotonic() < deadline, "router not back on its address"
+            time.sleep(0.5)
+    assert ray.get(controller_handle().pid.remote(), timeout=30) != killed
+    assert incarnations()["decode-0"] == before["decode-0"]
+    events = ray.get(controller.events.remote(), timeout=30)
+    assert any("the router was restarted" in e for e in events[-10:]), events[-10:]
+
     offline = LLM(
         tiny_llama, block_size=4, chunk_size=16, num_kv_blocks=256, skip_tokenizer_init=True
     )
-    expected = offline.generate(
-        [stream_prompt(k) for k, *_ in stream.results],
-        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
-    )
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected = offline.generate([stream_prompt(k) for k, *_ in stream.results], greedy)
     for (k, tokens, finish, _, _), exp in zip(stream.results, expected, strict=True):
         assert (tokens, finish) == (exp.token_ids, "length"), k
+    assert after_both == offline.generate([prompt], greedy)[0].token_ids
 
     removed = baton(ray_address, "down")
     assert removed.returncode == 0, removed.stderr
