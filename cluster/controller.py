@@ -10,7 +10,17 @@ never through Ray's object store.
 A leaving worker is drained: the router stops giving it new requests (set_workers returns only
 after that holds), its running requests finish, then it is unpaired and removed. New workers
 are paired and announced before old ones leave, so a changed manifest never leaves a pool
-empty. Worker and router actors are owned by this actor: killing it removes them all.
+empty.
+
+Nothing is owned by this actor: the workers, their placement groups and the router are named
+and detached, and this actor's state is saved in Ray's internal KV store whenever it changes
+(cluster/state_store.py). The actor itself has max_restarts=-1: when its process dies, Ray
+starts it again under the same actor id (handles held by the router and by clients keep
+working), and the new incarnation loads the state, looks the actors and placement groups up
+by name and re-adopts them without restarting them; its first health check re-pairs only the
+workers Ray restarted meanwhile. `shutdown` (`baton deploy down`) removes everything
+explicitly. A worker whose node is lost is restarted by Ray wherever its placement group can
+be placed again; until then the pool is reported degraded (status: wanted vs running).
 
 What a reconcile does is decided by cluster/plan.py (pure); this module executes the plan. Its
 waits are named in cluster/timeouts.py.
@@ -21,11 +31,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import asdict
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (
+    get_placement_group,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster import state_store
 from cluster import timeouts as T
 from cluster.plan import (
     Current,
@@ -50,6 +66,8 @@ logger = logging.getLogger(__name__)
 NAMESPACE = "baton"
 CONTROLLER_NAME = "baton-controller"
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
+EVENTS_KEPT = 200  # progress lines saved with the state (a restarted controller shows them)
+STATUS_EVENTS = 10  # the last progress lines `baton deploy status` shows
 
 
 class NoCluster(RuntimeError):
@@ -70,23 +88,170 @@ class Controller:
         self.router_http_address: str | None = None  # the OpenAI front door, if served
         self.router_ports: dict | None = None  # bound at its start; a restarted router reuses them
         self._pairs: set[tuple[str, str]] = set()  # (prefill id, decode id) with a group
+        self._unreported: set[str] = set()  # re-paired workers the router was not told of
         self._next_index = dict.fromkeys(ROLES, 0)
         self._apply_lock = threading.Lock()  # one reconcile at a time
         self._state_lock = threading.Lock()  # workers_by_id changes
         self._events: list[str] = []
+        self._events_base = 0  # lines before self._events[0] (dropped by a restart)
         self._stopping = threading.Event()  # `down`: cut a running drain short
+        self._save_lock = threading.Lock()  # one snapshot written at a time, in order
+        self._adopt_saved()  # a restarted controller carries on where the dead one was
+
+    # ---- state that outlives this process (cluster/state_store.py) ------------------------
+    def _snapshot(self) -> dict:
+        with self._state_lock:
+            workers = list(self.workers_by_id.values())
+            pairs = sorted(self._pairs)
+        router = None
+        if self.router is not None:
+            router = {
+                "key": None if self.router_key is None else list(self.router_key),
+                "address": self.router_address,
+                "http_address": self.router_http_address,
+                "ports": self.router_ports,
+            }
+        return {
+            "manifest": self.manifest,
+            "generation": self.generation,
+            "restarts": self.restarts,
+            "next_index": dict(self._next_index),
+            "workers": [
+                {
+                    "worker_id": w.worker_id,
+                    "template": asdict(w.template),
+                    "incarnation": w.incarnation,
+                    "draining": w.draining,
+                    "node_id": w.node_id,
+                }
+                for w in workers
+            ],
+            "pairs": [list(p) for p in pairs],
+            "router": router,
+            "events": self._events[-EVENTS_KEPT:],
+            "num_events": self.num_events(),
+        }
+
+    def _save(self) -> None:
+        """Write the state; a failure is logged (the next change writes it again)."""
+        with self._save_lock:
+            try:
+                state_store.save(self._snapshot(), NAMESPACE)
+            except Exception as exc:  # noqa: BLE001 - serving goes on without it
+                logger.warning("saving the controller state failed: %s", exc)
+
+    def _adopt_saved(self) -> None:
+        """Load the state a dead incarnation saved and look its actors up by name; workers
+        and the router keep running untouched. A worker or router that is gone is dropped
+        (the next apply starts what the manifest misses)."""
+        try:
+            saved = state_store.load(NAMESPACE)
+        except Exception as exc:  # noqa: BLE001 - start empty
+            logger.warning("loading the controller state failed: %s", exc)
+            return
+        if not saved:
+            return
+        self.manifest = saved["manifest"]
+        self.generation = saved["generation"]
+        self.restarts = saved["restarts"]
+        self._next_index.update(saved["next_index"])
+        self._events = list(saved["events"])
+        self._events_base = saved["num_events"] - len(self._events)
+        gone = []
+        for record in saved["workers"]:
+            worker_id = record["worker_id"]
+            try:
+                handle = ray.get_actor(worker_id, namespace=NAMESPACE)
+                pg = get_placement_group(placement_group_name(worker_id))
+            except ValueError:
+                gone.append(worker_id)
+                continue
+            self.workers_by_id[worker_id] = Worker(
+                worker_id,
+                WorkerTemplate(**record["template"]),
+                handle,
+                pg,
+                incarnation=record["incarnation"],
+                draining=record["draining"],
+                node_id=record["node_id"],
+            )
+        self._pairs = {
+            (p, d) for p, d in saved["pairs"] if p in self.workers_by_id and d in self.workers_by_id
+        }
+        router = saved["router"]
+        if router is not None:
+            try:
+                self.router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+            except ValueError:
+                gone.append("the router")
+            else:
+                self.router_key = None if router["key"] is None else tuple(router["key"])
+                self.router_address = router["address"]
+                self.router_http_address = router["http_address"]
+                self.router_ports = router["ports"]
+        ids = ", ".join(self.workers_by_id) or "none"
+        self._log(
+            f"controller restarted: re-adopted workers {ids}"
+            + (f" and the router on {self.router_address}" if self.router is not None else "")
+            + (f"; gone meanwhile: {', '.join(gone)}" if gone else "")
+        )
+        threading.Thread(target=self._check_adopted, name="adopt", daemon=True).start()
+
+    def _check_adopted(self) -> None:
+        """Ping the re-adopted workers once: same incarnation = untouched; re-pair those Ray
+        restarted while no controller ran."""
+        try:
+            health = self.check_health()
+        except Exception as exc:  # noqa: BLE001 - the router's next poll checks again
+            self._log(f"checking the re-adopted workers failed: {short_error(exc)}")
+            return
+        healthy = [w for w, ok in health["healthy"].items() if ok]
+        repaired = health["restarted"]
+        self._log(
+            f"re-adopted workers answering: {', '.join(healthy) or 'none'}"
+            + (f"; re-paired (restarted meanwhile): {', '.join(repaired)}" if repaired else "")
+        )
+        with self._apply_lock:
+            self._remove_orphans()
+            leftovers = [w for w in self.workers_by_id.values() if w.draining]
+            if leftovers and self.manifest is not None:  # the dead one was draining these
+                self._retire(leftovers, parse_manifest(self.manifest))
+
+    def _remove_orphans(self) -> None:
+        """Remove workers and bundles no record names: started by an incarnation that died
+        before it recorded them (they would hold their resources for ever)."""
+        known = set(self.workers_by_id)
+        prefixes = tuple(f"{role}-" for role in ROLES)
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            name = actor["name"]
+            if actor["namespace"] == NAMESPACE and name.startswith(prefixes) and name not in known:
+                try:
+                    ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+                    self._log(f"removed {name}: started by the dead controller, never recorded")
+                except ValueError:
+                    pass
+        for table in ray.util.placement_group_table().values():
+            name = table.get("name") or ""
+            worker_id = name.removeprefix("baton-")
+            if name.startswith("baton-") and worker_id not in known and table["state"] != "REMOVED":
+                try:
+                    remove_placement_group(get_placement_group(name))
+                except ValueError:
+                    pass
 
     # ---- progress ----------------------------------------------------------------------
     def _log(self, message: str) -> None:
         logger.info(message)
         self._events.append(message)
+        self._save()
 
     def events(self, since: int = 0) -> list[str]:
-        """Progress lines of reconciles, from index `since` on (callers keep the count)."""
-        return self._events[since:]
+        """Progress lines of reconciles, from index `since` on (callers keep the count; a
+        restarted controller kept the last EVENTS_KEPT lines and counts on from there)."""
+        return self._events[max(0, since - self._events_base) :]
 
     def num_events(self) -> int:
-        return len(self._events)
+        return self._events_base + len(self._events)
 
     # ---- reconcile ---------------------------------------------------------------------
     def apply(self, manifest: dict) -> dict:
@@ -176,7 +341,10 @@ class Controller:
                 self._next_index[template.role] += 1
                 self._log(f"starting {worker_id} with resources {template.resources}")
                 pg = placement_group(
-                    [dict(template.resources)], strategy="PACK", name=f"baton-{worker_id}"
+                    [dict(template.resources)],
+                    strategy="PACK",
+                    name=placement_group_name(worker_id),
+                    lifetime="detached",
                 )
                 worker = Worker(worker_id, template, None, pg)
                 started.append(worker)
@@ -193,6 +361,7 @@ class Controller:
                     .options(
                         name=worker_id,
                         namespace=NAMESPACE,
+                        lifetime="detached",
                         num_cpus=r.get("CPU", 0),
                         num_gpus=r.get("GPU", 0),
                         resources={k: v for k, v in r.items() if k not in ("CPU", "GPU")} or None,
@@ -206,6 +375,7 @@ class Controller:
             incarnations = ray.get(
                 [w.handle.ping.remote() for w in started], timeout=T.WORKER_START_S
             )
+            nodes = ray.get([w.handle.node_id.remote() for w in started], timeout=T.WORKER_INFO_S)
         except Exception as exc:
             for worker in started:
                 if worker.handle is not None:
@@ -214,11 +384,11 @@ class Controller:
             raise RuntimeError(
                 f"starting {template.role} worker(s) failed: {short_error(exc)}"
             ) from None
-        for worker, incarnation in zip(started, incarnations, strict=True):
-            worker.incarnation = incarnation
+        for worker, incarnation, node in zip(started, incarnations, nodes, strict=True):
+            worker.incarnation, worker.node_id = incarnation, node
             with self._state_lock:
                 self.workers_by_id[worker.worker_id] = worker
-            self._log(f"{worker.worker_id} is up")
+            self._log(f"{worker.worker_id} is up on node {short_node(node)}")
         return started
 
     def _ensure_pairs(self) -> None:
@@ -240,10 +410,14 @@ class Controller:
             d.handle.connect_prefill.remote(p.worker_id, address, RayPeer(p.handle)),
             timeout=T.PAIR_S,
         )
-        self._pairs.add((p.worker_id, d.worker_id))
+        with self._state_lock:
+            self._pairs.add((p.worker_id, d.worker_id))
+        self._save()
 
     def _unpair(self, p: Worker, d: Worker) -> None:
-        self._pairs.discard((p.worker_id, d.worker_id))
+        with self._state_lock:
+            self._pairs.discard((p.worker_id, d.worker_id))
+        self._save()
         for call in (
             d.handle.disconnect_prefill.remote(p.worker_id),
             p.handle.disconnect_decode.remote(d.worker_id),
@@ -302,7 +476,10 @@ class Controller:
         me = ray.get_runtime_context().current_actor
         # On the head node: the address clients (and a KubeRay Service) reach is stable.
         self.router = RouterActor.options(
-            name=ROUTER_NAME, namespace=NAMESPACE, resources={HEAD_NODE_RESOURCE: 0.001}
+            name=ROUTER_NAME,
+            namespace=NAMESPACE,
+            lifetime="detached",
+            resources={HEAD_NODE_RESOURCE: 0.001},
         ).remote(me, options)
         ports = ray.get(self.router.start.remote(), timeout=T.ROUTER_START_S)
         self.router_key = _router_key(options)
@@ -414,8 +591,10 @@ class Controller:
 
     # ---- health ------------------------------------------------------------------------
     def check_health(self, timeout: float = T.HEALTH_PING_S) -> dict:
-        """Ping every worker; re-pair any that Ray restarted. Returns {"restarts",
-        "healthy": {id: bool}, "restarted": [ids]} for the router."""
+        """Ping every worker; re-pair any that Ray restarted (on its node or, after a node
+        loss, wherever its placement group went). Returns {"restarts", "healthy": {id: bool},
+        "restarted": [ids]} for the router. A worker that stops answering, and one that
+        comes back, gets a progress line naming its node."""
         with self._state_lock:
             workers = list(self.workers_by_id.values())
         refs = [w.handle.ping.remote() for w in workers]
@@ -423,33 +602,86 @@ class Controller:
         for worker, ref in zip(workers, refs, strict=True):
             try:
                 incarnation = ray.get(ref, timeout=timeout)
-            except Exception:  # noqa: BLE001 - dead, restarting or hung
+            except Exception as exc:  # noqa: BLE001 - dead, restarting or hung
+                if worker.healthy and worker.worker_id in self.workers_by_id:  # not removed
+                    self._log(self._lost_line(worker, exc))
                 worker.healthy = False
                 continue
-            worker.healthy = True
             if incarnation != worker.incarnation:
                 restarted.append(worker)
+            else:
+                if not worker.healthy:
+                    self._log(f"{worker.worker_id} answers again")
+                worker.healthy = True
+        repaired = []
         if restarted and self._apply_lock.acquire(blocking=False):
             try:
                 for worker in restarted:
-                    logger.warning("worker %s was restarted; pairing it again", worker.worker_id)
-                    for pair in [pr for pr in self._pairs if worker.worker_id in pr]:
-                        p, d = (self.workers_by_id[i] for i in pair)
-                        self._unpair(p, d)
-                        self._pair(p, d)
-                    worker.incarnation = ray.get(worker.handle.ping.remote(), timeout=timeout)
-                self.restarts += len(restarted)
+                    if self._repair(worker, timeout):
+                        repaired.append(worker)
+                self.restarts += len(repaired)
             finally:
                 self._apply_lock.release()
+            self._save()
         else:
             for worker in restarted:  # an apply runs: re-paired by a later check, no requests
                 worker.healthy = False
-            restarted = []
         return {
             "restarts": self.restarts,
             "healthy": {w.worker_id: w.healthy for w in workers},
-            "restarted": [w.worker_id for w in restarted],
+            "restarted": [w.worker_id for w in repaired],
         }
+
+    def router_health(self) -> dict:
+        """check_health for the router: "restarted" lists every worker re-paired since the
+        router last asked, whichever check re-paired it (the router must forget the cache
+        and load of each)."""
+        health = self.check_health()
+        with self._state_lock:
+            restarted = sorted(self._unreported)
+            self._unreported.clear()
+        return {**health, "restarted": restarted}
+
+    def _repair(self, worker: Worker, timeout: float) -> bool:
+        """Pair a worker Ray restarted again with its peers; False (left unhealthy, tried
+        again at the next check) if that fails."""
+        logger.warning("worker %s was restarted; pairing it again", worker.worker_id)
+        try:
+            for pair in [pr for pr in self._pairs if worker.worker_id in pr]:
+                p, d = (self.workers_by_id[i] for i in pair)
+                self._unpair(p, d)
+                self._pair(p, d)
+            incarnation, node = ray.get(
+                [worker.handle.ping.remote(), worker.handle.node_id.remote()], timeout=timeout
+            )
+        except Exception as exc:  # noqa: BLE001 - a peer may be down too
+            worker.healthy = False
+            self._log(
+                f"{worker.worker_id} was restarted, but pairing it again failed "
+                f"({short_error(exc)}); trying again at the next health check"
+            )
+            return False
+        moved = "" if node == worker.node_id else f" (was on node {short_node(worker.node_id)})"
+        worker.incarnation, worker.node_id, worker.healthy = incarnation, node, True
+        with self._state_lock:
+            self._unreported.add(worker.worker_id)
+        self._log(
+            f"{worker.worker_id} was restarted by Ray on node {short_node(node)}{moved}; "
+            "paired again and serving"
+        )
+        return True
+
+    def _lost_line(self, worker: Worker, exc: BaseException) -> str:
+        """The progress line of a worker that stopped answering: where it ran and whether
+        that node is still alive."""
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        node = short_node(worker.node_id)
+        where = (
+            f"its node {node} is alive (its process died; Ray restarts it there)"
+            if worker.node_id in alive
+            else f"its node {node} is gone (Ray restarts it where its bundle fits again)"
+        )
+        return f"{worker.worker_id} lost: no answer ({short_error(exc)}); {where}"
 
     # ---- queries -----------------------------------------------------------------------
     def worker_ids(self, role: str | None = None) -> list[str]:
@@ -466,7 +698,9 @@ class Controller:
         out = []
         for w, ref in zip(workers, refs, strict=True):
             try:
-                stats, healthy = ray.get(ref, timeout=T.STATS_S).summary(), True
+                # Answering is not enough: a worker Ray restarted is healthy again once the
+                # health check paired it again (w.healthy).
+                stats, healthy = ray.get(ref, timeout=T.STATS_S).summary(), w.healthy
             except Exception as exc:  # noqa: BLE001 - reported as unhealthy
                 stats, healthy = {"error": str(exc)}, False
             out.append(
@@ -476,6 +710,7 @@ class Controller:
                     "role": w.role,
                     "healthy": healthy,
                     "state": "draining" if w.draining else "active",
+                    "node_id": w.node_id,
                 }
             )
         return out
@@ -491,22 +726,37 @@ class Controller:
             router["address"] = self.router_address
             router["http_address"] = self.router_http_address
         workers = self.workers()
-        counts = {
-            role: sum(1 for w in workers if w["role"] == role and w["state"] == "active")
-            for role in ROLES
+        active = [w for w in workers if w["state"] == "active"]
+        counts = {role: sum(1 for w in active if w["role"] == role) for role in ROLES}
+        running = {
+            role: sum(1 for w in active if w["role"] == role and w["healthy"]) for role in ROLES
+        }
+        wanted = {
+            role: self.manifest["spec"][role]["replicas"] if self.manifest else 0 for role in ROLES
         }
         return {
             "name": self.manifest["metadata"]["name"] if self.manifest else None,
             "generation": self.generation,
-            "replicas": counts,
+            "replicas": counts,  # active workers (healthy or not)
+            "wanted": wanted,  # the manifest's replicas
+            "running": running,  # active workers that answer
+            "degraded": any(running[r] < wanted[r] for r in ROLES),
             "mode": cluster_mode(self.manifest),
             "router": router,
             "workers": workers,
+            "nodes": live_nodes(),
+            "events": self._events[-STATUS_EVENTS:],
             "manifest": self.manifest,
         }
 
     def get_manifest(self) -> dict | None:
         return self.manifest
+
+    def pid(self) -> int:
+        """This incarnation's process id (tests kill it to show a restart re-adopts)."""
+        import os
+
+        return os.getpid()
 
     # ---- teardown ----------------------------------------------------------------------
     def _stop_router(self) -> None:
@@ -529,6 +779,8 @@ class Controller:
             for worker in list(self.workers_by_id.values()):
                 self._remove(worker)
             self.manifest = None
+            with self._save_lock:  # nothing left to adopt: the next controller starts empty
+                state_store.delete(NAMESPACE)
 
 
 def short_error(exc: BaseException) -> str:
@@ -546,6 +798,55 @@ def cluster_mode(manifest: dict | None) -> str | None:
     if manifest is None:
         return None
     return "aggregated" if manifest["spec"]["prefill"]["replicas"] == 0 else "disaggregated"
+
+
+def remove_everything() -> list[str]:
+    """Kill every named actor in Baton's namespace (the controller included), remove every
+    Baton placement group and the saved state; returns what was removed. `down` runs it after
+    the controller's own shutdown: what a failed shutdown left (nothing is owned by the
+    controller, so nothing goes with it)."""
+    removed = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] != NAMESPACE:
+            continue
+        try:
+            ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE), no_restart=True)
+            removed.append(actor["name"])
+        except ValueError:  # gone meanwhile
+            pass
+    for table in ray.util.placement_group_table().values():
+        name = table.get("name") or ""
+        if name.startswith("baton-") and table.get("state") != "REMOVED":
+            try:
+                remove_placement_group(get_placement_group(name))
+                removed.append(f"placement group {name}")
+            except ValueError:
+                pass
+    state_store.delete(NAMESPACE)
+    return removed
+
+
+def placement_group_name(worker_id: str) -> str:
+    """A worker's placement group is named after it (a restarted controller finds it)."""
+    return f"baton-{worker_id}"
+
+
+def short_node(node_id: str) -> str:
+    """A node id as status and progress lines show it (its first 8 hex digits)."""
+    return node_id[:8] if node_id else "?"
+
+
+def live_nodes() -> list[dict]:
+    """Every live node: {"node_id", "address", "resources"} (`status` shows where workers run)."""
+    return [
+        {
+            "node_id": n["NodeID"],
+            "address": n.get("NodeManagerAddress"),
+            "resources": dict(n["Resources"]),
+        }
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
 
 
 def node_resources() -> list[dict[str, float]]:
@@ -571,7 +872,9 @@ def controller_handle(create: bool = False):
             namespace=NAMESPACE,
             get_if_exists=True,
             lifetime="detached",
+            max_restarts=-1,  # a new incarnation re-adopts the running cluster (_adopt_saved)
             num_cpus=0,
+            resources={HEAD_NODE_RESOURCE: 0.001},  # beside the router; worker nodes may go
             max_concurrency=16,
         )
         .remote()

@@ -9,8 +9,10 @@ skips unhealthy ones.
 A dead router comes back by itself: the actor has max_restarts=-1, Ray re-runs __init__ in a
 new process, and a reconstructed incarnation queues recover() on itself, which binds the ports
 the first incarnation bound (asked from the controller, which recorded them; the options may
-say port 0) and asks the controller to publish the workers and settings again. Until the
-servers listen, clients get connection refused (gRPC UNAVAILABLE), never a hang.
+say port 0; if the controller is down too, read from its saved state, cluster/state_store.py)
+and asks the controller to publish the workers and settings again (once a second until one
+answers). Until the servers listen, clients get connection refused (gRPC UNAVAILABLE), never a
+hang. The actor is detached and named: it outlives a dead controller, which re-adopts it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -26,6 +29,18 @@ logger = logging.getLogger(__name__)
 
 ROUTER_NAME = "baton-router"
 RECOVER_ATTEMPTS = 30  # a restarted router tries to listen again this many times, 1 s apart
+# One health report from the controller (its pings and any re-pairing); a call that outlives
+# it (e.g. one caught in a controller restart) is given up and the next period asks again.
+HEALTH_CALL_S = 60.0
+
+
+def saved_router_ports() -> dict | None:
+    """The ports the controller recorded in its saved state (cluster/state_store.py), for a
+    router restarted while the controller is down too; None if there are none."""
+    from cluster import state_store
+
+    saved = state_store.load(ray.get_runtime_context().namespace) or {}
+    return (saved.get("router") or {}).get("ports")
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
@@ -41,6 +56,7 @@ class RouterActor:
         self.api_keys = None  # router.security.ApiKeys: num_refused for the metrics
         self.admission = None  # router.admission.Admission: pending, num_refused
         self._watch_task = None
+        self._last_health: float | None = None  # time.monotonic() of the last report applied
         self._control_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="control")
         self._recovering = False
         if ray.get_runtime_context().was_current_actor_reconstructed:
@@ -59,9 +75,14 @@ class RouterActor:
         self._recovering = True
         try:
             ports = await self.controller.bound_router_ports.remote()
-        except Exception as exc:  # noqa: BLE001 - no controller: the options' ports
-            logger.warning("router restarted; the controller does not answer: %s", exc)
-            ports = None
+        except Exception as exc:  # noqa: BLE001 - the controller is down or restarting
+            ports = saved_router_ports()
+            logger.warning(
+                "router restarted; the controller does not answer (%s); its saved state "
+                "says ports %s",
+                exc,
+                ports,
+            )
         for attempt in range(1, RECOVER_ATTEMPTS + 1):
             try:
                 bound = await self.start(ports)
@@ -73,10 +94,17 @@ class RouterActor:
         else:
             os._exit(1)
         logger.warning("router restarted; serving again on %s", bound)
-        try:
-            await self.controller.router_restarted.remote()
-        except Exception as exc:  # noqa: BLE001 - keep serving; the next apply publishes
-            logger.warning("router restarted; the controller did not publish the workers: %s", exc)
+        for attempt in range(1, RECOVER_ATTEMPTS + 1):  # the controller may be restarting too
+            try:
+                await self.controller.router_restarted.remote()
+                break
+            except Exception as exc:  # noqa: BLE001 - keep serving; ask again
+                logger.warning(
+                    "router restarted; the controller did not publish the workers (%d): %s",
+                    attempt,
+                    exc,
+                )
+                await asyncio.sleep(1.0)
         return bound
 
     async def start(self, ports: dict | None = None) -> dict:
@@ -198,6 +226,10 @@ class RouterActor:
             migration_limit,
         )
 
+    async def node_id(self) -> str:
+        """The Ray node this router runs on (hex): the head node (its address is stable)."""
+        return ray.get_runtime_context().get_node_id()
+
     async def active_counts(self) -> dict[str, int]:
         return await self._control(self.router.active_counts)
 
@@ -213,17 +245,25 @@ class RouterActor:
             "aggregated": self.router.aggregated,
             "prompt_tokens": self.router.num_prompt_tokens,
             "cached_tokens": self.router.num_cached_tokens,
+            # Seconds since the controller's last health report (None: none yet); grows
+            # while the controller is down, the router serving on meanwhile.
+            "health_age_s": None
+            if self._last_health is None
+            else round(time.monotonic() - self._last_health, 1),
         }
 
     async def _watch(self, period_s: float) -> None:
         while True:
             await asyncio.sleep(period_s)
             try:
-                health = await self.controller.check_health.remote()
+                health = await asyncio.wait_for(
+                    self.controller.router_health.remote(), HEALTH_CALL_S
+                )
             except Exception as exc:  # noqa: BLE001 - keep serving; try again next period
                 logger.warning("health check failed: %s", exc)
                 continue
             await self._control(self.router.update_membership, health)
+            self._last_health = time.monotonic()
 
     async def stop(self) -> None:
         if self._watch_task is not None:

@@ -37,8 +37,13 @@ def worker_class(role: str):
         def ping(self) -> str:
             return self.incarnation
 
+        def node_id(self) -> str:
+            """The Ray node this incarnation runs on (hex)."""
+            return ray.get_runtime_context().get_node_id()
+
     Actor.__name__ = Actor.__qualname__ = f"{cls.__name__}Actor"
-    # A dead worker is restarted by Ray (its __init__ runs again); calls in flight fail.
+    # A dead worker is restarted by Ray (its __init__ runs again); calls in flight fail. The
+    # controller starts it detached: it outlives a controller that dies (and is re-adopted).
     return ray.remote(max_concurrency=ACTOR_CONCURRENCY, max_restarts=-1, max_task_retries=0)(Actor)
 
 
@@ -53,6 +58,7 @@ class Worker:
     incarnation: str = ""
     draining: bool = False  # takes no new requests; removed once its requests finished
     healthy: bool = True
+    node_id: str = ""  # the Ray node its current incarnation runs on (hex)
 
     @property
     def role(self) -> str:

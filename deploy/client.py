@@ -164,10 +164,19 @@ class ControllerClient:
                 )
 
     def kill(self) -> None:
-        """Kill the controller: Ray removes every actor and placement group it owns."""
+        """Kill the controller for good (no restart). It owns nothing: the workers, their
+        placement groups and the router stay until removed (remove_leftovers)."""
         import ray
 
-        ray.kill(self._handle)
+        ray.kill(self._handle, no_restart=True)
+
+
+def remove_leftovers() -> list[str]:
+    """Kill every named actor in Baton's namespace, remove every Baton placement group and
+    the controller's saved state; returns what was removed (empty after a clean shutdown)."""
+    from cluster.controller import remove_everything
+
+    return remove_everything()
 
 
 def baton_actors() -> list[str]:

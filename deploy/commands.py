@@ -164,15 +164,39 @@ def format_status(status: dict) -> str:
         f"hit rate {router.get('hit_rate', 0.0):.2f}",
         "",
         f"{'WORKER':<12}{'ROLE':<9}{'STATE':<10}{'HEALTHY':<9}{'REQUESTS':>9}"
-        f"{'KV USAGE':>10}{'HIT RATE':>10}",
+        f"{'KV USAGE':>10}{'HIT RATE':>10}"
+        + ("  NODE" if any(w.get("node_id") for w in status["workers"]) else ""),
     ]
     for w in sorted(status["workers"], key=lambda w: (w["role"] != Role.PREFILL, w["worker_id"])):
         lines.append(
             f"{w['worker_id']:<12}{w['role']:<9}{w['state']:<10}"
             f"{'yes' if w['healthy'] else 'NO':<9}{w.get('num_requests', 0):>9}"
             f"{w.get('kv_usage', 0.0):>10.1%}{w.get('cache_hit_rate', 0.0):>10.2f}"
+            + (f"  {w['node_id'][:8]}" if w.get("node_id") else "")
         )
+    lines += _health_lines(status)
     return "\n".join(lines)
+
+
+def _health_lines(status: dict) -> list[str]:
+    """Below the table: a degraded pool (running < wanted), the live nodes, the last
+    progress lines (a lost worker, a restart, a re-adoption)."""
+    lines = []
+    if status.get("degraded"):
+        short = [
+            f"{role} {status['running'][role]} of {status['wanted'][role]} running"
+            for role in status["wanted"]
+            if status["running"][role] < status["wanted"][role]
+        ]
+        lines += ["", f"DEGRADED: {', '.join(short)} (workers wait for resources or a restart)"]
+    if status.get("nodes"):
+        lines += ["", f"{len(status['nodes'])} live node(s):"]
+        for n in status["nodes"]:
+            custom = {k: v for k, v in n["resources"].items() if not k.startswith("node:")}
+            lines.append(f"  {n['node_id'][:8]}  {n.get('address') or '-'}  {custom}")
+    if status.get("events"):
+        lines += ["", "recent events:", *(f"  {e}" for e in status["events"])]
+    return lines
 
 
 def _down(args: argparse.Namespace) -> int:
@@ -186,14 +210,17 @@ def _down(args: argparse.Namespace) -> int:
     print("removing the router and every worker ...", flush=True)
     try:
         controller.call("shutdown", timeout=SHUTDOWN_S)
-    except Exception as exc:  # noqa: BLE001 - killing the controller removes what it owns
+    except Exception as exc:  # noqa: BLE001 - what it left is removed by name below
         print(
-            f"the controller did not finish in time ({client.short_error(exc)}); killing it, "
-            "which removes every actor and placement group it owns",
+            f"the controller did not finish in time ({client.short_error(exc)}); killing it "
+            "and removing every Baton actor and placement group by name",
             file=sys.stderr,
         )
     finally:
         controller.kill()
+    # The workers, their placement groups and the router are detached (they outlive a dead
+    # controller): whatever a failed shutdown left goes now.
+    client.remove_leftovers()
     deadline = time.monotonic() + GONE_S
     while (left := client.baton_actors()) and time.monotonic() < deadline:
         time.sleep(0.5)

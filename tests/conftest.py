@@ -20,7 +20,9 @@ torch.set_num_threads(int(os.environ.get("BATON_TEST_THREADS", "1")))
 RAY_MODULES = (
     "tests/cluster/test_grpc_on_ray.py",
     "tests/cluster/test_http_on_ray.py",
+    "tests/cluster/test_controller_restart.py",
     "tests/cluster/test_local_cluster.py",
+    "tests/cluster/test_multinode.py",
     "tests/cluster/test_ray_cluster.py",
     "tests/cluster/test_router_restart.py",
     "tests/cluster/test_serve_cli.py",
