@@ -133,3 +133,94 @@ int baton_gguf_dequantize(const uint8_t *w, int64_t N, int64_t K, int32_t type, 
         }
     return 0;
 }
+
+/* 1 where this CPU runs AVX-512 F, BW and VL (GCC's cpuid probe), else 0. */
+int baton_cpu_has_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+}
+
+/* ---- AVX-512 matrix-vector product (one row of x), chosen at run time ----------------------
+ * Compiled for AVX-512 F/BW/VL through a target attribute, in the same library as the AVX2
+ * kernels; the caller (gguf_kernel.py) calls it only when /proc/cpuinfo lists those flags, and
+ * baton_gguf_gemv_avx512 itself refuses (-2) on a CPU without them, so it never faults. One
+ * block is two vectors of 16: the same products x_j q_j, d and m as baton_gguf_gemm, summed
+ * 16 lanes wide instead of 8 (float32 arithmetic, another summation order). Two output rows
+ * per iteration give the out-of-order core two independent accumulation chains. */
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+AVX512_TARGET static inline void quants16_q4_1(const uint8_t *qs, __m512 *q_lo, __m512 *q_hi) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    *q_lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
+    *q_hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+}
+
+AVX512_TARGET static inline void quants16_q8_0(const uint8_t *qs, __m512 *q_lo, __m512 *q_hi) {
+    *q_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
+    *q_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
+}
+
+/* sum_j x_j q_j of one block, 16 lanes: x[0:16] q[0:16] + x[16:32] q[16:32]. */
+AVX512_TARGET static inline __m512 block_dot16(const float *xb, __m512 q_lo, __m512 q_hi) {
+    return _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), q_hi,
+                           _mm512_mul_ps(_mm512_loadu_ps(xb), q_lo));
+}
+
+AVX512_TARGET static void gemv_avx512(const float *x, int64_t K, const uint8_t *w, int64_t N,
+                                      int32_t type, const float *xsum, float *y) {
+    const int64_t block_bytes = type == 3 ? 20 : 34;
+    const int64_t quant_offset = type == 3 ? 4 : 2;
+    const int64_t nb = K / QK;
+    const int64_t pairs = N / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t pair = 0; pair < pairs + (N & 1); pair++) {
+        const int64_t n0 = 2 * pair;
+        const int rows = n0 + 1 < N ? 2 : 1;
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        float offset0 = 0.0f, offset1 = 0.0f;
+        const uint8_t *row0 = w + n0 * nb * block_bytes;
+        const uint8_t *row1 = rows == 2 ? row0 + nb * block_bytes : row0;
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + b * QK;
+            const uint8_t *blk0 = row0 + b * block_bytes, *blk1 = row1 + b * block_bytes;
+            __m512 q0_lo, q0_hi, q1_lo, q1_hi;
+            if (type == 3) {
+                quants16_q4_1(blk0 + quant_offset, &q0_lo, &q0_hi);
+                quants16_q4_1(blk1 + quant_offset, &q1_lo, &q1_hi);
+                offset0 += f16_to_f32(blk0 + 2) * xsum[b];
+                offset1 += f16_to_f32(blk1 + 2) * xsum[b];
+            } else {
+                quants16_q8_0(blk0 + quant_offset, &q0_lo, &q0_hi);
+                quants16_q8_0(blk1 + quant_offset, &q1_lo, &q1_hi);
+            }
+            acc0 = _mm512_fmadd_ps(_mm512_set1_ps(f16_to_f32(blk0)), block_dot16(xb, q0_lo, q0_hi),
+                                   acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_set1_ps(f16_to_f32(blk1)), block_dot16(xb, q1_lo, q1_hi),
+                                   acc1);
+        }
+        y[n0] = _mm512_reduce_add_ps(acc0) + offset0;
+        if (rows == 2) y[n0 + 1] = _mm512_reduce_add_ps(acc1) + offset1;
+    }
+}
+
+/* y[1, N] = x[1, K] W^T with AVX-512. Returns 0; -1 for an unknown block type or K not a
+ * multiple of 32; -2 where this CPU lacks AVX-512 F/BW/VL (the caller then uses
+ * baton_gguf_gemm). xsum: [K / 32] scratch. */
+int baton_gguf_gemv_avx512(const float *x, int64_t K, const uint8_t *w, int64_t N, int32_t type,
+                           float *xsum, float *y) {
+    if ((type != 3 && type != 8) || K % QK != 0) return -1;
+    if (!baton_cpu_has_avx512()) return -2;
+    const int64_t nb = K / QK;
+    if (type == 3)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + b * QK;
+            __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(xb + 16),
+                                                   _mm256_loadu_ps(xb + 24)));
+            xsum[b] = hsum(s);
+        }
+    gemv_avx512(x, K, w, N, type, xsum, y);
+    return 0;
+}
