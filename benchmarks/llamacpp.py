@@ -112,6 +112,73 @@ class BatonSide:
         return self.runner.batch_s(batch, BATCH_NEW)
 
 
+def profile_decode(llm: LLM, tokens: int = DECODE_TOKENS) -> dict[str, float]:
+    """Milliseconds per batch-1 decode step, by part: each part's calls are timed (wall clock,
+    perf_counter around the call) during one greedy request after a 128-token prompt, the
+    prefill step left out. "python, torch dispatch, rest" is what the parts leave unexplained
+    of the model runner's step (it also absorbs the timers' own ~1 us per call), "engine loop"
+    what the step leaves of the request's decode time (scheduler, detokenizer, outputs)."""
+    import time
+
+    import engine.model.llama as llama
+    import engine.model_runner as model_runner
+    from engine import SamplingParams
+    from engine.model.gguf_linear import GGUFBlockLinear
+
+    model, runner = llm.engine.runner.model, llm.engine.runner
+    head = model.lm_head
+    steps: list[dict[str, float]] = []  # per model-runner step: part -> seconds
+    originals = []
+
+    def timed(owner, attr, part_of):
+        original = getattr(owner, attr)
+        originals.append((owner, attr, original))
+
+        def wrapper(*args, **kwargs):
+            if part_of is None:  # the step itself: open a new record
+                steps.append({})
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                part = "step" if part_of is None else part_of(*args)
+                record = steps[-1] if steps else {}
+                record[part] = record.get(part, 0.0) + time.perf_counter() - start
+
+        setattr(owner, attr, wrapper)
+
+    timed(type(runner), "execute", None)
+    timed(
+        GGUFBlockLinear,
+        "forward",
+        lambda layer, *_: (
+            "output projection, Q8_0 blocks" if layer is head else "layer matrices, Q4_1 blocks"
+        ),
+    )
+    timed(llama.RMSNorm, "forward", lambda *_: "RMS norms (61)")
+    timed(llama, "apply_rope", lambda *_: "rope (30)")
+    timed(type(runner.backend), "forward", lambda *_: "attention + KV write (30)")
+    timed(model_runner, "sample", lambda *_: "sampling (argmax)")
+    timed(model_runner, "build_metadata", lambda *_: "step metadata")
+    greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    prompt = prompts_of(1, PROMPT_LEN, model.args.vocab_size, 7)[0]
+    try:
+        one = llm.generate([prompt], greedy)[0]
+    finally:
+        for owner, attr, original in reversed(originals):
+            setattr(owner, attr, original)
+    decode = steps[1:]  # steps[0] is the prefill
+    out = {part: 0.0 for record in decode for part in record}
+    for record in decode:
+        for part, sec in record.items():
+            out[part] += 1e3 * sec / len(decode)
+    step = out.pop("step")
+    out["python, torch dispatch, rest"] = step - sum(out.values())
+    out["engine loop (scheduler, outputs)"] = 1e3 * (one.latency - one.ttft) / (tokens - 1) - step
+    out["whole decode step"] = 1e3 * (one.latency - one.ttft) / (tokens - 1)
+    return out
+
+
 def compare(sides: dict[str, object], repeats: int) -> dict[str, dict[str, float]]:
     best: dict[str, dict[str, float]] = {name: {} for name in sides}
     for i in range(repeats):
@@ -133,8 +200,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="threads for both engines")
     p.add_argument("--repeats", type=int, default=3, help="best of this many rounds each")
     p.add_argument("--json", help="also write the figures to this file")
+    p.add_argument(
+        "--profile", action="store_true", help="only Baton: a batch-1 decode step, by part"
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.profile:
+        llm = LLM(MODEL_ALIAS, dtype="float32")
+        BatonRunner(llm)  # warm-up
+        parts = profile_decode(llm)
+        for part, ms in parts.items():
+            print(f"{part:40} {ms:7.2f} ms  {100 * ms / parts['whole decode step']:5.1f}%")
+        return 0
     bin_dir = build(jobs=max(1, args.threads), log=log)
     gguf = smollm2_gguf()
     llm = LLM(MODEL_ALIAS, dtype="float32", max_num_seqs=max(64, BATCH))

@@ -146,8 +146,8 @@ int baton_cpu_has_avx512(void) {
  * kernels; the caller (gguf_kernel.py) calls it only when /proc/cpuinfo lists those flags, and
  * baton_gguf_gemv_avx512 itself refuses (-2) on a CPU without them, so it never faults. One
  * block is two vectors of 16: the same products x_j q_j, d and m as baton_gguf_gemm, summed
- * 16 lanes wide instead of 8 (float32 arithmetic, another summation order). Two output rows
- * per iteration give the out-of-order core two independent accumulation chains. */
+ * 16 lanes wide instead of 8 (float32 arithmetic, another summation order). GEMV_ROWS output
+ * rows per iteration share the x loads and give the core independent accumulation chains. */
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
 AVX512_TARGET static inline void quants16_q4_1(const uint8_t *qs, __m512 *q_lo, __m512 *q_hi) {
@@ -162,46 +162,44 @@ AVX512_TARGET static inline void quants16_q8_0(const uint8_t *qs, __m512 *q_lo, 
     *q_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
 }
 
-/* sum_j x_j q_j of one block, 16 lanes: x[0:16] q[0:16] + x[16:32] q[16:32]. */
-AVX512_TARGET static inline __m512 block_dot16(const float *xb, __m512 q_lo, __m512 q_hi) {
-    return _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), q_hi,
-                           _mm512_mul_ps(_mm512_loadu_ps(xb), q_lo));
-}
+#ifndef GEMV_ROWS
+#define GEMV_ROWS 2 /* output rows per iteration: independent accumulation chains (4, 8: no faster) */
+#endif
 
 AVX512_TARGET static void gemv_avx512(const float *x, int64_t K, const uint8_t *w, int64_t N,
                                       int32_t type, const float *xsum, float *y) {
     const int64_t block_bytes = type == 3 ? 20 : 34;
-    const int64_t quant_offset = type == 3 ? 4 : 2;
     const int64_t nb = K / QK;
-    const int64_t pairs = N / 2;
+    const int64_t groups = (N + GEMV_ROWS - 1) / GEMV_ROWS;
 #pragma omp parallel for schedule(static)
-    for (int64_t pair = 0; pair < pairs + (N & 1); pair++) {
-        const int64_t n0 = 2 * pair;
-        const int rows = n0 + 1 < N ? 2 : 1;
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-        float offset0 = 0.0f, offset1 = 0.0f;
-        const uint8_t *row0 = w + n0 * nb * block_bytes;
-        const uint8_t *row1 = rows == 2 ? row0 + nb * block_bytes : row0;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n0 = g * GEMV_ROWS;
+        const int rows = N - n0 < GEMV_ROWS ? (int)(N - n0) : GEMV_ROWS;
+        const uint8_t *row[GEMV_ROWS];
+        __m512 acc[GEMV_ROWS];
+        float offset[GEMV_ROWS];
+        for (int r = 0; r < GEMV_ROWS; r++) { /* a short last group repeats its last row */
+            row[r] = w + (n0 + (r < rows ? r : rows - 1)) * nb * block_bytes;
+            acc[r] = _mm512_setzero_ps();
+            offset[r] = 0.0f;
+        }
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + b * QK;
-            const uint8_t *blk0 = row0 + b * block_bytes, *blk1 = row1 + b * block_bytes;
-            __m512 q0_lo, q0_hi, q1_lo, q1_hi;
-            if (type == 3) {
-                quants16_q4_1(blk0 + quant_offset, &q0_lo, &q0_hi);
-                quants16_q4_1(blk1 + quant_offset, &q1_lo, &q1_hi);
-                offset0 += f16_to_f32(blk0 + 2) * xsum[b];
-                offset1 += f16_to_f32(blk1 + 2) * xsum[b];
-            } else {
-                quants16_q8_0(blk0 + quant_offset, &q0_lo, &q0_hi);
-                quants16_q8_0(blk1 + quant_offset, &q1_lo, &q1_hi);
+            const __m512 x_lo = _mm512_loadu_ps(xb), x_hi = _mm512_loadu_ps(xb + 16);
+            for (int r = 0; r < GEMV_ROWS; r++) {
+                const uint8_t *blk = row[r] + b * block_bytes;
+                __m512 q_lo, q_hi;
+                if (type == 3) {
+                    quants16_q4_1(blk + 4, &q_lo, &q_hi);
+                    offset[r] += f16_to_f32(blk + 2) * xsum[b];
+                } else {
+                    quants16_q8_0(blk + 2, &q_lo, &q_hi);
+                }
+                const __m512 p = _mm512_fmadd_ps(x_hi, q_hi, _mm512_mul_ps(x_lo, q_lo));
+                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(f16_to_f32(blk)), p, acc[r]);
             }
-            acc0 = _mm512_fmadd_ps(_mm512_set1_ps(f16_to_f32(blk0)), block_dot16(xb, q0_lo, q0_hi),
-                                   acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_set1_ps(f16_to_f32(blk1)), block_dot16(xb, q1_lo, q1_hi),
-                                   acc1);
         }
-        y[n0] = _mm512_reduce_add_ps(acc0) + offset0;
-        if (rows == 2) y[n0 + 1] = _mm512_reduce_add_ps(acc1) + offset1;
+        for (int r = 0; r < rows; r++) y[n0 + r] = _mm512_reduce_add_ps(acc[r]) + offset[r];
     }
 }
 
