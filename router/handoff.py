@@ -13,8 +13,9 @@ import random
 import time
 from collections.abc import Iterator
 
+from kvtransfer.errors import UnknownPeer
 from kvtransfer.worker_api import DecodeAPI, PrefillAPI, PromptRequest
-from router.migration import is_worker_failure
+from router.migration import PairNotReady, is_worker_failure
 
 
 def error_output(request_id: str, message: str, reason: str = "error") -> dict:
@@ -55,6 +56,9 @@ def generate_disaggregated(
     reservation = decode.reserve(request, prefill_id)
     try:
         first = prefill.prefill(request, decode_id, reservation)
+    except UnknownPeer as exc:  # not paired (yet): the router waits for the controller
+        decode.abort(request_id, propagate=False)
+        raise PairNotReady(prefill_id, decode_id, str(exc)) from exc
     except Exception as exc:  # noqa: BLE001 - reported to the client as this request's error
         decode.abort(request_id, propagate=False)
         out = error_output(request_id, f"prefill worker {prefill_id} failed: {exc}")

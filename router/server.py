@@ -3,8 +3,8 @@
 Errors are status codes with messages a user can act on, never a traceback: bad parameters
 or an empty prompt -> INVALID_ARGUMENT, prompt over max_model_len -> OUT_OF_RANGE, admission
 refused (a prompt that can never fit, or no free decode KV blocks after the router's wait) ->
-RESOURCE_EXHAUSTED, no worker -> UNAVAILABLE; a client cancel or deadline aborts the request
-on its workers.
+RESOURCE_EXHAUSTED, no worker, or the migration limit passed -> UNAVAILABLE; a client cancel
+or deadline aborts the request on its workers.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from engine.errors import EngineError, InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
 from router.errors import grpc_status
+from router.migration import MigrationLimitExceeded
 from router.policy import NoWorkerAvailable
 from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
@@ -121,8 +122,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except asyncio.CancelledError:  # client cancel or deadline
             await asyncio.to_thread(self.router.abort, request_id)
             raise
-        except (NoWorkerAvailable, EngineError) as exc:  # router/errors.py maps them
-            await context.abort(grpc_status(exc), str(exc))
+        except (NoWorkerAvailable, MigrationLimitExceeded, EngineError) as exc:
+            await context.abort(grpc_status(exc), str(exc))  # router/errors.py maps them
         finally:
             stream.close()
 
