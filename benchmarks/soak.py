@@ -118,14 +118,24 @@ def leaked_blocks(controller, worker_ids: list[str], settle_s: float) -> dict[st
         handle = ray.get(controller.handle.remote(w), timeout=60)
         clients[w] = (prefill_client if w.startswith("prefill") else decode_client)(handle, 60.0)
     deadline = time.monotonic() + settle_s
-    while True:
-        stats = {w: c.stats() for w, c in clients.items()}
-        idle = all(s.num_in_flight == 0 and s.free_blocks == s.num_blocks for s in stats.values())
+    while True:  # a worker Ray is restarting does not answer yet: ask again
+        stats, errors = {}, {}
+        for w, c in clients.items():
+            try:
+                stats[w] = c.stats()
+            except Exception as exc:  # noqa: BLE001 - restarting; reported if it stays so
+                errors[w] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        idle = not errors and all(
+            s.num_in_flight == 0 and s.free_blocks == s.num_blocks for s in stats.values()
+        )
         if idle or time.monotonic() > deadline:
             break
         time.sleep(1.0)
     out = {}
     for w, c in clients.items():
+        if w in errors:
+            out[w] = {"integrity": f"no answer: {errors[w]}", "leaked_blocks": 0, "in_flight": 0}
+            continue
         try:
             c.check_integrity()
             integrity = "ok"
@@ -451,9 +461,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['completed']} completed, {summary['failed']} failed {summary['failures']}, "
         f"{migrated} migrated"
     )
+    fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     print(
-        f"TTFT p50 / p99 {lat['ttft']['p50']:.0f} / {lat['ttft']['p99']:.0f} ms, "
-        f"E2E p50 / p99 {lat['e2e']['p50']:.0f} / {lat['e2e']['p99']:.0f} ms\n"
+        f"TTFT p50 / p99 {fmt(lat['ttft']['median'])} / {fmt(lat['ttft']['p99'])} ms, "
+        f"E2E p50 / p99 {fmt(lat['e2e']['median'])} / {fmt(lat['e2e']['p99'])} ms\n"
     )
     print(window_table(rows) + "\n")
     print(mem_table + f"\n(bound: +{args.rss_bound_mb:.0f} MiB per process)\n")

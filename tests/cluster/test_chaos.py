@@ -269,6 +269,13 @@ def test_requests_under_faults_complete_exactly_or_fail_documented(cluster, tiny
                 f"{o.start_s - t0:6.1f}s +{o.elapsed_s:4.1f}s {o.status} "
                 f"after {len(o.tokens)} tokens: {o.details[:150]}"
             )
+    late = [o.elapsed_s - o.spec.deadline_s for o in outcomes if o.status == "DEADLINE_EXCEEDED"]
+    print(f"deadline exceeded at most {max(late, default=0):.2f} s after the deadline")
+    for a in injector.applied:  # how soon a request sent after the fault completed
+        sent = [o.start_s - t0 - a.end_s for o in outcomes if o.status == "OK"]
+        back = min((x for x in sent if x > 0), default=None)
+        after = "none" if back is None else f"+{back:.1f} s"
+        print(f"{a.fault.kind} {a.fault.target} at {a.start_s:.1f} s: first OK sent {after}")
     assert summary.skipped == 0, injector.applied
     assert set(summary.by_kind) == {"kill", "freeze", "router"}, summary
 
