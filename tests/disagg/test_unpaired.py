@@ -3,10 +3,12 @@ was restarted and the controller has not paired them again yet) fails fast with 
 before any prefill work, and the Router neither fails the request (it used to be INTERNAL) nor
 counts a migration: it marks both workers unhealthy and waits for the controller's next health
 report, then serves the request with the colocated engine's tokens. Without a report within
-wait_for_workers_s the client gets UNAVAILABLE."""
+wait_for_workers_s the client gets UNAVAILABLE, as it does through the gRPC door when the
+migration limit is passed."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from decode_worker.worker import DecodeWorker
@@ -15,8 +17,12 @@ from kvtransfer import UnknownPeer
 from kvtransfer.worker_api import PromptRequest
 from prefill_worker.worker import PrefillWorker
 from router.errors import UNAVAILABLE, classify
+from router.proto import inference_pb2 as pb
+from router.proto import inference_pb2_grpc as pb_grpc
 from router.router import Router
+from router.server import start_server
 from tests.helpers import generate_in_thread, random_prompts, wait_until
+from tests.router.serving import BackgroundLoop
 
 PARAMS = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 NUM_BLOCKS = 128
@@ -81,3 +87,45 @@ def test_no_pair_within_the_wait_is_unavailable(workers):
         list(router.generate("r", random_prompts([6], seed=5)[0], PARAMS))
     assert classify(err.value) is UNAVAILABLE, err.value
     assert decode.stats().free_blocks == NUM_BLOCKS  # its reservation was aborted
+
+
+class DroppingDecodeWorker(DecodeWorker):
+    """A real decode worker whose connection drops once its first tokens went out (what a
+    killed worker looks like to the router)."""
+
+    def poll(self, request_id: str, timeout: float = 1.0):
+        outs = super().poll(request_id, timeout)
+        if outs:
+            self.abort(request_id, propagate=True)
+            raise ConnectionResetError(f"{self.worker_id}: connection reset")
+        return outs
+
+
+def test_migration_limit_passed_is_unavailable_on_grpc(tiny_llama):
+    """MigrationLimitExceeded reaches a gRPC client as UNAVAILABLE with the router's message
+    (it was UNKNOWN: 'Unexpected <class MigrationLimitExceeded>')."""
+    options = dict(
+        model=tiny_llama, skip_tokenizer_init=True, block_size=4, num_kv_blocks=NUM_BLOCKS
+    )
+    prefill, decode = PrefillWorker("p0", options), DroppingDecodeWorker("d0", options)
+    decode.connect_prefill("p0", prefill.connect_decode("d0", decode), prefill)
+    router = Router(
+        {"p0": prefill}, {"d0": decode}, block_size=4, hash_seed="baton", migration_limit=0
+    )
+    loop = BackgroundLoop()
+    server, port = loop.run(start_server(router, port=0))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            request = pb.GenerateRequest(
+                prompt_token_ids=pb.TokenIds(ids=random_prompts([9], seed=6)[0]),
+                sampling=pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+            )
+            with pytest.raises(grpc.RpcError) as err:
+                list(pb_grpc.InferenceStub(channel).Generate(request, timeout=60))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert "failed on workers d0 (migration_limit=0)" in err.value.details()
+    finally:
+        loop.run(server.stop(1))
+        loop.close()
+        prefill.shutdown()
+        decode.shutdown()
