@@ -34,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import grpc
@@ -198,9 +198,11 @@ class MigrationCounter:
 
 
 class SoakClient(GrpcClient):
-    """The bench's gRPC client, reconnecting within a second after a router restart (gRPC's
-    default backoff grows to minutes), and pausing REFUSED_BACKOFF_S after a request refused
-    at once (no router listening), as a client retrying with backoff would."""
+    """The bench's gRPC client as a patient client uses it: it reconnects within a second
+    after a router restart (gRPC's default backoff grows to minutes), and a request refused
+    at once because no router listens (it never reached one) is sent again after
+    REFUSED_BACKOFF_S, within its timeout; `refused` counts those retries. A stream cut
+    mid-way is not retried: it counts as failed, as its client saw it."""
 
     def __init__(self, address: str, start: float) -> None:
         super().__init__(address, start)
@@ -212,12 +214,24 @@ class SoakClient(GrpcClient):
             ],
         )
         self.stub = pb_grpc.InferenceStub(self.channel)
+        self.refused = 0
 
     async def generate(self, spec, run_id: str, timeout: float):
-        record, answer = await super().generate(spec, run_id, timeout)
-        if record.status == "UNAVAILABLE" and not record.chunks:
+        first_send = self.now()
+        deadline = first_send + timeout
+        while True:
+            record, answer = await super().generate(spec, run_id, timeout)
+            record = replace(record, send_s=first_send)  # latency includes the resends
+            never_reached = (
+                record.status == "UNAVAILABLE"
+                and not record.chunks
+                and ("failed to connect" in record.error or "Connection refused" in record.error)
+            )
+            if not never_reached or self.now() + REFUSED_BACKOFF_S > deadline:
+                return record, answer
+            self.refused += 1
             await asyncio.sleep(REFUSED_BACKOFF_S)
-        return record, answer
+            timeout = deadline - self.now()
 
 
 # ---- progress and report ------------------------------------------------------------------
@@ -374,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
             output_len=args.output_len,
         )
 
+        refused: list[int] = []  # per bench() call: requests sent again after a refusal
+
         def bench(n: int, seed: int, progress: ProgressSink | None) -> list[RequestRecord]:
             config = BenchConfig(
                 num_requests=n,
@@ -388,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     return await run_bench(client, workload, tokens, config, progress)
                 finally:
+                    refused.append(client.refused)
                     await client.close()
 
             return asyncio.run(go())
@@ -433,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         "failed": summary["failed"],
         "failures": summary["failures"],
         "migrated": migrated,
+        "refused_and_resent": refused[-1],
         "faults": asdict(faults),
         "fault_log": [
             {**asdict(a.fault), "pid": a.pid, "start_s": a.start_s, "error": a.error}
@@ -459,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{len(records)} requests in {run_s:.0f} s at {args.concurrency} streams "
         f"(faults {args.faults}: {faults.by_kind or '-'}, skipped {faults.skipped}): "
         f"{summary['completed']} completed, {summary['failed']} failed {summary['failures']}, "
-        f"{migrated} migrated"
+        f"{migrated} migrated; {refused[-1]} sends refused (no router listening) and resent"
     )
     fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     print(
