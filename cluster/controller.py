@@ -502,10 +502,14 @@ class Controller:
         pools = {role: {w.worker_id: w.handle for w in self._active(role)} for role in ROLES}
         pool_engine = m.spec.engine_for("prefill")
         max_model_len = None
-        if pools["decode"]:
-            decode = next(w for w in self._active("decode"))
-            info = ray.get(decode.handle.info.remote(), timeout=T.WORKER_INFO_S)
+        for decode in self._active("decode"):  # any that answers: one may be restarting
+            try:
+                info = ray.get(decode.handle.info.remote(), timeout=T.WORKER_INFO_S)
+            except Exception as exc:  # noqa: BLE001 - dead or restarting: ask the next one
+                logger.warning("info of %s: %s", decode.worker_id, short_error(exc))
+                continue
             max_model_len = info.max_model_len
+            break
         ray.get(
             self.router.set_workers.remote(
                 pools["prefill"],

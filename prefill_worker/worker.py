@@ -20,7 +20,7 @@ from typing import Any
 from engine import SamplingParams
 from engine.block_hash import hash_prompt_blocks
 from engine.config import use_device
-from kvtransfer import TransferDescriptor, dtype_name
+from kvtransfer import TransferDescriptor, UnknownPeer, dtype_name
 from kvtransfer.endpoint import TransferEndpoint
 from kvtransfer.worker_api import PrefillResult, PromptRequest, Reservation, Role
 
@@ -108,6 +108,8 @@ class PrefillWorker(TransferEndpoint):
         ack() or the lease ends.
         """
         rid, prompt, params = request.request_id, list(request.prompt_token_ids), request.params
+        if decode_id is not None:
+            self._sender(decode_id)  # not paired (yet): fail before any prefill work
         seed = request.seed if request.seed is not None else random.getrandbits(63)
         if decode_id is not None:
             self._computing[rid] = decode_id  # its reservation is renewed until it is prefilled
@@ -140,12 +142,17 @@ class PrefillWorker(TransferEndpoint):
                 f"dst_block_ids must list {len(missing)} blocks "
                 f"(prompt blocks {num_hit_blocks}..{num_blocks - 1})"
             )
+        try:
+            sender = self._sender(decode_id)
+        except UnknownPeer:  # unpaired while it prefilled
+            self.loop.run(self.engine.release_held, rid)
+            raise
         self.leases.grant(rid, decode_id, self.options.lease_seconds)
         cfg = self.engine.config
         hashes = tuple(
             hash_prompt_blocks(prompt, cfg.block_size, cfg.hash_seed, request.cache_salt)
         )
-        self._sender(decode_id).put(
+        sender.put(
             _SendJob(
                 rid,
                 decode_id,
@@ -203,10 +210,14 @@ class PrefillWorker(TransferEndpoint):
                 )
 
     def _sender(self, decode_id: str) -> queue.Queue:
+        """The send queue of a paired decode worker; UnknownPeer when there is no pair group
+        with it: never paired, unpaired, or either side restarted and not re-paired yet (the
+        router waits for the controller to pair them again)."""
         q = self._senders.get(decode_id)
         if q is None:
-            raise ValueError(
-                f"decode worker {decode_id!r} is not connected; call connect_decode first"
+            raise UnknownPeer(
+                f"prefill worker {self.worker_id!r} is not paired with decode worker "
+                f"{decode_id!r} (call connect_decode first)"
             )
         return q
 

@@ -16,8 +16,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from kvtransfer.errors import UnknownPeer
 from kvtransfer.worker_api import DecodeAPI, PrefillAPI, PrefillResult, PromptRequest, Reservation
-from router.migration import is_worker_failure
+from router.migration import PairNotReady, is_worker_failure
 
 # How often a request waiting for its prefill checks that the decode worker still holds its
 # reservation; the calls themselves run on this pool (a frozen worker's call may outlive it).
@@ -69,6 +70,9 @@ def generate_disaggregated(
     except _DecodeFailed as failed:  # the router blames the decode worker (migration.watch)
         _PREFILL_CALLS.submit(prefill.abort, request_id, False)
         raise failed.__cause__ from None
+    except UnknownPeer as exc:  # not paired (yet): the router waits for the controller
+        decode.abort(request_id, propagate=False)
+        raise PairNotReady(prefill_id, decode_id, str(exc)) from exc
     except Exception as exc:  # noqa: BLE001 - reported to the client as this request's error
         decode.abort(request_id, propagate=False)
         out = error_output(request_id, f"prefill worker {prefill_id} failed: {exc}")

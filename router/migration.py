@@ -48,6 +48,18 @@ class WorkerFailed(Exception):
         self.reason = reason
 
 
+class PairNotReady(Exception):
+    """The prefill worker has no pair group with the chosen decode worker (UnknownPeer): one of
+    them was restarted and the controller has not paired them again yet. Nothing was prefilled
+    or streamed, so this is no migration: the request waits until the controller's next health
+    report (sent after it re-paired restarted workers) marks both healthy, then goes again."""
+
+    def __init__(self, prefill_id: str, decode_id: str, reason: str) -> None:
+        super().__init__(f"workers {prefill_id} and {decode_id} are not paired: {reason}")
+        self.prefill_id = prefill_id
+        self.decode_id = decode_id
+
+
 class MigrationLimitExceeded(RuntimeError):
     """A request's workers failed more often than migration_limit allows (UNAVAILABLE / 503)."""
 

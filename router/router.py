@@ -29,7 +29,7 @@ from kvtransfer.worker_api import DecodeAPI, PrefillAPI, Role, WorkerStats
 from router.handoff import generate_disaggregated, generate_local
 from router.kv_index import KVIndex
 from router.metrics import RouterMetrics
-from router.migration import Progress, WorkerFailed, watch
+from router.migration import PairNotReady, Progress, WorkerFailed, watch
 from router.policy import (
     DecodeLoad,
     LoadTracker,
@@ -118,6 +118,11 @@ class Router:
         # request id -> ((prefill id, worker) or None when prefilled locally, (decode id, worker))
         self._active: dict[str, tuple[tuple[str, PrefillAPI] | None, tuple[str, DecodeAPI]]] = {}
         self._healthy: dict[str, bool] = {}  # from the controller; unknown = healthy
+        # The controller's health reports so far, and per worker the last one that found it
+        # healthy: a worker that failed a request is tried again by that request only once a
+        # later report found it healthy (restarted and re-paired, or answering again).
+        self._num_reports = 0
+        self._healthy_at: dict[str, int] = {}
         self.metrics = RouterMetrics()  # router/metrics.py; the scrape: metrics_exposition
         self.metrics.read_counter(
             "request_migrations",
@@ -205,9 +210,12 @@ class Router:
                     self.index.remove_worker(worker_id)
                     self.index.add_worker(worker_id)
                     self.load.forget(worker_id)
-            self._healthy.update(
-                {w: ok for w, ok in health.get("healthy", {}).items() if w in known}
-            )
+            self._num_reports += 1
+            for worker_id, ok in health.get("healthy", {}).items():
+                if worker_id in known:
+                    self._healthy[worker_id] = ok
+                    if ok:
+                        self._healthy_at[worker_id] = self._num_reports
             self._changed.notify_all()
 
     def abort(self, request_id: str) -> bool:
@@ -280,7 +288,9 @@ class Router:
         it moves: prompt + the tokens streamed so far go to other workers, the client's stream
         goes on; after migration_limit moves it fails with MigrationLimitExceeded."""
         progress = Progress(prompt_token_ids, params, self.migration_limit)
-        failed: set[str] = set()  # workers this request does not go back to
+        # Workers this request failed on -> the health reports seen then: it goes back to one
+        # only after a later report found it healthy again.
+        failed: dict[str, int] = {}
         timer = self.metrics.start()  # TTFT, ITL, E2E and finish reason as clients see them
         deadline = time.monotonic() + self.wait_for_workers_s
         while True:
@@ -300,7 +310,8 @@ class Router:
                 raise
             except WorkerFailed as exc:
                 logger.warning("request %s: %s; moving it", request_id, exc)
-                failed.add(exc.worker_id)
+                with self._lock:
+                    failed[exc.worker_id] = self._num_reports
                 progress.failed(exc)  # raises past migration_limit
                 with self._lock:
                     self.num_migrations += 1
@@ -317,12 +328,13 @@ class Router:
         cache_salt: str | None,
         hashes: list,
         deadline: float,
-        failed: set[str] = frozenset(),
+        failed: dict[str, int] | None = None,
     ) -> Generator[dict, None, bool]:
         """Choose workers and stream the request; returns True (having streamed nothing) when
         it must be tried again: the pools changed while choosing, or the decode worker's
         blocks went to other requests between its stats and the reservation. Raises
-        WorkerFailed when a worker fails (workers in `failed` are not chosen)."""
+        WorkerFailed when a worker fails (workers in `failed` are not chosen until a later
+        health report found them healthy)."""
         n = len(prompt_token_ids)
         self.refresh_index()
         while True:
@@ -393,6 +405,12 @@ class Router:
         except WorkerFailed as exc:
             self._worker_failed(request_id, exc, [prefill, decode])
             raise
+        except PairNotReady as exc:
+            logger.warning(
+                "request %s: %s; waiting for the controller to pair them", request_id, exc
+            )
+            self._mark_unhealthy(exc.prefill_id, exc.decode_id)
+            return True
         except Exception as exc:
             if not (
                 not prefilled
@@ -410,14 +428,17 @@ class Router:
         time.sleep(CAPACITY_POLL_S)  # the reservation was refused for now
         return True
 
-    def _choose(self, hashes: list, n: int, failed: set[str] = frozenset()):
+    def _choose(self, hashes: list, n: int, failed: dict[str, int] | None = None):
         """(prefill choice, or None when aggregated; decode choice, prefill pool, decode pool)
-        among healthy workers not in `failed`."""
+        among healthy workers, leaving out those in `failed` that no health report found
+        healthy since they failed."""
+        failed = failed or {}
         with self._lock:  # a worker set_workers removed is never picked after it returns
             prefill_pool, decode_pool = dict(self.prefill), dict(self.decode)
             health = dict(self._healthy)
+            back = {w for w, at in failed.items() if self._healthy_at.get(w, -1) > at}
             aggregated = self.aggregated
-        healthy = lambda w: health.get(w, True) and w not in failed  # noqa: E731
+        healthy = lambda w: health.get(w, True) and (w not in failed or w in back)  # noqa: E731
         choice = None
         # A moving request whose prefill workers all failed under it is prefilled on its
         # decode worker rather than failed: nothing is lost while a decode worker is left.
@@ -480,15 +501,20 @@ class Router:
         """Mark the failed worker unhealthy (until the controller's next health report) and
         abort the request on this attempt's workers, quietly: on the failed one in the
         background (it may hang), on the others now (the next attempt may reuse one)."""
-        with self._changed:
-            if exc.worker_id in {*self.prefill, *self.decode}:
-                self._healthy[exc.worker_id] = False
+        self._mark_unhealthy(exc.worker_id)
         for worker_id, worker in filter(None, workers):
             abort = lambda w=worker: w.abort(request_id, propagate=False)  # noqa: E731
             if worker_id == exc.worker_id:
                 self._calls.submit(_ask, worker_id, "abort", abort)
             else:
                 _ask(worker_id, "abort", abort)
+
+    def _mark_unhealthy(self, *worker_ids: str) -> None:
+        """No new requests go to these workers until the controller's next health report."""
+        with self._changed:
+            for worker_id in worker_ids:
+                if worker_id in {*self.prefill, *self.decode}:
+                    self._healthy[worker_id] = False
 
     def _finish(self, request_id: str) -> None:
         with self._lock:

@@ -3,8 +3,8 @@
 Errors are status codes with messages a user can act on, never a traceback: bad parameters
 or an empty prompt -> INVALID_ARGUMENT, prompt over max_model_len -> OUT_OF_RANGE, admission
 refused (a prompt that can never fit, or no free decode KV blocks after the router's wait) ->
-RESOURCE_EXHAUSTED, no worker -> UNAVAILABLE; a client cancel or deadline aborts the request
-on its workers.
+RESOURCE_EXHAUSTED, no worker, or the migration limit passed -> UNAVAILABLE; a client cancel
+or deadline aborts the request on its workers.
 """
 
 from __future__ import annotations

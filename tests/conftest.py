@@ -18,6 +18,7 @@ torch.set_num_threads(int(os.environ.get("BATON_TEST_THREADS", "1")))
 
 # Modules that start a local Ray cluster: `pytest -m "not ray"` is the fast inner loop.
 RAY_MODULES = (
+    "tests/cluster/test_chaos.py",
     "tests/cluster/test_grpc_on_ray.py",
     "tests/cluster/test_http_on_ray.py",
     "tests/cluster/test_controller_restart.py",
