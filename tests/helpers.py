@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -69,3 +72,16 @@ def wait_until(cond, timeout: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.01)
+
+
+def baton_deploy(address: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `baton deploy ARGS --address ADDRESS` in a new process, as a user does."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "deploy", *args, "--address", address],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
@@ -26,6 +24,7 @@ from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
 from tests.cluster.manifests import tiny_manifest
 from tests.deploy.streams import MAX_TOKENS, RequestStream, stream_prompt
+from tests.helpers import baton_deploy as baton
 
 ray = pytest.importorskip("ray")
 from ray.util.placement_group import placement_group  # noqa: E402
@@ -56,19 +55,6 @@ def generate(address: str, ids: list[int]) -> list[int]:
             timeout=60,
         )
         return [t for r in replies for t in r.token_ids]
-
-
-def baton(address: str, *args: str) -> subprocess.CompletedProcess:
-    """Run `baton deploy ARGS --address ADDRESS` in a new process, as a user does."""
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "deploy", *args, "--address", address],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
 
 
 def incarnations() -> dict[str, str]:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -26,6 +24,7 @@ from engine import LLM, SamplingParams
 from router.proto import inference_pb2 as pb
 from tests.cluster.manifests import tiny_manifest
 from tests.deploy.streams import MAX_TOKENS, RequestStream, stream_prompt
+from tests.helpers import baton_deploy as baton
 from tests.helpers import random_prompts
 
 ray = pytest.importorskip("ray")
@@ -77,18 +76,6 @@ def node_ids() -> dict[str, str]:
             (name,) = [r for r in n["Resources"] if r.startswith("node_")]
             out[name] = n["NodeID"]
     return out
-
-
-def baton(address: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "deploy", *args, "--address", address],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
 
 
 def wait_for_status(address: str, cond, what: str) -> dict:

@@ -6,10 +6,7 @@ Every request completes with the offline engine's tokens; none fails."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import threading
 import time
 
@@ -23,6 +20,7 @@ from engine import LLM, SamplingParams
 from router.proto import inference_pb2 as pb
 from tests.cluster.manifests import tiny_manifest
 from tests.deploy.streams import MAX_TOKENS, RequestStream, stream_prompt
+from tests.helpers import baton_deploy as baton
 from tests.helpers import random_prompts
 
 ray = pytest.importorskip("ray")
@@ -42,19 +40,6 @@ def down_after(ray_address):
     yield
     if baton_actors():
         baton(ray_address, "down")
-
-
-def baton(address: str, *args: str) -> subprocess.CompletedProcess:
-    """Run `baton deploy ARGS --address ADDRESS` in a new process."""
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "deploy", *args, "--address", address],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
 
 
 def status(address: str) -> dict:
