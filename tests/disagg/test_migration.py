@@ -180,25 +180,35 @@ def test_hung_decode_worker_times_out_and_moves(cluster_of, tiny_llama):
     c.check_clean()
 
 
-def test_prefill_worker_killed_before_kv_arrived_is_retried(cluster_of, tiny_llama):
-    # A long prompt in small steps: the kill lands while it is prefilling.
-    opts = dict(
-        engine_options(tiny_llama), block_size=16, num_kv_blocks=1024, max_num_batched_tokens=32
-    )
-    c = cluster_of(["p0", "p1"], ["d0"], opts)
-    router = c.router()
-    prompt = random_prompts([1500], seed=9)[0]
-    params = dict(max_tokens=8, ignore_eos=True, temperature=0.0)
-    want = expected_tokens(tiny_llama, prompt, params, opts)
+LONG_PARAMS = dict(max_tokens=8, ignore_eos=True, temperature=0.0)
+
+
+def long_prefill_options(model: str) -> dict:
+    """A long prompt in small steps: a fault lands while it is prefilling."""
+    return dict(engine_options(model), block_size=16, num_kv_blocks=1024, max_num_batched_tokens=32)
+
+
+def prefilling(router: Router, request_id: str, prompt) -> tuple[threading.Thread, dict, str]:
+    """Run the request (LONG_PARAMS) on a thread; once the router placed it: (the thread, the
+    dict its outputs go to under "outs", the prefill worker it runs on)."""
     result: dict = {}
     thread = threading.Thread(
-        target=lambda: result.update(outs=list(router.generate("pk", prompt, params)))
+        target=lambda: result.update(outs=list(router.generate(request_id, prompt, LONG_PARAMS)))
     )
     thread.start()
     deadline = time.monotonic() + 30
-    while "pk" not in router._active and time.monotonic() < deadline:
+    while request_id not in router._active and time.monotonic() < deadline:
         time.sleep(0.01)
-    victim = serving(router, "pk", router.prefill)
+    return thread, result, serving(router, request_id, router.prefill)
+
+
+def test_prefill_worker_killed_before_kv_arrived_is_retried(cluster_of, tiny_llama):
+    opts = long_prefill_options(tiny_llama)
+    c = cluster_of(["p0", "p1"], ["d0"], opts)
+    router = c.router()
+    prompt = random_prompts([1500], seed=9)[0]
+    want = expected_tokens(tiny_llama, prompt, LONG_PARAMS, opts)
+    thread, result, victim = prefilling(router, "pk", prompt)
     c.kill(victim)
     thread.join(120)
     outs = result["outs"]
@@ -212,23 +222,12 @@ def test_frozen_prefill_worker_lets_the_lease_lapse_and_the_request_moves(cluste
     """A prefill worker frozen (SIGSTOP) mid-prefill stops renewing the decode worker's
     reservation: within about a lease the request moves to the other prefill worker, long
     before the router's call to the frozen one would time out (its RPC timeout is 60 s)."""
-    opts = dict(
-        engine_options(tiny_llama), block_size=16, num_kv_blocks=1024, max_num_batched_tokens=32
-    )
+    opts = long_prefill_options(tiny_llama)
     c = cluster_of(["p0", "p1"], ["d0"], opts)
     router = c.router(rpc_timeout_s=60.0)
     prompt = random_prompts([1500], seed=19)[0]
-    params = dict(max_tokens=8, ignore_eos=True, temperature=0.0)
-    want = expected_tokens(tiny_llama, prompt, params, opts)
-    result: dict = {}
-    thread = threading.Thread(
-        target=lambda: result.update(outs=list(router.generate("frozen", prompt, params)))
-    )
-    thread.start()
-    deadline = time.monotonic() + 30
-    while "frozen" not in router._active and time.monotonic() < deadline:
-        time.sleep(0.01)
-    victim = serving(router, "frozen", router.prefill)
+    want = expected_tokens(tiny_llama, prompt, LONG_PARAMS, opts)
+    thread, result, victim = prefilling(router, "frozen", prompt)
     frozen_at = time.monotonic()
     os.kill(c.workers[victim].process.pid, signal.SIGSTOP)
     try:
