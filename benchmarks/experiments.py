@@ -318,11 +318,11 @@ EXPERIMENTS = {
             slo="ttft=3000,tpot=150",
             runs=(
                 *(
-                    Run(f"chunk {c}", Shape(0, 2, engine={"chunk_size": c}))
+                    Run(f"chunk {c}", Shape(0, 1, engine={"chunk_size": c}))
                     for c in (256, 512, 1024, 2048)
                 ),
                 *(
-                    Run(f"itl_target {t} ms", Shape(0, 2, engine={"itl_target_ms": t}))
+                    Run(f"itl_target {t} ms", Shape(0, 1, engine={"itl_target_ms": t}))
                     for t in (150, 300, 600)
                 ),
             ),
