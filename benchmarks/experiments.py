@@ -6,6 +6,7 @@ routing, conditional disaggregation and dynamic chunking pay off?
     python -m benchmarks.experiments agentic-policies   # routing policies, 2 prefill workers
     python -m benchmarks.experiments local-prefill      # conditional disaggregation sweep
     python -m benchmarks.experiments chunking           # fixed chunks vs itl_target_ms (Pareto)
+    python -m benchmarks.experiments idle               # one request at a time (sim calibration)
     python -m benchmarks.experiments all [--out runs/experiments] [--seed 0]
 
 Every run of an experiment starts its own local cluster (Ray in this process, workers and router
@@ -88,6 +89,7 @@ class Experiment:
     slo: str
     runs: tuple[Run, ...]
     verdict: Callable[[dict[str, dict]], list[str]]  # run name -> summary => lines
+    max_concurrency: int | None = None  # 1: one request at a time (no queueing anywhere)
 
 
 # ---- reading a summary ---------------------------------------------------------------------
@@ -201,6 +203,15 @@ def local_prefill_verdict(s: dict[str, dict]) -> list[str]:
         "thresholds beating both pure shapes on goodput: " + (", ".join(winners) or "none")
     )
     return lines
+
+
+def idle_verdict(s: dict[str, dict]) -> list[str]:
+    return [
+        f"{name}: TTFT p50 {_f(lat(x, 'ttft', 'median'))} ms, TPOT p50 "
+        f"{_f(lat(x, 'tpot', 'median'))} ms (python -m benchmarks.sim_calibration: the part "
+        "of TTFT the step profile does not explain)"
+        for name, x in s.items()
+    ]
 
 
 def chunking_verdict(s: dict[str, dict]) -> list[str]:
@@ -328,6 +339,20 @@ EXPERIMENTS = {
             ),
             verdict=chunking_verdict,
         ),
+        Experiment(
+            "idle",
+            "What does one request cost beyond its engine steps on an idle cluster? "
+            "(one request at a time; calibrates the simulator's control path)",
+            "random",
+            dict(input_len=256, output_len=16, range_ratio=0.5),
+            dict(input_len=24, output_len=4, range_ratio=0.5),
+            num_requests=16,
+            request_rate=math.inf,
+            max_concurrency=1,
+            slo="ttft=3000,tpot=150",
+            runs=(Run("aggregated", Shape(0, 1)), Run("disaggregated", DISAGGREGATED)),
+            verdict=idle_verdict,
+        ),
     )
 }
 
@@ -347,6 +372,7 @@ def run_one(
     config = BenchConfig(
         num_requests=args.num_requests or (8 if args.quick else experiment.num_requests),
         request_rate=args.request_rate or (math.inf if args.quick else experiment.request_rate),
+        max_concurrency=experiment.max_concurrency,
         seed=args.seed,
         timeout_s=args.timeout,
         block_size=engine.block_size,
@@ -418,11 +444,13 @@ def conditions(experiment: Experiment, base: dict, args: argparse.Namespace) -> 
     options = experiment.quick_options if args.quick else experiment.options
     n = args.num_requests or (8 if args.quick else experiment.num_requests)
     rate = args.request_rate or (math.inf if args.quick else experiment.request_rate)
+    limit = experiment.max_concurrency
+    concurrency = f", at most {limit} in flight" if limit else ""
     return (
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; {platform.machine()} {os.cpu_count()} CPUs, "
         f"load {os.getloadavg()[0]:.1f} at the end; model {base['spec']['model']['path']}; "
         f"workload {experiment.workload} {dict(options)}; {n} requests per run at {rate} req/s "
-        f"(Poisson); seed {args.seed}; SLO {experiment.slo}"
+        f"(Poisson){concurrency}; seed {args.seed}; SLO {experiment.slo}"
     )
 
 

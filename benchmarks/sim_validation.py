@@ -16,7 +16,7 @@ from pathlib import Path
 from benchmarks.driver import BenchConfig
 from benchmarks.report import summarize
 from benchmarks.sim.driver import simulate
-from benchmarks.simulate import DEFAULT_PROFILE, cluster_config
+from benchmarks.simulate import DEFAULT_PROFILE, add_overhead_args, cluster_config
 from benchmarks.timeline import read_results
 from benchmarks.workloads import WORKLOADS, TokenSpace
 
@@ -49,6 +49,8 @@ def simulated_summary(run_dir: Path, args: argparse.Namespace) -> tuple[dict, di
         profile=args.profile,
         kv_bandwidth_gbps=args.kv_bandwidth_gbps,
         kv_latency_ms=args.kv_latency_ms,
+        local_overhead_ms=args.local_overhead_ms,
+        remote_overhead_ms=args.remote_overhead_ms,
         **dict.fromkeys(
             (
                 "prefill",
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-bandwidth-gbps", type=float, default=2.0)
     p.add_argument("--kv-latency-ms", type=float, default=2.0)
     p.add_argument("--vocab-size", type=int, default=49152)
+    add_overhead_args(p)
     p.add_argument("--out", help="also write the table to this file")
     args = p.parse_args(argv)
     run_dirs = sorted(m.parent for m in Path(args.runs).rglob("manifest.yaml"))

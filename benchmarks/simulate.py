@@ -33,6 +33,8 @@ from benchmarks.workloads import TokenSpace, make_workload
 from engine.step_model import PROFILES_DIR, StepModel
 
 DEFAULT_PROFILE = PROFILES_DIR / "smollm2-135m-instruct-float32-cpu-1t.json"
+# The profile's entry for the measured control path: {"local": ms, "remote": ms}
+REQUEST_OVERHEAD_KEY = "request_overhead_ms"
 WORKER_FIELDS = (
     "block_size",
     "num_kv_blocks",
@@ -64,6 +66,18 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
         help="GB/s (1e9 bytes/s, as benchmarks.kvtransfer reports) of one transfer",
     )
     p.add_argument("--kv-latency-ms", type=float, default=2.0, help="fixed cost per transfer")
+    add_overhead_args(p)
+
+
+def add_overhead_args(p: argparse.ArgumentParser) -> None:
+    """The per-request control path (also read by benchmarks/sim_validation.py)."""
+    for path, where in (("local", "on its decode worker"), ("remote", "on a prefill worker")):
+        p.add_argument(
+            f"--{path}-overhead-ms",
+            type=float,
+            help=f"control path of a request prefilled {where} (router calls, streams; "
+            "default: the profile's request_overhead_ms from benchmarks.sim_calibration, else 0)",
+        )
 
 
 def run_parser() -> argparse.ArgumentParser:
@@ -101,6 +115,11 @@ def cluster_config(args: argparse.Namespace, seed: int = 0) -> tuple[ClusterConf
     data = json.loads(Path(args.profile).read_text())
     model = StepModel.from_json(data)
     dtype = data.get("key", {}).get("dtype", "float32")
+    overhead_ms = data.get(REQUEST_OVERHEAD_KEY, {})
+    for path in ("local", "remote"):
+        flag = getattr(args, f"{path}_overhead_ms", None)
+        if flag is not None:
+            overhead_ms = {**overhead_ms, path: flag}
     config = ClusterConfig(
         **shape,
         worker=worker,
@@ -108,6 +127,8 @@ def cluster_config(args: argparse.Namespace, seed: int = 0) -> tuple[ClusterConf
         block_bytes=block_bytes(shape_of(data), dtype, worker.block_size),
         kv_bandwidth_gbs=args.kv_bandwidth_gbps,
         kv_latency_s=args.kv_latency_ms / 1000.0,
+        local_overhead_s=overhead_ms.get("local", 0.0) / 1000.0,
+        remote_overhead_s=overhead_ms.get("remote", 0.0) / 1000.0,
         seed=seed,
     )
     return config, model

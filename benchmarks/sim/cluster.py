@@ -8,7 +8,10 @@ local_prefill_tokens. Local: D prefills and decodes. Remote: D reserves blocks (
 cached prefix + new ones; a reservation that does not fit waits on D), P prefills in chunks
 and samples the first token, the blocks D lacks travel, then (between two of D's steps, as
 its engine loop does it) the first token reaches the client and D decodes the rest.
-Transfers do not contend with each other.
+Transfers do not contend with each other. The control path (the router's Ray and gRPC calls,
+its index refresh, the streams back to the client) costs a measured fixed time per request,
+one for the local path and one for the remote one (benchmarks/sim_calibration.py): the
+request reaches its worker that much later, without occupying any worker meanwhile.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class ClusterConfig:
     block_bytes: int = 0  # KV bytes of one block (benchmarks/sim/kv_bytes.py)
     kv_bandwidth_gbs: float = 4.0  # GB/s (1e9 bytes) of one transfer
     kv_latency_s: float = 0.002  # fixed cost of one transfer
+    local_overhead_s: float = 0.0  # control path of a request prefilled on its decode worker
+    remote_overhead_s: float = 0.0  # control path of a request prefilled on a prefill worker
     seed: int = 0  # the random policy's
 
     def __post_init__(self) -> None:
@@ -50,6 +55,8 @@ class ClusterConfig:
             raise ValueError(f"need prefill >= 0 and decode >= 1, got {self.prefill}/{self.decode}")
         if self.kv_bandwidth_gbs <= 0:
             raise ValueError(f"kv bandwidth must be > 0 GB/s, got {self.kv_bandwidth_gbs}")
+        if self.local_overhead_s < 0 or self.remote_overhead_s < 0:
+            raise ValueError("request overheads must be >= 0 s")
 
 
 class SimCluster:
@@ -99,7 +106,7 @@ class SimCluster:
         worker = self.decode[d.worker_id]
         if choice is None or n - d.hit_blocks * bs <= self.config.local_prefill_tokens:
             r.prefill_worker = d.worker_id
-            worker.submit(Job(r, FULL, n))
+            self._after(self.config.local_overhead_s, worker.submit, Job(r, FULL, n))
             return
         r.prefill_worker = choice.worker_id
         job = Job(r, DECODE, n + 1, output=1, queued=n - choice.cached_tokens)
@@ -112,7 +119,14 @@ class SimCluster:
         self.load.dispatched(prefill_id, decode_job.queued)
         r = decode_job.request
         job = Job(r, PREFILL, r.prompt_tokens, peer=decode_job, queued=decode_job.queued)
-        self.prefill[prefill_id].submit(job)
+        self._after(self.config.remote_overhead_s, self.prefill[prefill_id].submit, job)
+
+    def _after(self, seconds: float, call, *args) -> None:
+        """call(*args) now, or `seconds` of control path later."""
+        if seconds > 0:
+            self.loop.at(self.loop.now + seconds, call, *args)
+        else:
+            call(*args)
 
     # ---- worker callbacks ---------------------------------------------------------------
     def prefilled(self, worker: SimWorker, job: Job) -> None:

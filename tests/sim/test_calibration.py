@@ -1,0 +1,75 @@
+"""The simulator's per-request control path: how it shifts a request, and that
+benchmarks/sim_calibration.py recovers it from idle runs (here: runs simulated with a known
+control path, standing in for the real runs of `python -m benchmarks.experiments idle`)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from benchmarks import sim_calibration
+from benchmarks.driver import BenchConfig
+from benchmarks.experiments import Shape
+from benchmarks.sim.cluster import ClusterConfig
+from benchmarks.sim.driver import simulate
+from benchmarks.simulate import DEFAULT_PROFILE, REQUEST_OVERHEAD_KEY
+from benchmarks.simulate import main as simulate_main
+from benchmarks.workloads import RandomWorkload, TokenSpace
+from deploy.manifest import load_manifest
+from engine.step_model import StepModel
+
+MODEL = StepModel({"const": 0.01, "prefill_tokens": 0.001})
+
+
+def ttft(cluster: ClusterConfig) -> float:
+    config = BenchConfig(num_requests=1)
+    workload = RandomWorkload(input_len=64, output_len=3)
+    (r,), _ = simulate(workload, TokenSpace(), config, cluster, MODEL)
+    return r.ttft
+
+
+@pytest.mark.parametrize("prefill", [0, 1])
+def test_control_path_delays_a_request_by_exactly_its_path(prefill):
+    bare = ttft(ClusterConfig(prefill=prefill))
+    timed = ttft(ClusterConfig(prefill=prefill, local_overhead_s=0.25, remote_overhead_s=0.6))
+    assert timed - bare == pytest.approx(0.25 if prefill == 0 else 0.6)
+
+
+def test_negative_overhead_is_refused():
+    with pytest.raises(ValueError, match="overheads"):
+        ClusterConfig(local_overhead_s=-0.1)
+
+
+def test_calibration_recovers_the_control_path_of_idle_runs(tmp_path, capsys):
+    from cluster.local import LOCAL_MANIFEST
+
+    base = load_manifest(LOCAL_MANIFEST).model_dump(mode="json")
+    for name, shape in (("aggregated", Shape(0, 1)), ("disaggregated", Shape(1, 1))):
+        run_dir = tmp_path / "idle" / name
+        run_dir.mkdir(parents=True)
+        manifest = run_dir / "manifest.yaml"
+        manifest.write_text(yaml.safe_dump(shape.manifest(base, "idle")))
+        argv = ["--manifest", str(manifest), "--workload", "random", "-o", "input_len=256"]
+        argv += ["-o", "output_len=4", "--num-requests", "6", "--max-concurrency", "1"]
+        argv += ["--local-overhead-ms", "250", "--remote-overhead-ms", "600", "--out", str(run_dir)]
+        argv += ["--kv-bandwidth-gbps", "2"]  # the bandwidth sim_calibration assumes
+        assert simulate_main(argv) == 0
+        results = json.loads((run_dir / "results.json").read_text())
+        results["config"]["workload_name"] = "random"  # as benchmarks/experiments.py records it
+        (run_dir / "results.json").write_text(json.dumps(results))
+    profile = tmp_path / "profile.json"
+    shutil.copy(DEFAULT_PROFILE, profile)
+    capsys.readouterr()
+    assert sim_calibration.main([str(tmp_path / "idle"), "--profile", str(profile), "--write"]) == 0
+    written = json.loads(profile.read_text())[REQUEST_OVERHEAD_KEY]
+    assert written == {"local": pytest.approx(250, abs=0.2), "remote": pytest.approx(600, abs=0.2)}
+    out = capsys.readouterr().out
+    assert "aggregated: TTFT p50 real" in out and "-> remote control path 600.0 ms" in out
+
+
+def test_calibration_without_runs_is_an_error(tmp_path, capsys):
+    assert sim_calibration.main([str(tmp_path)]) == 2
+    assert "no experiment runs" in capsys.readouterr().err
