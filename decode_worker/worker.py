@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,11 @@ from kvtransfer.lease import LeaseError
 from kvtransfer.worker_api import PromptRequest, Reservation, Role, TokenOutput
 
 logger = logging.getLogger(__name__)
+
+# A request's outputs wait this long after it finished for a reader: a router polls every live
+# request within a second or so, so a stream still unread after this lost its router (killed,
+# or restarted without the request) and is dropped with its outputs.
+ORPHAN_STREAM_TTL_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +99,7 @@ class DecodeWorker(TransferEndpoint):
         """Reserve blocks for the prompt (request.seed must be set); returns the blocks the
         prefill side must fill."""
         rid = request.request_id
+        self._drop_orphan_streams()
         stream = self.loop.open_stream(rid)
         try:
             ids, hits = self.loop.run(
@@ -125,6 +132,7 @@ class DecodeWorker(TransferEndpoint):
 
     def local_generate(self, request: PromptRequest) -> None:
         """Prefill locally (a short uncached tail: no transfer) and decode."""
+        self._drop_orphan_streams()
         stream = self.loop.submit(
             request.request_id,
             list(request.prompt_token_ids),
@@ -151,6 +159,23 @@ class DecodeWorker(TransferEndpoint):
             with self._lock:
                 self._streams.pop(request_id, None)
         return [token_output(o) for o in outs]
+
+    def _drop_orphan_streams(self) -> None:
+        """Forget finished streams nobody read for ORPHAN_STREAM_TTL_S (checked as new
+        requests come, so an idle worker keeps at most what its last requests left)."""
+        horizon = time.monotonic() - ORPHAN_STREAM_TTL_S
+        with self._lock:
+            orphans = [
+                rid
+                for rid, stream in self._streams.items()
+                if stream.completed_at is not None and stream.completed_at < horizon
+            ]
+            for rid in orphans:
+                del self._streams[rid]
+        if orphans:
+            logger.info(
+                "dropped %d finished streams nobody read (their router is gone)", len(orphans)
+            )
 
     def abort(self, request_id: str, propagate: bool = True) -> bool:
         """Abort everywhere: free this side's blocks and tell the prefill worker."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -28,9 +29,12 @@ class RequestStream:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._queue: queue.Queue[RequestOutput] = queue.Queue()
-        self.finished = False
+        self.finished = False  # the reader took the finished output
+        self.completed_at: float | None = None  # monotonic time the finished output came
 
     def put(self, out: RequestOutput) -> None:
+        if out.finished:
+            self.completed_at = time.monotonic()
         self._queue.put(out)
 
     def get(self, timeout: float | None = None) -> RequestOutput:

@@ -13,7 +13,14 @@ import pytest
 
 from decode_worker.worker import DecodeWorker
 from engine import LLM, SamplingParams
-from kvtransfer.worker_api import PrefillResult, Reservation, Role, TokenOutput, WorkerStats
+from kvtransfer.worker_api import (
+    PrefillResult,
+    PromptRequest,
+    Reservation,
+    Role,
+    TokenOutput,
+    WorkerStats,
+)
 from router.router import Router
 from tests.helpers import generate_in_thread, random_prompts, wait_until
 
@@ -31,6 +38,32 @@ def options(tiny_llama) -> dict:
         chunk_size=16,
         hash_seed="t",
     )
+
+
+def test_finished_streams_nobody_reads_are_dropped_as_new_requests_come(options, monkeypatch):
+    import decode_worker.worker as worker_module
+
+    worker = DecodeWorker("d0", options)
+    try:
+        prompts = random_prompts([6, 6], seed=303)
+        worker.local_generate(PromptRequest("orphan", tuple(prompts[0]), PARAMS))
+        wait_until(lambda: worker._streams["orphan"].completed_at is not None)
+        worker.local_generate(PromptRequest("kept", tuple(prompts[1]), PARAMS))
+        assert set(worker._streams) == {"orphan", "kept"}  # within the TTL: both kept
+        wait_until(lambda: worker._streams["kept"].completed_at is not None)
+        monkeypatch.setattr(worker_module, "ORPHAN_STREAM_TTL_S", 0.0)
+        worker.local_generate(PromptRequest("next", tuple(prompts[1]), PARAMS))
+        assert set(worker._streams) == {"next"}  # the two unread finished streams are gone
+        with pytest.raises(KeyError, match="unknown request 'orphan'"):
+            worker.poll("orphan")
+        outs = []
+        while not (outs and outs[-1].finished):
+            outs += worker.poll("next")
+        assert sum(len(o.token_ids) for o in outs) == PARAMS["max_tokens"]
+        pool = worker.engine.pool
+        assert pool.num_free_blocks == pool.num_blocks  # every block released (some cached)
+    finally:
+        worker.shutdown()
 
 
 def test_every_request_prefills_locally_and_a_shared_prefix_lands_where_it_is_cached(options):
