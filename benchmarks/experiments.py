@@ -214,15 +214,24 @@ def idle_verdict(s: dict[str, dict]) -> list[str]:
     ]
 
 
+def itl_beside_long(summary: dict, q: str = "p99") -> float | None:
+    """Chat inter-token gaps that overlap a long prompt's prefill (report.by_kind), in ms."""
+    return summary["by_kind"].get("chat", {}).get("itl_beside_long_prefill_ms", {}).get(q)
+
+
 def chunking_verdict(s: dict[str, dict]) -> list[str]:
     lines = []
     for name, x in s.items():
-        itl, ttft = lat(x, "itl", kind="chat"), lat(x, "ttft", "median", "long")
-        line = f"{name}: chat ITL p99 {_f(itl)} ms, long-prompt TTFT p50 {_f(ttft)} ms"
+        beside, ttft = itl_beside_long(x), lat(x, "ttft", "median", "long")
+        line = (
+            f"{name}: chat ITL p99 beside long prefills {_f(beside)} ms (all chat ITLs: "
+            f"{_f(lat(x, 'itl', kind='chat'))} ms), long-prompt TTFT p50 {_f(ttft)} ms"
+        )
         target = x["config"].get("itl_target_ms")
         if target:
-            ok = itl is not None and itl <= 1.1 * target
-            line += f" ({_f(itl / target if itl else None, '.2f')}x target: {_check(ok)} <= 1.1x)"
+            ok = beside is not None and beside <= 1.1 * target
+            ratio = _f(beside / target if beside else None, ".2f")
+            line += f" ({ratio}x target: {_check(ok)} <= 1.1x)"
         lines.append(line)
     return lines
 
@@ -483,7 +492,7 @@ def run_experiment(experiment: Experiment, base: dict, args: argparse.Namespace)
         if experiment.name == "chunking":
             pareto_figure(
                 {
-                    n: (lat(s, "itl", kind="chat"), lat(s, "ttft", "median", "long"))
+                    n: (itl_beside_long(s), lat(s, "ttft", "median", "long"))
                     for n, s in summaries.items()
                 },
                 out / experiment.name / "pareto.png",

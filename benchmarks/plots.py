@@ -126,8 +126,8 @@ def compare_figure(runs: dict[str, tuple[dict, list[RequestRecord]]], path: Path
 
 
 def pareto_figure(points: dict[str, tuple[float | None, float | None]], path: Path) -> Path:
-    """One point per run: running decodes' ITL p99 (x, ms) against the long prompts' TTFT
-    (y, ms); lower-left is better on both. Runs missing either value are left out."""
+    """One point per run: the chats' ITL p99 beside long prefills (x, ms) against the long
+    prompts' TTFT (y, ms); lower-left is better on both. Runs missing either are left out."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for name, (itl, ttft) in points.items():
@@ -139,7 +139,7 @@ def pareto_figure(points: dict[str, tuple[float | None, float | None]], path: Pa
             name, (itl, ttft / 1000.0), fontsize="small", xytext=(4, 4), textcoords="offset points"
         )
     ax.set(
-        xlabel="chat ITL p99 (ms)",
+        xlabel="chat ITL p99 beside long prefills (ms)",
         ylabel="long-prompt TTFT p50 (s)",
         title="ITL vs long-prompt TTFT (o fixed chunk, s itl_target_ms)",
     )

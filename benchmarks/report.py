@@ -105,15 +105,37 @@ def latency_ms(records: list[RequestRecord]) -> dict:
     )
 
 
+def itls_beside_prefills(records: list[RequestRecord], prefilling: list[RequestRecord]) -> list:
+    """The inter-token gaps of `records` that overlap a prefill of `prefilling` (from a
+    request's send to its first token): what a decode waits while a prompt is computed
+    beside it. Seconds."""
+    windows = [(r.send_s, r.chunks[0][0]) for r in prefilling if r.ok and r.chunks]
+    gaps = []
+    for r in records:
+        if not r.ok:
+            continue
+        times = [t for t, _ in r.chunks]
+        for start, end in zip(times, times[1:], strict=False):
+            if any(start < w_end and end > w_start for w_start, w_end in windows):
+                gaps.append(end - start)
+    return gaps
+
+
 def by_kind(records: list[RequestRecord]) -> dict:
-    """latency_ms per request kind, with the count; {} when every request is of one kind."""
+    """latency_ms per request kind, with the count; {} when every request is of one kind.
+    With "long" requests, the other kinds also get itl_beside_long_prefill_ms: their
+    inter-token gaps that overlap a long prompt's prefill (itls_beside_prefills)."""
     kinds = sorted({r.kind for r in records})
     if len(kinds) < 2:
         return {}
+    longs = [r for r in records if r.kind == "long"]
     out = {}
     for kind in kinds:
         mine = [r for r in records if r.kind == kind]
         out[kind] = dict(requests=len(mine), latency_ms=latency_ms(mine))
+        if longs and kind != "long":
+            gaps = itls_beside_prefills(mine, longs)
+            out[kind]["itl_beside_long_prefill_ms"] = dict(stats_ms(gaps), count=len(gaps))
     return out
 
 
@@ -210,6 +232,11 @@ def table(summary: dict) -> str:
             lines.append(
                 f"  {(kind + ' ' + name.upper() + ' (' + str(k['requests']) + ')'):<26}{cells}"
             )
+        beside = k.get("itl_beside_long_prefill_ms")
+        if beside:
+            cells = "".join(f"{_ms(beside[q]):>9}" for q in ("mean", "median", "p90", "p99"))
+            label = f"{kind} ITL by long prefill ({beside['count']})"
+            lines.append(f"  {label:<26}{cells}")
     c = summary["cache"]
     lines.append(
         f"{'cached prompt tokens':<28}{c['cached_fraction']:.1%}"

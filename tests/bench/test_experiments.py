@@ -103,17 +103,22 @@ def test_policies_verdict_hit_rate_balance_and_best_goodput():
     assert "target cache_aware best goodput (best: round_robin): NOT met" in lines
 
 
-def test_chunking_verdict_compares_itl_with_its_target():
+def test_chunking_verdict_compares_itl_beside_long_prefills_with_its_target():
     s = {
-        "chunk 512": summary(chat={"itl": {"p99": 2000.0}}, long={"ttft": {"median": 30000.0}}),
+        "chunk 512": summary(chat={"itl": {"p99": 90.0}}, long={"ttft": {"median": 30000.0}}),
         "itl_target 300 ms": summary(
-            chat={"itl": {"p99": 320.0}},
+            chat={"itl": {"p99": 250.0}},
             long={"ttft": {"median": 40000.0}},
             config={"itl_target_ms": 300},
         ),
     }
+    s["chunk 512"]["by_kind"]["chat"]["itl_beside_long_prefill_ms"] = {"p99": 2000.0}
+    s["itl_target 300 ms"]["by_kind"]["chat"]["itl_beside_long_prefill_ms"] = {"p99": 320.0}
     lines = chunking_verdict(s)
-    assert lines[0] == "chunk 512: chat ITL p99 2000 ms, long-prompt TTFT p50 30000 ms"
+    assert lines[0] == (
+        "chunk 512: chat ITL p99 beside long prefills 2000 ms (all chat ITLs: 90 ms), "
+        "long-prompt TTFT p50 30000 ms"
+    )
     assert lines[1].endswith("(1.07x target: met <= 1.1x)")
 
 

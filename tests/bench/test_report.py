@@ -145,3 +145,19 @@ def test_latencies_by_kind():
     assert "long TTFT (1)" in table(s)
     one_kind = [r for r in timeline() if r.kind == "chat"]
     assert summarize(one_kind)["by_kind"] == {}
+
+
+def test_chat_itls_beside_a_long_prefill():
+    """Only the chat gaps that overlap the long prompt's prefill (sent 1.0, first token 2.0)."""
+    r = RequestRecord
+    records = [
+        r("L", 1.0, 2.5, ((2.0, 1), (2.5, 1)), 4000, kind="long"),
+        # gaps 0.4 (before), 0.5 and 0.7 (overlap the window), 0.1 (after)
+        r("x", 0.4, 2.2, ((0.5, 1), (0.9, 1), (1.4, 1), (2.1, 1), (2.2, 1)), 16),
+        r("y", 1.2, 1.3, ((1.25, 1), (1.3, 1)), 16, status="CANCELLED", error="gone"),
+    ]
+    chat = summarize(records)["by_kind"]["chat"]
+    beside = chat["itl_beside_long_prefill_ms"]
+    assert beside == pytest.approx(dict(mean=600, median=600, p90=680, p99=698, count=2))
+    assert "itl_beside_long_prefill_ms" not in summarize(records)["by_kind"]["long"]
+    assert "chat ITL by long prefill (2)" in table(summarize(records))
