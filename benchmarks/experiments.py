@@ -477,9 +477,26 @@ def summary_markdown(experiment: Experiment, summaries: dict[str, dict], cond: s
     )
 
 
+def report_again(run_dir: Path) -> dict:
+    """A finished run's summary with the report's per-kind figures computed again from its
+    records (for reports extended after the run); results.json rewritten."""
+    from benchmarks.report import by_kind
+    from benchmarks.timeline import read_results
+
+    summary, records = read_results(run_dir)
+    summary["by_kind"] = by_kind(records)
+    write_results(run_dir, summary, records)
+    return summary
+
+
 def run_experiment(experiment: Experiment, base: dict, args: argparse.Namespace) -> dict:
     out = Path(args.out)
-    summaries = {run.name: run_one(experiment, run, base, args, out) for run in experiment.runs}
+    if args.report_only:
+        summaries = {
+            r.name: report_again(out / experiment.name / slug(r.name)) for r in experiment.runs
+        }
+    else:
+        summaries = {r.name: run_one(experiment, r, base, args, out) for r in experiment.runs}
     text = summary_markdown(experiment, summaries, conditions(experiment, base, args))
     path = out / experiment.name / "summary.md"
     path.write_text(text)
@@ -518,6 +535,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny workloads (tests)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: the summary, verdicts and plots again from OUT's results.json files",
+    )
     args = p.parse_args(argv)
     from cluster.local import LOCAL_MANIFEST
     from deploy.manifest import load_manifest

@@ -33,6 +33,13 @@ def test_quick_aggregated_run_prefills_every_prompt_locally(tiny_llama, tmp_path
     assert "seed 3" in text and "8 requests per run" in text
     assert "no verdict: run 'disaggregated' was not part of this invocation" in text
     assert "written:" in capsys.readouterr().out
+    # the report again from results.json alone (no cluster): the same summary
+    (out / "short-random" / "summary.md").unlink()
+    assert main([*argv, "--only", "aggregated", "--quiet", "--no-plots", "--report-only"]) == 0
+    assert "8 requests per run" in (out / "short-random" / "summary.md").read_text()
+    again = json.loads((out / "short-random" / "aggregated" / "results.json").read_text())
+    assert again == results
+    capsys.readouterr()
     # the run simulated again from its manifest.yaml and results.json
     assert sim_validation.main([str(out), "--vocab-size", "512"]) == 0
     table = capsys.readouterr().out.splitlines()
