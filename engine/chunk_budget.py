@@ -4,16 +4,24 @@ target (engine option itl_target_ms), the step-time model corrected online.
 Each step the scheduler opens a StepPlan, adds its decode rows, then asks for each prefill
 chunk in turn: a chunk gets the most tokens whose predicted step (decodes, earlier chunks and
 this one) stays within the target, and the first chunk of a step at least `min_tokens` so a
-prompt always advances. The correction is an EWMA of measured / predicted seconds over steps
-that had prefill tokens (the steps the budget shapes).
+prompt always advances. The correction is measured / predicted seconds over steps that had
+prefill tokens (the steps the budget shapes): its EWMA, or where that is lower, the
+TAIL_QUANTILE of the last RECENT_STEPS ratios, so that steps slower than usual (a shared
+CPU, a cache miss) stay within the target too: the target bounds the tail of the step
+times, not their mean.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from engine.step_model import StepModel, StepShape
 
 RATIO_LIMITS = (0.1, 10.0)  # one measured step moves the ratio at most by this factor
 TOLERANCE = 1e-9  # relative slack when comparing a prediction with the target
+RECENT_STEPS = 20  # ratios the tail is taken over
+TAIL_QUANTILE = 0.9  # the ratio planned with: this quantile of the recent ones (or the EWMA)
+MIN_TAIL_STEPS = 5  # before this many ratios, the EWMA alone
 
 
 class ChunkBudget:
@@ -29,10 +37,19 @@ class ChunkBudget:
         self.min_tokens = min_tokens
         self.alpha = alpha
         self.ratio = 1.0  # EWMA of measured / predicted seconds
+        self.recent: deque[float] = deque(maxlen=RECENT_STEPS)  # the last ratios
+
+    def planning_ratio(self) -> float:
+        """The correction plans use: the EWMA, or the recent ratios' tail where higher."""
+        if len(self.recent) < MIN_TAIL_STEPS:
+            return self.ratio
+        ordered = sorted(self.recent)
+        tail = ordered[min(len(ordered) - 1, int(TAIL_QUANTILE * len(ordered)))]
+        return max(self.ratio, tail)
 
     def predict(self, shape: StepShape) -> float:
         """Corrected predicted seconds of a step of this shape."""
-        return self.ratio * self.model.predict(shape)
+        return self.planning_ratio() * self.model.predict(shape)
 
     def plan(self) -> StepPlan:
         """An empty plan for the next step."""
@@ -46,6 +63,7 @@ class ChunkBudget:
         low, high = RATIO_LIMITS
         ratio = min(max(seconds / predicted, self.ratio * low), self.ratio * high)
         self.ratio += self.alpha * (ratio - self.ratio)
+        self.recent.append(ratio)
 
 
 class StepPlan:

@@ -315,6 +315,7 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> StepResult:
         """Schedule one batch, run it, and return what each request gained."""
+        step_start = time.perf_counter()
         result = StepResult(outputs=self.take_pending())
         batch = self.scheduler.schedule()
         result.scheduled = dict(batch.num_tokens)
@@ -326,12 +327,9 @@ class LLMEngine:
                 self.metrics.scheduled(req, now)
         if not batch.is_empty():
             rows = [self._row(req, batch.num_tokens[req.request_id]) for req in batch.requests]
-            start = time.perf_counter()
             tokens, logprobs = self.runner.execute(rows)
-            if self.scheduler.budget is not None:
-                if self.runner.device.type == "cuda":  # a partial prefill returns unsynced
-                    torch.cuda.synchronize(self.runner.device)
-                self.scheduler.observe(batch, time.perf_counter() - start)
+            if self.scheduler.budget is not None and self.runner.device.type == "cuda":
+                torch.cuda.synchronize(self.runner.device)  # a partial prefill returns unsynced
             sampled = self.scheduler.update_after_step(batch)
             now = time.monotonic()
             for req, token, lp in zip(sampled, tokens, logprobs, strict=True):
@@ -341,6 +339,8 @@ class LLMEngine:
                 result.outputs[req.request_id] = earlier.merged(out) if earlier else out
         result.kv_events = self.pool.take_events()
         self.record_state(len(batch.preempted))
+        if not batch.is_empty():  # the whole step, scheduling and outputs too: what ITL sees
+            self.scheduler.observe(batch, time.perf_counter() - step_start)
         return result
 
     def record_state(self, preempted: int = 0) -> None:

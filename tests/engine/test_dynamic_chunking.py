@@ -77,6 +77,23 @@ def test_online_correction_scales_the_budget_by_the_measured_ratio():
     assert budget.ratio == pytest.approx(1.0625 + 0.25 * (0.10625 - 1.0625))
 
 
+def test_plans_with_the_tail_of_recent_ratios():
+    budget = ChunkBudget(LINEAR, 0.050, 4, alpha=0.25)
+    prefill = StepShape.of(chunks=[(0, 400)])  # predicted 50 ms
+    for _ in range(9):
+        budget.observe(prefill, 0.050)
+    assert budget.planning_ratio() == 1.0 and budget.plan().grant(0, 5000) == 400
+    budget.observe(prefill, 0.100)  # one step twice as slow: the 90% quantile of 10 ratios
+    assert budget.ratio == pytest.approx(1.25)
+    assert budget.planning_ratio() == pytest.approx(2.0)
+    assert budget.plan().grant(0, 5000) == 150  # 2 * (10 + 0.1 n) <= 50 ms
+    for _ in range(10):  # 20 ratios, one slow: the quantile is 1.0 again, the EWMA decays
+        budget.observe(prefill, 0.050)
+    assert budget.ratio == pytest.approx(1 + 0.25 * 0.75**10)
+    assert budget.planning_ratio() == budget.ratio
+    assert budget.plan().grant(0, 5000) == 393  # (50 / 1.0141 - 10) / 0.1 = 393.0
+
+
 def test_no_target_no_plan():
     sched = make_scheduler()
     sched.add(make_request("a", range(40), max_tokens=1))
