@@ -10,6 +10,7 @@ and the prefix-cache hit rate are printed (the simulator's target: within 10%).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -51,6 +52,7 @@ def simulated_summary(run_dir: Path, args: argparse.Namespace) -> tuple[dict, di
         kv_latency_ms=args.kv_latency_ms,
         local_overhead_ms=args.local_overhead_ms,
         remote_overhead_ms=args.remote_overhead_ms,
+        shared_cores=args.shared_cores,
         **dict.fromkeys(
             (
                 "prefill",
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-bandwidth-gbps", type=float, default=2.0)
     p.add_argument("--kv-latency-ms", type=float, default=2.0)
     p.add_argument("--vocab-size", type=int, default=49152)
-    add_overhead_args(p)
+    add_overhead_args(p, shared_cores=os.cpu_count())
     p.add_argument("--out", help="also write the table to this file")
     args = p.parse_args(argv)
     run_dirs = sorted(m.parent for m in Path(args.runs).rglob("manifest.yaml"))

@@ -69,8 +69,18 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     add_overhead_args(p)
 
 
-def add_overhead_args(p: argparse.ArgumentParser) -> None:
-    """The per-request control path (also read by benchmarks/sim_validation.py)."""
+def add_overhead_args(p: argparse.ArgumentParser, shared_cores: int | None = None) -> None:
+    """The per-request control path and the cores workers share (also read by
+    benchmarks/sim_validation.py, whose runs share this machine's cores)."""
+    p.add_argument(
+        "--shared-cores",
+        type=int,
+        default=shared_cores,
+        help="the workers run on one machine with this many cores: a step starting while more "
+        "workers compute runs busy/cores times slower (default: "
+        + ("each worker has its own" if shared_cores is None else f"{shared_cores}, this machine's")
+        + "; 0: each its own)",
+    )
     for path, where in (("local", "on its decode worker"), ("remote", "on a prefill worker")):
         p.add_argument(
             f"--{path}-overhead-ms",
@@ -127,6 +137,7 @@ def cluster_config(args: argparse.Namespace, seed: int = 0) -> tuple[ClusterConf
         block_bytes=block_bytes(shape_of(data), dtype, worker.block_size),
         kv_bandwidth_gbs=args.kv_bandwidth_gbps,
         kv_latency_s=args.kv_latency_ms / 1000.0,
+        shared_cores=getattr(args, "shared_cores", None) or None,
         local_overhead_s=overhead_ms.get("local", 0.0) / 1000.0,
         remote_overhead_s=overhead_ms.get("remote", 0.0) / 1000.0,
         seed=seed,

@@ -12,6 +12,9 @@ Transfers do not contend with each other. The control path (the router's Ray and
 its index refresh, the streams back to the client) costs a measured fixed time per request,
 one for the local path and one for the remote one (benchmarks/sim_calibration.py): the
 request reaches its worker that much later, without occupying any worker meanwhile.
+With shared_cores set (a cluster of CPU workers on one machine, as the experiments run here),
+a step that starts while more workers compute than there are cores takes busy / cores times
+its profiled time: each worker was profiled with a core of its own.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class ClusterConfig:
     kv_latency_s: float = 0.002  # fixed cost of one transfer
     local_overhead_s: float = 0.0  # control path of a request prefilled on its decode worker
     remote_overhead_s: float = 0.0  # control path of a request prefilled on a prefill worker
+    shared_cores: int | None = None  # cores all workers share (one machine); None: one each
     seed: int = 0  # the random policy's
 
     def __post_init__(self) -> None:
@@ -57,6 +61,8 @@ class ClusterConfig:
             raise ValueError(f"kv bandwidth must be > 0 GB/s, got {self.kv_bandwidth_gbs}")
         if self.local_overhead_s < 0 or self.remote_overhead_s < 0:
             raise ValueError("request overheads must be >= 0 s")
+        if self.shared_cores is not None and self.shared_cores < 1:
+            raise ValueError(f"shared cores must be >= 1, got {self.shared_cores}")
 
 
 class SimCluster:
@@ -83,10 +89,17 @@ class SimCluster:
         self.pending: dict[str, deque[tuple[str, Job]]] = {w: deque() for w in self.decode}
         self.transfers = 0
         self.bytes_moved = 0
+        self.busy_workers = 0  # workers with a step in flight (SimWorker._set_busy)
 
     @property
     def block_size(self) -> int:
         return self.config.worker.block_size
+
+    def slowdown(self) -> float:
+        """How much slower a step starting now runs than its profile: busy workers over the
+        shared cores, at least 1 (1 without shared_cores)."""
+        cores = self.config.shared_cores
+        return 1.0 if cores is None else max(1.0, self.busy_workers / cores)
 
     def workers(self) -> dict[str, list[str]]:
         return {"prefill": list(self.prefill), "decode": list(self.decode)}

@@ -155,7 +155,7 @@ class SimWorker:
     # ---- steps -------------------------------------------------------------------------
     def _kick(self) -> None:
         if not self.busy and (self.running or self.waiting):
-            self.busy = True
+            self._set_busy(True)
             self.loop.at(self.loop.now, self._step)
 
     def _step(self) -> None:
@@ -187,14 +187,22 @@ class SimWorker:
             budget -= n
         self._publish()
         if not rows:  # everything waits for blocks: idle until some are freed
-            self.busy = False
+            self._set_busy(False)
             return
         if plan is not None:
             seconds = self.model.predict(plan.shape)
         else:
             seconds = self.model.predict(StepShape(*shape))
+        seconds *= self.cluster.slowdown()
         self.steps += 1
         self.loop.at(self.loop.now + seconds, self._step_done, rows)
+
+    def _set_busy(self, busy: bool) -> None:
+        """Mark this worker computing (a step in flight or about to start) or idle; the
+        cluster counts busy workers for its shared-core slowdown."""
+        if busy != self.busy:
+            self.busy = busy
+            self.cluster.busy_workers += 1 if busy else -1
 
     def _chunk(self, job: Job, budget: int, plan, shape: list[int], running: bool) -> int:
         """engine/scheduler.py's Scheduler._chunk (a running job with one token left is a
@@ -238,7 +246,7 @@ class SimWorker:
                 self.release(job)
                 self.cluster.finished(self, job)
         self._publish()
-        self.busy = False
+        self._set_busy(False)
         calls, self._between_steps = self._between_steps, []
         for call in calls:
             call()

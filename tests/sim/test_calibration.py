@@ -73,3 +73,20 @@ def test_calibration_recovers_the_control_path_of_idle_runs(tmp_path, capsys):
 def test_calibration_without_runs_is_an_error(tmp_path, capsys):
     assert sim_calibration.main([str(tmp_path)]) == 2
     assert "no experiment runs" in capsys.readouterr().err
+
+
+def test_steps_slow_down_while_more_workers_compute_than_shared_cores():
+    workload = RandomWorkload(input_len=64, output_len=1)
+    config = BenchConfig(num_requests=2)  # both at once, one per decode worker
+
+    def ttfts(cores):
+        cluster = ClusterConfig(prefill=0, decode=2, shared_cores=cores)
+        records, run = simulate(workload, TokenSpace(), config, cluster, MODEL)
+        assert run.cluster.busy_workers == 0  # every worker idle again at the end
+        return sorted(r.ttft for r in records)
+
+    step = 0.01 + 0.064  # one 64-token prefill step
+    assert ttfts(None) == pytest.approx([step, step])
+    assert ttfts(2) == pytest.approx([step, step])  # a core each
+    # one core: the second worker's step starts while the first computes, at half speed
+    assert ttfts(1) == pytest.approx([step, 2 * step])
