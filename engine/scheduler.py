@@ -3,11 +3,8 @@
 Each step: running requests first (decodes, then unfinished prefills, in admission order),
 then waiting requests in arrival order. A request gets min(remaining, chunk_size, budget)
 tokens; decodes get one. With a ChunkBudget (itl_target_ms) a prefill chunk instead gets what
-the budget grants within min(remaining, budget): chunk_size no longer applies, and after the
-decodes the prompts (running and waiting alike) are served shortest remaining first, so that a
-short prompt is not held behind every chunk of a long one that fills the target. When blocks
-run out the newest running request is preempted (blocks freed, requeued at the front for
-recompute).
+the budget grants within min(remaining, budget): chunk_size no longer applies. When blocks run
+out the newest running request is preempted (blocks freed, requeued at the front for recompute).
 """
 
 from __future__ import annotations
@@ -94,22 +91,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        if out.plan is not None:
-            budget = self._schedule_running(decodes, out, budget)
-            self._schedule_prompts_shortest_first(prefills, out, budget)
-            return out
-        self._schedule_running(decodes + prefills, out, budget)
-        # Budget given back by preempted requests stays unused by running ones this step.
-        if not out.preempted:
-            self._admit_waiting(out, self.config.max_num_batched_tokens - out.total_tokens)
-        return out
-
-    def _schedule_running(self, requests: list[Request], out: SchedulerOutput, budget: int) -> int:
-        """Running requests in this order, each its chunk (preempting for blocks); returns the
-        budget left (tokens of requests preempted meanwhile are not given back)."""
-        for req in requests:
+        for req in decodes + prefills:
             if req.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this step
+                continue  # preempted earlier in this loop
             n = self._chunk(req, budget, out.plan)
             if n <= 0:
                 continue
@@ -118,29 +102,11 @@ class Scheduler:
             budget -= n
             out.requests.append(req)
             out.num_tokens[req.request_id] = n
-        return budget
-
-    def _schedule_prompts_shortest_first(
-        self, prefills: list[Request], out: SchedulerOutput, budget: int
-    ) -> None:
-        """With a plan: running prefills and waiting prompts by remaining tokens (ties: running
-        first, then arrival order), each what the plan grants. Waiting ones are admitted as in
-        _admit_waiting; none after a preemption, a refused admission or max_num_seqs."""
-        waiting = [] if out.preempted else list(self.waiting)
-        order = sorted(
-            [(r.num_tokens - r.num_computed_tokens, 0, i, r) for i, r in enumerate(prefills)]
-            + [(r.num_tokens, 1, i, r) for i, r in enumerate(waiting)],
-            key=lambda t: t[:3],
-        )
-        admitting = True
-        for _, is_waiting, _, req in order:
-            if not is_waiting:
-                budget = self._schedule_running([req], out, budget)
-                admitting = admitting and not out.preempted
-            elif admitting and self._admit(req, out, budget):
-                budget -= out.num_tokens[req.request_id]
-            else:
-                admitting = False
+        # Budget given back by preempted requests stays unused by running ones this step.
+        budget = self.config.max_num_batched_tokens - out.total_tokens
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
 
     def _chunk(self, req: Request, budget: int, plan: StepPlan | None) -> int:
         """Tokens `req` gets this step (a decode: 1; a prefill: up to chunk_size, or what the
@@ -180,29 +146,22 @@ class Scheduler:
         out.preempted.append(req.request_id)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Waiting requests in arrival order while they fit."""
-        while self.waiting and self._admit(self.waiting[0], out, budget):
-            budget -= out.num_tokens[out.requests[-1].request_id]
-
-    def _admit(self, req: Request, out: SchedulerOutput, budget: int) -> bool:
-        """Start a waiting request with its first chunk (after its cached prefix); False,
-        leaving it waiting, when no budget, sequence slot or blocks are left for it."""
-        if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-            return False
-        hits = self.kv.get_computed_blocks(req)
-        req.num_computed_tokens = len(hits) * self.kv.block_size
-        n = self._chunk(req, budget, out.plan)
-        if n <= 0 or not self.kv.allocate_slots(req, n, hits):
-            req.num_computed_tokens = 0
-            return False
-        if req.num_cached_tokens is None:
-            req.num_cached_tokens = len(hits) * self.kv.block_size
-        self.waiting.remove(req)
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
-        out.requests.append(req)
-        out.num_tokens[req.request_id] = n
-        return True
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.kv.get_computed_blocks(req)
+            req.num_computed_tokens = len(hits) * self.kv.block_size
+            n = self._chunk(req, budget, out.plan)
+            if n <= 0 or not self.kv.allocate_slots(req, n, hits):
+                req.num_computed_tokens = 0
+                break
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = len(hits) * self.kv.block_size
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.requests.append(req)
+            out.num_tokens[req.request_id] = n
+            budget -= n
 
     def update_after_step(self, out: SchedulerOutput) -> list[Request]:
         """Advance num_computed_tokens, cache newly full blocks; return rows that sample."""

@@ -166,26 +166,14 @@ class SimWorker:
         shape = [0, 0, 0, 0, 0]  # prefill tokens, chunks, attention pairs, decodes, context
         decodes = [j for j in self.running if j.num_tokens - j.num_computed == 1]
         prefills = [j for j in self.running if j.num_tokens - j.num_computed > 1]
-        running = decodes + prefills if plan is None else decodes
-        for job in running:
+        for job in decodes + prefills:
             n = self._chunk(job, budget, plan, shape, running=True)
             if n > 0:
                 budget -= n
                 rows.append((job, n))
-        if plan is None:  # then waiting prompts in arrival order
-            prompts = [(job, True) for job in self.waiting]
-        else:  # as the scheduler with a plan: every prompt, shortest remaining first
-            ranked = [(j.num_tokens - j.num_computed, False, i, j) for i, j in enumerate(prefills)]
-            ranked += [(j.num_tokens, True, i, j) for i, j in enumerate(self.waiting)]
-            prompts = [(job, waiting) for _, waiting, _, job in sorted(ranked, key=lambda t: t[:3])]
-        for job, waiting in prompts:
-            if not waiting:  # a running prefill (plan order)
-                n = self._chunk(job, budget, plan, shape, running=True)
-                if n > 0:
-                    budget -= n
-                    rows.append((job, n))
-                continue
-            if budget <= 0 or len(self.running) >= c.max_num_seqs or not self._take_blocks(job):
+        while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
+            job = self.waiting[0]
+            if not self._take_blocks(job):
                 break
             n = self._chunk(job, budget, plan, shape, running=False)
             if n <= 0:  # cannot happen while budget > 0; keep the blocks' accounting exact
@@ -193,7 +181,7 @@ class SimWorker:
                 break
             if job.mode != DECODE:
                 job.request.cached_tokens = job.hit_blocks * c.block_size
-            self.waiting.remove(job)
+            self.waiting.popleft()
             self.running.append(job)
             rows.append((job, n))
             budget -= n

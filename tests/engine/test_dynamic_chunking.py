@@ -59,28 +59,7 @@ def test_floor_advances_one_prompt_when_decodes_fill_the_target():
     sched.add(make_request("a", range(100, 120), max_tokens=1))
     sched.add(make_request("b", range(200, 212), max_tokens=1))
     steps = run_to_completion(sched)
-    assert steps == [{"b": 4}] * 3 + [{"a": 4}] * 5  # the shorter prompt first
-
-
-def test_a_short_prompt_is_not_held_behind_a_long_one_filling_the_target():
-    sched = scheduler_with(LINEAR, 0.050)
-    sched.add(make_request("long", range(1000, 2000), max_tokens=1))
-    assert step(sched)[0].num_tokens == {"long": 400}  # alone: 10 ms + 400 * 0.1 ms
-    sched.add(make_request("chat", range(3000, 3100), max_tokens=2))
-    # the chat's 100 tokens first, the long prompt what is left: 10 + (100 + 300) * 0.1 = 50 ms
-    assert step(sched)[0].num_tokens == {"chat": 100, "long": 300}
-    # the chat decodes (1 ms) beside the long prompt's last 300 tokens: 10 + 1 + 30 <= 50
-    assert step(sched)[0].num_tokens == {"chat": 1, "long": 300}
-    assert not sched.has_unfinished()
-
-
-def test_without_a_target_prompts_keep_arrival_order():
-    sched = make_scheduler(num_blocks=1024, budget=32, chunk=16)
-    sched.add(make_request("long", range(1000, 1100), max_tokens=1))
-    step(sched)
-    sched.add(make_request("chat", range(3000, 3010), max_tokens=1))
-    # running prefills before waiting prompts, whatever their length
-    assert step(sched)[0].num_tokens == {"long": 16, "chat": 10}
+    assert steps == [{"a": 4}] * 5 + [{"b": 4}] * 3
 
 
 def test_online_correction_scales_the_budget_by_the_measured_ratio():
@@ -139,7 +118,7 @@ def test_engine_with_a_target_keeps_greedy_outputs(tiny_llama):
         engine.check_integrity()
     fixed, dynamic = outputs
     assert fixed.pop("first") == {"0": 300, "1": 57, "2": 21}
-    assert dynamic.pop("first") == {"2": 8}  # the floor (one block a step), shortest first
+    assert dynamic.pop("first") == {"0": 8}  # the floor: one block a step
     assert dynamic == fixed and all(len(t) == 8 for t in fixed.values())
 
 
