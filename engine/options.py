@@ -117,8 +117,8 @@ class EngineOptions:
     itl_target_ms: float | None = option(
         None,
         "dynamic chunking: each step's prefill tokens are chosen so that the predicted step "
-        "time stays within this many ms (chunk_size then does not apply; prompts are served "
-        "shortest remaining first and one still gets a block per step); unset: fixed chunk_size",
+        "time stays within this many ms (chunk_size then does not apply; a waiting prompt "
+        "still gets one block per step); unset: fixed chunk_size",
         gt=0,
     )
     step_profile: str | None = option(
