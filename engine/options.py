@@ -120,7 +120,8 @@ class EngineOptions:
         "to 8 rows from GGUF blocks (decode) quantize the activations to int8 per 32 values, "
         "like llama.cpp's Q8_1, and sum integer dot products (faster batch-1 decode). Only CPU "
         "float32 with a model converted from a GGUF (use_gguf_blocks on); elsewhere an error. "
-        "Batches above 8 rows (prefill) stay float32",
+        "Batches above 8 rows (prefill) stay float32, so tokens can depend on how a prompt "
+        "is split into steps (prefix cache hits, chunking)",
     )
     itl_target_ms: float | None = option(
         None,
