@@ -76,15 +76,19 @@ def _forced_isa() -> str:
     return forced
 
 
+INT8_PREFERENCE = ("avxvnni", "avx512vnni", "avx2")  # fastest first: measured, see gguf_gemm.c
+
+
 def int8_isas(lib: ctypes.CDLL) -> list[str]:
-    """The int8 instruction sets this CPU runs, by cpuid (checked in C), slowest first."""
+    """The int8 instruction sets this CPU runs, by cpuid (checked in C)."""
     bits = lib.baton_cpu_int8_isas()
     return [name for name, i in INT8_ISA_IDS.items() if bits & (1 << i)]
 
 
 def int8_isa(lib: ctypes.CDLL) -> str:
-    """The instruction set of the int8 kernels here: the best this CPU has ("avx512vnni" >
-    "avxvnni" > "avx2"), or the one $BATON_GGUF_ISA forces (an error where the CPU lacks it)."""
+    """The instruction set of the int8 kernels here: the first of INT8_PREFERENCE this CPU has
+    (ymm AVX-VNNI measured fastest, then AVX-512 VNNI, AVX2), or the one $BATON_GGUF_ISA forces
+    (an error where the CPU lacks it)."""
     forced = _forced_isa()
     have = int8_isas(lib)
     if forced:
@@ -92,7 +96,7 @@ def int8_isa(lib: ctypes.CDLL) -> str:
         if want not in have:
             raise RuntimeError(f"${ISA_ENV}={forced} but this CPU lacks {want} (it has {have})")
         return want
-    return have[-1]
+    return next(isa for isa in INT8_PREFERENCE if isa in have)
 
 
 def gemv_isa(lib: ctypes.CDLL) -> str:
