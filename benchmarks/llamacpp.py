@@ -1,6 +1,7 @@
 """Baton vs llama.cpp on the very same GGUF file, side by side in one run.
 
     python -m benchmarks.llamacpp [--threads 2] [--repeats 3] [--json FILE]   (make bench-llamacpp)
+    python -m benchmarks.llamacpp --profile [--int8]   (Baton's batch-1 decode step, by part)
 
 llama.cpp's own `llama-bench` and `llama-batched-bench` are built once from the pinned
 llama-cpp-python sdist into ~/.cache/baton/llamacpp (benchmarks/llamacpp_build.py); Baton never
@@ -10,7 +11,11 @@ depends on them. Three workloads, both engines with the same thread count:
   - prefill of 2,000 tokens        (llama-bench pp2000; Baton: TTFT of a 2,000-token prompt)
   - 32 sequences x (128 prompt -> 64 new), whole run (llama-batched-bench; Baton: one
     generate() of all 32, continuous batching)
-The two engines alternate per round, so drifts of a shared machine's speed hit both alike;
+A third column, "Baton int8", is Baton with int8_activations on (activations quantized to int8
+per 32 values, integer dot products: llama.cpp's own arithmetic for these products); it is
+measured for batch-1 decode only (prefill and the 32-sequence batch have more than 8 rows a
+step, which stay float32: the same as "Baton").
+The engines alternate per round, so drifts of a shared machine's speed hit all alike;
 each figure is the best of --repeats rounds (other load only ever adds time).
 """
 
@@ -52,6 +57,8 @@ def _run(cmd: list[str]) -> str:
 class LlamaCppRunner:
     """llama.cpp's own benchmark tools on the GGUF file (one process per measurement)."""
 
+    measures = ("decode", "prefill", "batch")
+
     def __init__(self, bin_dir: Path, gguf: Path, threads: int) -> None:
         self.bin_dir, self.gguf, self.threads = bin_dir, str(gguf), str(threads)
 
@@ -91,9 +98,11 @@ class LlamaCppRunner:
 
 
 class BatonSide:
-    """The same three figures from Baton's offline engine (float32, exact default path)."""
+    """The same three figures from Baton's offline engine (float32; exact unless the engine
+    has int8_activations on, whose side measures decode only: `measures`)."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, measures: tuple[str, ...] = ("decode", "prefill", "batch")):
+        self.measures = measures
         self.runner = BatonRunner(llm)
         self.vocab = llm.engine.runner.model.args.vocab_size
         self.round = 0
@@ -152,7 +161,8 @@ def profile_decode(llm: LLM, tokens: int = DECODE_TOKENS) -> dict[str, float]:
         GGUFBlockLinear,
         "forward",
         lambda layer, *_: (
-            "output projection, Q8_0 blocks" if layer is head else "layer matrices, Q4_1 blocks"
+            ("output projection, Q8_0 blocks" if layer is head else "layer matrices, Q4_1 blocks")
+            + (", int8" if layer.int8_activations else "")
         ),
     )
     timed(llama.RMSNorm, "forward", lambda *_: "RMS norms (61)")
@@ -185,9 +195,13 @@ def compare(sides: dict[str, object], repeats: int) -> dict[str, dict[str, float
         for name, side in sides.items():
             log(f"round {i + 1}/{repeats}: {name}")
             figures = {
-                "decode_b1_tok_s": side.decode_tok_s(),
-                "prefill_tok_s": side.prefill_tok_s(),
-                "batch_s": side.batch_s(),
+                key: getattr(side, method)()
+                for measure, key, method in (
+                    ("decode", "decode_b1_tok_s", "decode_tok_s"),
+                    ("prefill", "prefill_tok_s", "prefill_tok_s"),
+                    ("batch", "batch_s", "batch_s"),
+                )
+                if measure in side.measures
             }
             for key, value in figures.items():
                 better = min if key == "batch_s" else max
@@ -203,10 +217,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--profile", action="store_true", help="only Baton: a batch-1 decode step, by part"
     )
+    p.add_argument(
+        "--int8", action="store_true", help="with --profile: the engine with int8_activations"
+    )
+    p.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="only the batch-1 decode row (minutes instead of tens of minutes on a busy machine)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.profile:
-        llm = LLM(MODEL_ALIAS, dtype="float32")
+        llm = LLM(MODEL_ALIAS, dtype="float32", int8_activations=args.int8)
         BatonRunner(llm)  # warm-up
         parts = profile_decode(llm)
         for part, ms in parts.items():
@@ -215,27 +237,53 @@ def main(argv: list[str] | None = None) -> int:
     bin_dir = build(jobs=max(1, args.threads), log=log)
     gguf = smollm2_gguf()
     llm = LLM(MODEL_ALIAS, dtype="float32", max_num_seqs=max(64, BATCH))
-    sides = {"Baton": BatonSide(llm), "llama.cpp": LlamaCppRunner(bin_dir, gguf, args.threads)}
+    int8 = LLM(MODEL_ALIAS, dtype="float32", int8_activations=True)
+    sides = {
+        "Baton": BatonSide(llm),
+        "Baton int8": BatonSide(int8, measures=("decode",)),
+        "llama.cpp": LlamaCppRunner(bin_dir, gguf, args.threads),
+    }
+    if args.decode_only:
+        for side in sides.values():
+            side.measures = ("decode",)
     figures = compare(sides, args.repeats)
-    ours, theirs = figures["Baton"], figures["llama.cpp"]
+    ours, ours8, theirs = figures["Baton"], figures["Baton int8"], figures["llama.cpp"]
     new_tokens = BATCH * BATCH_NEW
     rows = [
         (f"batch-1 decode, {DECODE_TOKENS} tokens (tok/s)", "decode_b1_tok_s", False),
         (f"prefill, {PREFILL_TOKENS:,} tokens (tok/s)", "prefill_tok_s", False),
         (f"{BATCH} seq x ({BATCH_PROMPT} -> {BATCH_NEW}), whole run (s)", "batch_s", True),
     ]
+
+    def ratio(side: dict, key: str, lower_is_better: bool) -> str:
+        if key not in side:
+            return f"{'-':>10}"
+        value = theirs[key] / side[key] if lower_is_better else side[key] / theirs[key]
+        return f"{value:9.2f}x"
+
     print(f"same GGUF: {gguf.name}, {args.threads} threads each, best of {args.repeats}")
-    print(f"{'work':44} {'llama.cpp':>10} {'Baton':>10} {'Baton / llama.cpp':>18}")
-    for label, key, lower_is_better in rows:
-        ratio = theirs[key] / ours[key] if lower_is_better else ours[key] / theirs[key]
-        print(f"{label:44} {theirs[key]:10.2f} {ours[key]:10.2f} {ratio:17.2f}x")
     print(
-        f"{'  (as output tok/s)':44} {new_tokens / theirs['batch_s']:10.1f} "
-        f"{new_tokens / ours['batch_s']:10.1f}"
+        f"{'work':44} {'llama.cpp':>10} {'Baton':>10} {'Baton int8':>10} "
+        f"{'Baton/lcpp':>10} {'int8/lcpp':>10}"
     )
+    for label, key, lower_is_better in rows:
+        if key not in theirs:
+            continue
+        int8_value = f"{ours8[key]:10.2f}" if key in ours8 else f"{'-':>10}"
+        print(
+            f"{label:44} {theirs[key]:10.2f} {ours[key]:10.2f} {int8_value} "
+            f"{ratio(ours, key, lower_is_better)} {ratio(ours8, key, lower_is_better)}"
+        )
+    if "batch_s" in theirs:
+        print(
+            f"{'  (as output tok/s)':44} {new_tokens / theirs['batch_s']:10.1f} "
+            f"{new_tokens / ours['batch_s']:10.1f}"
+        )
     print("ratio > 1: Baton is faster (for the whole run: llama.cpp's seconds / Baton's)")
+    print("Baton int8: int8_activations on, decode only (more than 8 rows a step stay float32)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"baton": ours, "llama.cpp": theirs}, indent=2))
+        out = {"baton": ours, "baton int8": ours8, "llama.cpp": theirs}
+        Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
 
 

@@ -39,7 +39,12 @@ class ModelRunner:
         if self.device.type == "cpu" and config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model, self.hf_config = load_model(
-            model_dir, self.dtype, self.device, max_model_len, config.use_gguf_blocks
+            model_dir,
+            self.dtype,
+            self.device,
+            max_model_len,
+            config.use_gguf_blocks,
+            config.int8_activations,
         )
         args = self.model.args
         self.backend = get_attention_backend(config.attention_backend, self.device)

@@ -114,6 +114,15 @@ class EngineOptions:
         "CPU float32 with a model converted from a GGUF: batches of up to 8 rows multiply "
         "from its Q4_1 / Q8_0 blocks (the same weights, a fraction of the bytes to read)",
     )
+    int8_activations: bool = option(
+        False,
+        "opt-in, changes the arithmetic (not bit-exact with the float32 model): products of up "
+        "to 8 rows from GGUF blocks (decode) quantize the activations to int8 per 32 values, "
+        "like llama.cpp's Q8_1, and sum integer dot products (faster batch-1 decode). Only CPU "
+        "float32 with a model converted from a GGUF (use_gguf_blocks on); elsewhere an error. "
+        "Batches above 8 rows (prefill) stay float32, so tokens can depend on how a prompt "
+        "is split into steps (prefix cache hits, chunking)",
+    )
     itl_target_ms: float | None = option(
         None,
         "dynamic chunking: each step's prefill tokens are chosen so that the predicted step "
@@ -131,6 +140,20 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         check_options(self, InvalidRequestError)
+        if self.int8_activations:
+            problem = (
+                "use_gguf_blocks is off"
+                if not self.use_gguf_blocks
+                else f"dtype is {self.dtype}"
+                if self.dtype not in ("auto", "float32")
+                else f"device is {self.device}"
+                if self.device.startswith("cuda")
+                else None
+            )
+            if problem:
+                raise InvalidRequestError(
+                    f"int8_activations needs CPU float32 with GGUF blocks, but {problem}"
+                )
         if self.chunk_size > self.max_num_batched_tokens:
             raise InvalidRequestError(
                 f"chunk_size {self.chunk_size} exceeds max_num_batched_tokens "

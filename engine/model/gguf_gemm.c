@@ -222,3 +222,300 @@ int baton_gguf_gemv_avx512(const float *x, int64_t K, const uint8_t *w, int64_t 
     gemv_avx512(x, K, w, N, type, xsum, y);
     return 0;
 }
+
+/* ==== int8 activations (opt-in: EngineOptions.int8_activations) =============================
+ * llama.cpp's arithmetic for a decode step: the activation rows are quantized to int8 per block
+ * of 32 (like its Q8_1), and each block's dot product with the weight quants is an exact
+ * integer sum; only the per-block scales are float32. This changes the result (x is rounded to
+ * 8 bits per block), unlike everything above.
+ *
+ * Activation layout (three arrays, one row after another for M rows):
+ *   q [M, K]      int8    q_j = round_half_even(x_j * (1 / d)), in [-127, 127]
+ *   d [M, K / 32] float32 d = max_j |x_j| / 127 (float32 division; 0 for an all-zero block,
+ *                         whose q are then 0)
+ *   s [M, K / 32] float32 s = d * sum_j q_j (an exact integer sum converted to float32, then
+ *                         one float32 multiply): the x-sum Q4_1's min term needs.
+ * d and s stay float32 (llama.cpp rounds them to f16), so the only rounding is that of q.
+ *
+ * Per weight block b of row n (all sums over the block's 32 values, integer, exact):
+ *   Q4_1 (w = d_w q_w + m_w, q_w in 0..15):  y += d_w d_x sum q_w q_x + m_w s_x
+ *   Q8_0 (w = d_w q_w, q_w in -127..127):    y += d_w d_x sum q_w q_x
+ * The float32 part: the product (d_w * d_x) is rounded once and multiplies the int sum, the
+ * terms are summed in float32 (order: per ISA, see the kernels).
+ *
+ * ISAs, chosen at run time (baton_cpu_int8_isas says which this CPU has):
+ *   BATON_I8_AVX2       maddubs (u8 x s8 -> s16 pairs) + madd (-> s32), one block per ymm
+ *   BATON_I8_AVXVNNI    vpdpbusd on ymm (AVX-VNNI), one block per ymm
+ *   BATON_I8_AVX512VNNI vpdpbusd on zmm (AVX-512 VNNI), two blocks per zmm
+ * Q8_0 weights are signed: dot(w, x) = dot(|w|, sign(x, w)) (|w| <= 127, so maddubs' s16
+ * pairs, at most 2 * 127 * 127, never saturate; Q4_1 pairs at most 2 * 15 * 127). */
+
+#define BATON_I8_AVX2 1
+#define BATON_I8_AVXVNNI 2
+#define BATON_I8_AVX512VNNI 3
+#ifndef I8_ROWS
+#define I8_ROWS 2 /* weight rows per iteration: independent chains sharing the x loads */
+#endif
+#define I8_TILE_M 4 /* activation rows sharing one unpacked weight block */
+
+/* Quantize one row of K floats (K % 32 == 0) as described above. Returns 0, -1 for a bad K. */
+int baton_quantize_row_q8(const float *x, int64_t K, int8_t *q, float *d, float *s) {
+    if (K % QK != 0 || K <= 0) return -1;
+    const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float db = _mm_cvtss_f32(m4) / 127.0f;
+        const float inv = db != 0.0f ? 1.0f / db : 0.0f;
+        const __m256 vinv = _mm256_set1_ps(inv);
+        __m256i qi[4];
+        for (int i = 0; i < 4; i++) /* x * (1/d), rounded to nearest, ties to even */
+            qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(
+                _mm256_mul_ps(v[i], vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]),
+                                               _mm256_add_epi32(qi[2], qi[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32),
+                                   _mm256_extracti128_si256(sum32, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        /* int32 -> int16 -> int8 (packs interleave 128-bit lanes: permute back into order) */
+        const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]);
+        const __m256i p16b = _mm256_packs_epi32(qi[2], qi[3]);
+        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + b * QK), p8);
+        d[b] = db;
+        s[b] = db * (float)_mm_cvtsi128_si32(s4);
+    }
+    return 0;
+}
+
+/* The 32 quants of a Q4_1 block as 32 unsigned bytes in order (low nibbles: 0..15, high
+ * nibbles: 16..31), matching 32 consecutive activation quants. */
+static inline __m256i q4_1_bytes(const uint8_t *qs) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(bytes, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+/* 8 int32 partial sums of u8 w x s8 x over one block, per ISA (AVX2 fallback) */
+static inline __m256i dot_u8s8_avx2(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+#define AVXVNNI_TARGET __attribute__((target("avxvnni,avx2,fma,f16c")))
+#define AVX512VNNI_TARGET \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+AVXVNNI_TARGET static inline __m256i dot_u8s8_avxvnni(__m256i w, __m256i x) {
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+}
+AVX512VNNI_TARGET static inline __m256i dot_u8s8_vnni256(__m256i w, __m256i x) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+}
+
+/* The ymm (one block per vector) kernel, instantiated per ISA by DOT: rows [n0, n0 + rows)
+ * of W times activation rows [m0, m0 + TM). acc[r][i] holds 8 float lanes per (weight row,
+ * activation row); each block adds cvt(int sums) * (d_w * d_x) to it; Q4_1 adds m_w * s_x to a
+ * scalar offset. y = lanes summed (hsum) + offset. */
+#define DEFINE_YMM_KERNEL(NAME, TARGET, DOT)                                                    \
+    TARGET static inline __attribute__((always_inline)) void NAME##_tile(                       \
+        const int8_t *xq, const float *xd, const float *xs, int64_t K, const uint8_t *w,         \
+        int64_t n0, int rows, int32_t type, int64_t m0, const int TM, int64_t N, float *y) {     \
+        const int64_t nb = K / QK, bb = type == 3 ? 20 : 34;                                   \
+        const uint8_t *row[I8_ROWS];                                                            \
+        __m256 acc[I8_ROWS][I8_TILE_M];                                                         \
+        float off[I8_ROWS][I8_TILE_M];                                                          \
+        for (int r = 0; r < I8_ROWS; r++) {                                                     \
+            row[r] = w + (n0 + (r < rows ? r : rows - 1)) * nb * bb;                            \
+            for (int i = 0; i < TM; i++) {                                                      \
+                acc[r][i] = _mm256_setzero_ps();                                                \
+                off[r][i] = 0.0f;                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        for (int64_t b = 0; b < nb; b++) {                                                      \
+            for (int r = 0; r < I8_ROWS; r++) {                                                 \
+                const uint8_t *blk = row[r] + b * bb;                                           \
+                const float dw = f16_to_f32(blk);                                               \
+                if (type == 3) {                                                                \
+                    const __m256i qw = q4_1_bytes(blk + 4);                                     \
+                    const float mw = f16_to_f32(blk + 2);                                       \
+                    for (int i = 0; i < TM; i++) {                                              \
+                        const int64_t xb = (m0 + i) * nb + b;                                   \
+                        const __m256i qx = _mm256_loadu_si256((const __m256i *)(xq + xb * QK)); \
+                        const __m256 p = _mm256_cvtepi32_ps(DOT(qw, qx));                       \
+                        acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[xb]), p, acc[r][i]); \
+                        off[r][i] += mw * xs[xb];                                               \
+                    }                                                                           \
+                } else {                                                                        \
+                    const __m256i qw = _mm256_loadu_si256((const __m256i *)(blk + 2));          \
+                    const __m256i aw = _mm256_sign_epi8(qw, qw);                                \
+                    for (int i = 0; i < TM; i++) {                                              \
+                        const int64_t xb = (m0 + i) * nb + b;                                   \
+                        const __m256i qx = _mm256_loadu_si256((const __m256i *)(xq + xb * QK)); \
+                        const __m256 p = _mm256_cvtepi32_ps(DOT(aw, _mm256_sign_epi8(qx, qw))); \
+                        acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[xb]), p, acc[r][i]); \
+                    }                                                                           \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        for (int r = 0; r < rows; r++)                                                          \
+            for (int i = 0; i < TM; i++)                                                        \
+                y[(m0 + i) * N + n0 + r] = hsum(acc[r][i]) + off[r][i];                         \
+    }                                                                                           \
+    TARGET static void NAME(const int8_t *xq, const float *xd, const float *xs, int64_t M,      \
+                            int64_t K, const uint8_t *w, int64_t N, int32_t type, float *y) {   \
+        const int64_t groups = (N + I8_ROWS - 1) / I8_ROWS;                                     \
+        _Pragma("omp parallel for schedule(static)") for (int64_t g = 0; g < groups; g++) {     \
+            const int64_t n0 = g * I8_ROWS;                                                     \
+            const int rows = N - n0 < I8_ROWS ? (int)(N - n0) : I8_ROWS;                        \
+            for (int64_t m0 = 0; m0 < M; m0 += I8_TILE_M) {                                     \
+                switch (M - m0 < I8_TILE_M ? (int)(M - m0) : I8_TILE_M) {                      \
+                case 1: NAME##_tile(xq, xd, xs, K, w, n0, rows, type, m0, 1, N, y); break;      \
+                case 2: NAME##_tile(xq, xd, xs, K, w, n0, rows, type, m0, 2, N, y); break;      \
+                case 3: NAME##_tile(xq, xd, xs, K, w, n0, rows, type, m0, 3, N, y); break;      \
+                default: NAME##_tile(xq, xd, xs, K, w, n0, rows, type, m0, 4, N, y); break;     \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+    }
+
+#define NO_TARGET
+DEFINE_YMM_KERNEL(gemm_q8_avx2, NO_TARGET, dot_u8s8_avx2)
+DEFINE_YMM_KERNEL(gemm_q8_avxvnni, AVXVNNI_TARGET, dot_u8s8_avxvnni)
+DEFINE_YMM_KERNEL(gemm_q8_vnni256, AVX512VNNI_TARGET, dot_u8s8_vnni256)
+
+/* AVX-512 VNNI, two blocks per zmm (lanes 0..7: block b, 8..15: block b + 1), one activation
+ * row; an odd last block goes through the ymm VNNI dot. */
+AVX512VNNI_TARGET static void gemv_q8_avx512vnni(const int8_t *xq, const float *xd,
+                                                 const float *xs, int64_t K, const uint8_t *w,
+                                                 int64_t N, int32_t type, float *y) {
+    const int64_t nb = K / QK, bb = type == 3 ? 20 : 34, pairs = nb / 2;
+    const int64_t groups = (N + I8_ROWS - 1) / I8_ROWS;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n0 = g * I8_ROWS;
+        const int rows = N - n0 < I8_ROWS ? (int)(N - n0) : I8_ROWS;
+        const uint8_t *row[I8_ROWS];
+        __m512 acc[I8_ROWS];
+        float off[I8_ROWS];
+        for (int r = 0; r < I8_ROWS; r++) {
+            row[r] = w + (n0 + (r < rows ? r : rows - 1)) * nb * bb;
+            acc[r] = _mm512_setzero_ps();
+            off[r] = 0.0f;
+        }
+        for (int64_t p = 0; p < pairs; p++) {
+            const int64_t b = 2 * p;
+            const __m512i qx = _mm512_loadu_si512((const void *)(xq + b * QK));
+            const float dx0 = xd[b], dx1 = xd[b + 1];
+            for (int r = 0; r < I8_ROWS; r++) {
+                const uint8_t *b0 = row[r] + b * bb, *b1 = b0 + bb;
+                __m512i dot;
+                if (type == 3) {
+                    const __m512i qw = _mm512_inserti64x4(
+                        _mm512_castsi256_si512(q4_1_bytes(b0 + 4)), q4_1_bytes(b1 + 4), 1);
+                    dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), qw, qx);
+                    off[r] += f16_to_f32(b0 + 2) * xs[b] + f16_to_f32(b1 + 2) * xs[b + 1];
+                } else {
+                    const __m512i qw = _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                        _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+                    const __m512i aw = _mm512_abs_epi8(qw);
+                    /* sign(x, w): x where w > 0, -x where w < 0, 0 where w == 0 */
+                    const __mmask64 neg = _mm512_movepi8_mask(qw);
+                    const __m512i sx = _mm512_mask_sub_epi8(qx, neg, _mm512_setzero_si512(), qx);
+                    dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sx);
+                }
+                const __m512 scale = _mm512_mask_broadcastss_ps(
+                    _mm512_set1_ps(f16_to_f32(b0) * dx0), 0xFF00,
+                    _mm_set_ss(f16_to_f32(b1) * dx1));
+                acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dot), acc[r]);
+            }
+        }
+        if (nb % 2) { /* the odd last block */
+            const int64_t b = nb - 1;
+            const __m256i qx = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+            for (int r = 0; r < I8_ROWS; r++) {
+                const uint8_t *blk = row[r] + b * bb;
+                __m256i dot;
+                if (type == 3) {
+                    dot = dot_u8s8_vnni256(q4_1_bytes(blk + 4), qx);
+                    off[r] += f16_to_f32(blk + 2) * xs[b];
+                } else {
+                    const __m256i qw = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                    dot = dot_u8s8_vnni256(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
+                }
+                const __m512 p = _mm512_zextps256_ps512(_mm256_cvtepi32_ps(dot)); /* 8..15: 0 */
+                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(f16_to_f32(blk) * xd[b]), p, acc[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++) y[n0 + r] = _mm512_reduce_add_ps(acc[r]) + off[r];
+    }
+}
+
+/* Bit i set where this CPU runs int8 ISA i (1 << BATON_I8_AVX2 | ...), by GCC's cpuid probe. */
+int baton_cpu_int8_isas(void) {
+    __builtin_cpu_init();
+    int isas = 1 << BATON_I8_AVX2; /* the library itself needs AVX2 */
+    if (__builtin_cpu_supports("avxvnni")) isas |= 1 << BATON_I8_AVXVNNI;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        isas |= 1 << BATON_I8_AVX512VNNI;
+    return isas;
+}
+
+/* The int8 ISA to use by default: AVX-VNNI (ymm) where present, else AVX-512 VNNI, else
+ * AVX2. Measured on this project's Xeon (1 thread, one row, SmolLM2 shapes, Q4_1): ymm
+ * vpdpbusd 9.1-9.3 GB/s of blocks, AVX2 maddubs 8.4-8.7, the zmm kernel 7.0 (two blocks per
+ * zmm cost an insert and a masked scale broadcast, which outweigh the wider dot). */
+static int best_int8_isa(void) {
+    const int isas = baton_cpu_int8_isas();
+    if (isas & (1 << BATON_I8_AVXVNNI)) return BATON_I8_AVXVNNI;
+    if (isas & (1 << BATON_I8_AVX512VNNI)) return BATON_I8_AVX512VNNI;
+    return BATON_I8_AVX2;
+}
+
+/* y[M, N] = x W^T from quantized activation rows (layout above: xq [M, K], xd and xs
+ * [M, K / 32]) and W in Q4_1 (type 3) or Q8_0 (type 8) blocks. isa: 0 = the best this CPU
+ * runs, else BATON_I8_*. One activation row on AVX-512 VNNI takes the zmm kernel; several rows
+ * take the ymm kernel of that ISA (up to I8_TILE_M rows share each unpacked weight block).
+ * Returns 0; -1 for a bad type / K / M; -2 when `isa` is not one this CPU runs. */
+int baton_gguf_gemm_q8(const int8_t *xq, const float *xd, const float *xs, int64_t M, int64_t K,
+                       const uint8_t *w, int64_t N, int32_t type, int32_t isa, float *y) {
+    if ((type != 3 && type != 8) || K % QK != 0 || K <= 0 || M < 1) return -1;
+    if (isa == 0) isa = best_int8_isa();
+    if (isa < BATON_I8_AVX2 || isa > BATON_I8_AVX512VNNI || !(baton_cpu_int8_isas() & (1 << isa)))
+        return -2;
+    if (isa == BATON_I8_AVX512VNNI && M == 1) gemv_q8_avx512vnni(xq, xd, xs, K, w, N, type, y);
+    else if (isa == BATON_I8_AVX512VNNI) gemm_q8_vnni256(xq, xd, xs, M, K, w, N, type, y);
+    else if (isa == BATON_I8_AVXVNNI) gemm_q8_avxvnni(xq, xd, xs, M, K, w, N, type, y);
+    else gemm_q8_avx2(xq, xd, xs, M, K, w, N, type, y);
+    return 0;
+}
+
+/* One activation row: the signature the fused decode step calls. */
+int baton_gguf_gemv_q8(const int8_t *xq, const float *xd, const float *xs, int64_t K,
+                       const uint8_t *w, int64_t N, int32_t type, float *y) {
+    return baton_gguf_gemm_q8(xq, xd, xs, 1, K, w, N, type, 0, y);
+}
+
+/* Quantize x [M, K] into scratch and multiply: the one call a layer makes. scratch holds
+ * M * (K + 8 * K / 32) bytes: xd [M, K / 32] float32, then xs [M, K / 32] float32, then
+ * xq [M, K] int8. Returns as baton_gguf_gemm_q8. */
+int baton_gguf_gemm_q8_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                           int32_t type, int32_t isa, void *scratch, float *y) {
+    if (K % QK != 0 || K <= 0 || M < 1) return -1;
+    const int64_t nb = K / QK;
+    float *xd = (float *)scratch, *xs = xd + M * nb;
+    int8_t *xq = (int8_t *)(xs + M * nb);
+    for (int64_t m = 0; m < M; m++)
+        baton_quantize_row_q8(x + m * K, K, xq + m * K, xd + m * nb, xs + m * nb);
+    return baton_gguf_gemm_q8(xq, xd, xs, M, K, w, N, type, isa, y);
+}

@@ -1,10 +1,16 @@
 """The GGUF block matmul (gguf_gemm.c), built and loaded through engine.native, called on CPU
 float32 tensors.
 
-Two instruction sets, picked at run time: every product has an AVX2 + FMA kernel; a single
-row (batch-1 decode) of a Q4_1 matrix takes the AVX-512 kernel where the CPU has AVX-512
-F/BW/VL (cpuid, checked in C) unless $BATON_GGUF_ISA=avx2 forces the AVX2 one. Both compute
-the same float32 products of the same weights; only the summation order differs.
+Exact path (the default): two instruction sets, picked at run time: every product has an
+AVX2 + FMA kernel; a single row (batch-1 decode) of a Q4_1 matrix takes the AVX-512 kernel
+where the CPU has AVX-512 F/BW/VL (cpuid, checked in C) unless $BATON_GGUF_ISA=avx2 forces the
+AVX2 one. Both compute the same float32 products of the same weights; only the summation order
+differs.
+
+int8 activations (opt-in, gguf_matmul_int8): x is quantized to int8 per 32 values and each
+block's dot product is an integer sum (llama.cpp's arithmetic, see gguf_gemm.c). Three
+instruction sets: AVX2 (maddubs), AVX-VNNI (ymm vpdpbusd), AVX-512 VNNI (zmm vpdpbusd); the
+best the CPU has unless $BATON_GGUF_ISA forces one (int8_isa).
 """
 
 from __future__ import annotations
@@ -24,7 +30,15 @@ QK = 32  # weights per block
 Q4_1 = 3  # GGML type id. Only Q4_1 rows take the AVX-512 kernel: measured on this project's
 # EPYC (2 threads, SmolLM2 shapes) it is 1.2-1.3x faster than AVX2 for Q4_1, but 2x slower for
 # the 49,152-row Q8_0 output projection, which AVX2 already reads at ~26 GB/s.
-ISA_ENV = "BATON_GGUF_ISA"  # "avx2" forces the AVX2 kernel for single rows too
+ISA_ENV = "BATON_GGUF_ISA"  # forces a kernel: see ISA_CHOICES
+# $BATON_GGUF_ISA values -> (float32 single-row kernel, int8 kernel). "avx2" forces AVX2 for both.
+ISA_CHOICES = {
+    "avx2": ("avx2", "avx2"),
+    "avxvnni": ("avx2", "avxvnni"),
+    "avx512": ("avx512", "avx512vnni"),
+    "avx512vnni": ("avx512", "avx512vnni"),
+}
+INT8_ISA_IDS = {"avx2": 1, "avxvnni": 2, "avx512vnni": 3}  # BATON_I8_* in gguf_gemm.c
 
 
 @functools.cache
@@ -42,18 +56,63 @@ def load_kernel() -> ctypes.CDLL | None:
     lib.baton_gguf_gemv_avx512.restype = ctypes.c_int
     lib.baton_cpu_has_avx512.argtypes = []
     lib.baton_cpu_has_avx512.restype = ctypes.c_int
+    lib.baton_cpu_int8_isas.argtypes = []
+    lib.baton_cpu_int8_isas.restype = ctypes.c_int
+    lib.baton_quantize_row_q8.argtypes = [ptr, i64, ptr, ptr, ptr]
+    lib.baton_quantize_row_q8.restype = ctypes.c_int
+    lib.baton_gguf_gemm_q8.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i64, i32, i32, ptr]
+    lib.baton_gguf_gemm_q8.restype = ctypes.c_int
+    lib.baton_gguf_gemm_q8_f32.argtypes = [ptr, i64, i64, ptr, i64, i32, i32, ptr, ptr]
+    lib.baton_gguf_gemm_q8_f32.restype = ctypes.c_int
     return lib
 
 
-def gemv_isa(lib: ctypes.CDLL) -> str:
-    """The instruction set single-row products use here: "avx512" or "avx2"."""
+def _forced_isa() -> str:
     forced = os.environ.get(ISA_ENV, "").strip().lower()
-    if forced not in ("", "avx2", "avx512"):
-        raise ValueError(f"${ISA_ENV}={forced!r}: choose avx2 or avx512 (or leave it unset)")
+    if forced not in ("", *ISA_CHOICES):
+        raise ValueError(
+            f"${ISA_ENV}={forced!r}: choose {', '.join(ISA_CHOICES)} (or leave it unset)"
+        )
+    return forced
+
+
+INT8_PREFERENCE = ("avxvnni", "avx512vnni", "avx2")  # fastest first: measured, see gguf_gemm.c
+
+
+def int8_isas(lib: ctypes.CDLL) -> list[str]:
+    """The int8 instruction sets this CPU runs, by cpuid (checked in C)."""
+    bits = lib.baton_cpu_int8_isas()
+    return [name for name, i in INT8_ISA_IDS.items() if bits & (1 << i)]
+
+
+def int8_isa(lib: ctypes.CDLL) -> str:
+    """The instruction set of the int8 kernels here: the first of INT8_PREFERENCE this CPU has
+    (ymm AVX-VNNI measured fastest, then AVX-512 VNNI, AVX2), or the one $BATON_GGUF_ISA forces
+    (an error where the CPU lacks it)."""
+    forced = _forced_isa()
+    have = int8_isas(lib)
+    if forced:
+        want = ISA_CHOICES[forced][1]
+        if want not in have:
+            raise RuntimeError(f"${ISA_ENV}={forced} but this CPU lacks {want} (it has {have})")
+        return want
+    return next(isa for isa in INT8_PREFERENCE if isa in have)
+
+
+def gemv_isa(lib: ctypes.CDLL) -> str:
+    """The instruction set single-row float32 products use here: "avx512" or "avx2"."""
+    forced = _forced_isa()
+    forced = ISA_CHOICES[forced][0] if forced else ""
     has_avx512 = bool(lib.baton_cpu_has_avx512())
     if forced == "avx512" and not has_avx512:
         raise RuntimeError(f"${ISA_ENV}=avx512 but this CPU lacks AVX-512 F/BW/VL")
     return "avx2" if forced == "avx2" or not has_avx512 else "avx512"
+
+
+@functools.cache
+def _int8_isa_for(lib: ctypes.CDLL, forced: str) -> str:
+    """int8_isa, once per library and value of $BATON_GGUF_ISA (the key: `forced`)."""
+    return int8_isa(lib)
 
 
 @functools.cache
@@ -118,3 +177,89 @@ def gguf_dequantize(
     if lib.baton_gguf_dequantize(blocks.data_ptr(), n, k, block_type, out.data_ptr()) != 0:
         raise RuntimeError("baton_gguf_dequantize failed")
     return out
+
+
+def gguf_matmul_int8(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    block_type: int,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """x [M, K] float32 @ W^T with int8 activations: x is quantized per 32 values
+    (quantize_row_q8) and each block's dot product is an integer sum. isa: "avx2", "avxvnni"
+    or "avx512vnni"; None: int8_isa's choice."""
+    m, k = x.shape
+    n = blocks.shape[0]
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    scratch = torch.empty(m * (k + 8 * (k // QK)), dtype=torch.uint8)
+    if isa is None:
+        isa = _int8_isa_for(lib, os.environ.get(ISA_ENV, ""))
+    rc = lib.baton_gguf_gemm_q8_f32(
+        x.data_ptr(),
+        m,
+        k,
+        blocks.data_ptr(),
+        n,
+        block_type,
+        INT8_ISA_IDS[isa],
+        scratch.data_ptr(),
+        y.data_ptr(),
+    )
+    if rc != 0:
+        check_blocks(blocks, n, k, block_type)
+        raise RuntimeError(f"baton_gguf_gemm_q8_f32 failed ({rc}, isa {isa})")
+    return y
+
+
+def quantize_rows_q8(
+    lib: ctypes.CDLL, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (q [M, K] int8, d [M, K / 32], s [M, K / 32]) as the int8 kernels
+    quantize it (gguf_gemm.c: baton_quantize_row_q8)."""
+    m, k = x.shape
+    if k % QK:
+        raise ValueError(f"K={k} is not a multiple of {QK}")
+    x = x.contiguous()
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // QK, dtype=torch.float32)
+    s = torch.empty(m, k // QK, dtype=torch.float32)
+    for i in range(m):
+        rc = lib.baton_quantize_row_q8(
+            x[i].data_ptr(), k, q[i].data_ptr(), d[i].data_ptr(), s[i].data_ptr()
+        )
+        if rc != 0:
+            raise RuntimeError(f"baton_quantize_row_q8 failed ({rc})")
+    return q, d, s
+
+
+def gguf_matmul_q8(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    d: torch.Tensor,
+    s: torch.Tensor,
+    blocks: torch.Tensor,
+    block_type: int,
+    isa: str,
+) -> torch.Tensor:
+    """The int8 product of already quantized rows (quantize_rows_q8's output), on one ISA."""
+    m, k = q.shape
+    n = blocks.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.baton_gguf_gemm_q8(
+        q.data_ptr(),
+        d.data_ptr(),
+        s.data_ptr(),
+        m,
+        k,
+        blocks.data_ptr(),
+        n,
+        block_type,
+        INT8_ISA_IDS[isa],
+        y.data_ptr(),
+    )
+    if rc != 0:
+        check_blocks(blocks, n, k, block_type)
+        raise RuntimeError(f"baton_gguf_gemm_q8 failed ({rc}, isa {isa})")
+    return y

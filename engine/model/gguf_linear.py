@@ -7,6 +7,11 @@ all matrices of a token at one row, 9.9 ms vs 24.3 ms with oneDNN's prepacked fl
 weights are the checkpoint's own: the float32 tensors were dequantized from the same blocks,
 and the arithmetic is float32. Above QUANT_MAX_ROWS rows the dense float32 layer is faster
 (it reuses each weight across rows better) and takes over.
+
+With int8_activations (opt-in) the products of up to QUANT_MAX_ROWS rows quantize x to int8
+per 32 values and sum integer dot products (gguf_matmul_int8, llama.cpp's arithmetic): not
+the float32 model's numbers any more; above QUANT_MAX_ROWS rows the dense float32 layer still
+takes over (so a long prefill stays exact float32).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.model.gguf_kernel import check_blocks, gguf_matmul, load_kernel
+from engine.model.gguf_kernel import check_blocks, gguf_matmul, gguf_matmul_int8, load_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +44,7 @@ class GGUFBlockLinear(nn.Module):
         block_type: int,
         in_features: int,
         lib: ctypes.CDLL,
+        int8_activations: bool = False,
     ) -> None:
         super().__init__()
         check_blocks(blocks, blocks.shape[0], in_features, block_type)
@@ -47,6 +53,7 @@ class GGUFBlockLinear(nn.Module):
         self.block_type = block_type
         self.bias = getattr(dense, "bias", None)
         self._lib = lib
+        self.int8_activations = int8_activations
 
     @property
     def weight(self) -> torch.Tensor:
@@ -54,7 +61,8 @@ class GGUFBlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= QUANT_MAX_ROWS and x.dtype == torch.float32:
-            y = gguf_matmul(self._lib, x, self.blocks, self.block_type)
+            matmul = gguf_matmul_int8 if self.int8_activations else gguf_matmul
+            y = matmul(self._lib, x, self.blocks, self.block_type)
             return y if self.bias is None else y.add_(self.bias)
         return self.dense(x)
 
@@ -78,11 +86,14 @@ def _head(model: nn.Module) -> nn.Module:
     return head
 
 
-def attach_gguf_blocks(model: nn.Module, blocks_file: Path, target: Callable) -> int:
+def attach_gguf_blocks(
+    model: nn.Module, blocks_file: Path, target: Callable, int8_activations: bool = False
+) -> int:
     """Wrap every linear of `model` whose whole weight the blocks file holds (fused q/k/v and
-    gate/up: every part, all of one type) in a GGUFBlockLinear. `target` maps an HF name to
-    (our parameter name, shard index or None) like the float32 loader does. Returns how many
-    layers were wrapped; 0 where the kernel cannot run here."""
+    gate/up: every part, all of one type) in a GGUFBlockLinear (with int8 activations if
+    asked). `target` maps an HF name to (our parameter name, shard index or None) like the
+    float32 loader does. Returns how many layers were wrapped; 0 where the kernel cannot run
+    here."""
     lib = load_kernel()
     if lib is None:
         return 0
@@ -112,10 +123,19 @@ def attach_gguf_blocks(model: nn.Module, blocks_file: Path, target: Callable) ->
             rows = model.qk_row_order().cpu()
             blocks = torch.cat((blocks[rows], blocks[len(rows) :]))
         wrapped_layer = GGUFBlockLinear(
-            layer, blocks.contiguous(), shards[shard_order[0]][1], weight.shape[1], lib
+            layer,
+            blocks.contiguous(),
+            shards[shard_order[0]][1],
+            weight.shape[1],
+            lib,
+            int8_activations,
         )
         parent_name, _, attr = owner_name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, wrapped_layer)
         wrapped += 1
-    logger.info("%d linear layers multiply small batches from GGUF blocks", wrapped)
+    logger.info(
+        "%d linear layers multiply small batches from GGUF blocks%s",
+        wrapped,
+        " with int8 activations" if int8_activations else "",
+    )
     return wrapped

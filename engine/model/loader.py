@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.errors import ModelNotFoundError
+from engine.errors import InvalidRequestError, ModelNotFoundError
 from engine.model.gguf_linear import attach_gguf_blocks
 from engine.model.llama import LlamaArgs, LlamaForCausalLM
 from engine.weights.gguf_convert import BLOCKS_FILE
@@ -114,11 +114,30 @@ def load_model(
     device: torch.device,
     max_positions: int,
     use_gguf_blocks: bool = True,
+    int8_activations: bool = False,
 ) -> tuple[LlamaForCausalLM, dict]:
     """Model with weights from model_dir's safetensors, on device, in dtype, in eval mode.
     On CPU in float32, a directory converted from a GGUF also multiplies small batches from
-    the GGUF blocks (unless use_gguf_blocks is False)."""
+    the GGUF blocks (unless use_gguf_blocks is False), with int8 activations if asked
+    (InvalidRequestError where that cannot run: another device or dtype, no blocks, no kernel)."""
     model_dir = Path(model_dir)
+    blocks = model_dir / BLOCKS_FILE
+    if int8_activations:
+        problem = (
+            "use_gguf_blocks is off"
+            if not use_gguf_blocks
+            else f"the device is {device}"
+            if device.type != "cpu"
+            else f"the dtype is {dtype}"
+            if dtype != torch.float32
+            else f"{model_dir} was not converted from a GGUF (no {BLOCKS_FILE})"
+            if not blocks.is_file()
+            else None
+        )
+        if problem:
+            raise InvalidRequestError(
+                f"int8_activations needs CPU float32 with GGUF blocks, but {problem}"
+            )
     cfg = read_hf_config(model_dir)
     args = llama_args(cfg)
     with torch.device("meta"):
@@ -159,9 +178,13 @@ def load_model(
     model.interleave_rope_rows()
     if device.type == "cpu":
         model.pack_for_cpu()
-        blocks = model_dir / BLOCKS_FILE
         if use_gguf_blocks and dtype == torch.float32 and blocks.is_file():
-            attach_gguf_blocks(model, blocks, _target)
+            wrapped = attach_gguf_blocks(model, blocks, _target, int8_activations)
+            if int8_activations and not wrapped:
+                raise InvalidRequestError(
+                    "int8_activations: the GGUF block kernels do not run on this machine "
+                    "(they need an x86-64 CPU with AVX2/FMA/F16C and a C compiler)"
+                )
     return model.eval(), cfg
 
 

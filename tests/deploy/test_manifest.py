@@ -159,3 +159,12 @@ def test_every_field_has_a_description():
     walk(Manifest, "")
     # metadata, spec, model, engine, prefill pool, decode pool, router, router TLS, transfer
     assert missing == [] and len(seen) == 9
+
+
+def test_int8_activations_is_a_manifest_engine_option():
+    assert parse_manifest(
+        with_change("spec.engine.int8_activations", True)
+    ).spec.engine.int8_activations
+    bad = with_change("spec.engine", {"int8_activations": True, "use_gguf_blocks": False})
+    with pytest.raises(ManifestError, match="int8_activations needs CPU float32"):
+        parse_manifest(bad)
