@@ -93,3 +93,30 @@ def test_avx512_refused_without_it_or_taken_with_it():
     else:
         with pytest.raises(RuntimeError, match="AVX-512"):
             backend.forward(q, k, v, cache, meta, 0.25)
+
+
+def test_fresh_prompts_of_equal_length_batched_equal_one_by_one():
+    """Fresh prompts of one length laid end to end run as one SDPA call; each must still attend
+    only its own keys, causally (float64 softmax reference, per prompt)."""
+    query_lens, seq_lens = [5, 5, 5, 1, 5, 3, 3], [5, 5, 5, 9, 5, 3, 3]
+    q, k, v, cache, meta = step(query_lens, seq_lens, 6, 2, 16, 4, seed=11)
+    plan = TorchAttentionBackend()._make_plan(meta)
+    assert [(p.rows, p.count) for p in plan.prefills] == [
+        (slice(0, 15), 3),  # three of length 5
+        (slice(16, 21), 1),  # after the decode row: a run of its own
+        (slice(21, 27), 2),  # two of length 3
+    ]
+    out = CpuAttentionBackend(lib).forward(q, k, v, cache, meta, 0.25)
+    start = 0
+    for q_len in query_lens:
+        rows = slice(start, start + q_len)
+        start += q_len
+        if q_len == 1:
+            continue
+        qs, ks, vs = (x[rows].double().transpose(0, 1) for x in (q, k, v))  # [heads, n, D]
+        ks, vs = ks.repeat_interleave(3, 0), vs.repeat_interleave(3, 0)
+        scores = (qs @ ks.transpose(1, 2)) * 0.25
+        causal = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        ref = (probs @ vs).transpose(0, 1).float()
+        torch.testing.assert_close(out[rows], ref, atol=1e-5, rtol=1e-5)
