@@ -25,7 +25,7 @@
  *
  * Cache addressing by element strides of the head-major view [2, KVH, num_blocks, bs, D]:
  * kv (K -> V), head, block, token; D is contiguous. D % 8 == 0 (AVX-512: D % 16 == 0, else
- * its call runs the AVX2 code), D <= MAX_D, G <= MAX_G.
+ * its call runs the AVX2 code), D <= PD_MAX_D, G <= MAX_G.
  * Build: see engine/native.py.
  */
 #include <immintrin.h>
@@ -36,10 +36,10 @@
 #include <string.h>
 
 #define MAX_G 16
-#define MAX_D 256
-#define CHUNK 8
+#define PD_MAX_D 256
+#define PD_CHUNK 8
 
-#define AVX512_TARGET __attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma,f16c")))
+#define PD_AVX512_TARGET __attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma,f16c")))
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -48,7 +48,7 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline float hmax(__m256 v) {
+static inline float pd_hmax(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
@@ -85,6 +85,14 @@ static inline __m256 hsum8(const __m256 v[8]) {
     return _mm256_add_ps(lo, hi);
 }
 
+/* q . k over d floats (d % 8 == 0); kept for decode_step.c, which includes this file. */
+static inline __attribute__((unused)) float dot(const float *a, const float *b, int64_t d) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return hsum(acc);
+}
+
 /* The call's fixed arguments. */
 typedef struct {
     const float *q, *cache;
@@ -92,45 +100,45 @@ typedef struct {
     const int64_t *block_tables, *seq_lens;
     int64_t max_blocks, num_heads, num_kv_heads, group, head_dim, block_size;
     float scale;
-} Args;
+} PdArgs;
 
 /* One query head's running softmax state over the keys seen so far. */
 typedef struct {
     float m, l;  /* running max of the scores, sum of e^(s - m) */
-} Running;
+} PdRunning;
 
-/* The cache rows of task (b, h): K of its block i starts at block_k(i), V stride_kv later. */
-static inline const float *block_k(const Args *a, int64_t b, int64_t h, int64_t i) {
+/* The cache rows of task (b, h): K of its block i starts at pd_block_k(i), V stride_kv later. */
+static inline const float *pd_block_k(const PdArgs *a, int64_t b, int64_t h, int64_t i) {
     return a->cache + h * a->stride_head + a->block_tables[b * a->max_blocks + i] * a->stride_block;
 }
 
 /* Walks the key rows of one task's piece in order, 8 at a time, with no division per row
  * (a 64-bit division per row was ~10% of the kernel's time). */
 typedef struct {
-    const Args *a;
+    const PdArgs *a;
     int64_t b, h;
     int64_t blk, off;    /* the next row: block index in the table, row in the block */
     int64_t num_blocks;  /* this task's blocks: ceil(len / block_size) */
-} Rows;
+} PdRows;
 
-static inline Rows rows_from(const Args *a, int64_t b, int64_t h, int64_t t0) {
+static inline PdRows pd_rows_from(const PdArgs *a, int64_t b, int64_t h, int64_t t0) {
     const int64_t bs = a->block_size, len = a->seq_lens[b];
-    Rows r = {a, b, h, t0 / bs, t0 % bs, (len + bs - 1) / bs};
+    PdRows r = {a, b, h, t0 / bs, t0 % bs, (len + bs - 1) / bs};
     return r;
 }
 
 /* k[j], j < 8: the next n rows' keys (past n: the last row again); v[j] = k[j] + stride_kv. */
-static inline void next_rows(Rows *r, int64_t n, const float **k, const float **v) {
-    const Args *a = r->a;
-    const float *base = block_k(a, r->b, r->h, r->blk);
-    for (int j = 0; j < CHUNK; j++) {
+static inline void pd_next_rows(PdRows *r, int64_t n, const float **k, const float **v) {
+    const PdArgs *a = r->a;
+    const float *base = pd_block_k(a, r->b, r->h, r->blk);
+    for (int j = 0; j < PD_CHUNK; j++) {
         if (j >= n) {
             k[j] = k[n - 1];
         } else {
             k[j] = base + r->off * a->stride_token;
             if (++r->off == a->block_size) {
                 r->off = 0;
-                if (++r->blk < r->num_blocks) base = block_k(a, r->b, r->h, r->blk);
+                if (++r->blk < r->num_blocks) base = pd_block_k(a, r->b, r->h, r->blk);
             }
         }
         v[j] = k[j] + a->stride_kv;
@@ -140,13 +148,13 @@ static inline void next_rows(Rows *r, int64_t n, const float **k, const float **
 /* Per query head g of a chunk: fold the 8 scores s[g] (lanes >= n are ignored) into run[g];
  * returns in p[g] the weights e^(s - m) of the chunk's keys (0 past n) and in rescale[g] the
  * factor the accumulated output must be multiplied by first (1 when the max did not grow). */
-static inline void online_softmax(const __m256 *s, int64_t group, int64_t n, Running *run,
-                                  float p[][CHUNK], float *rescale) {
+static inline void pd_online_softmax(const __m256 *s, int64_t group, int64_t n, PdRunning *run,
+                                  float p[][PD_CHUNK], float *rescale) {
     const __m256 valid = _mm256_cmp_ps(
         _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)n), _CMP_LT_OQ);
     for (int64_t g = 0; g < group; g++) {
         const __m256 sg = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[g], valid);
-        const float m_new = fmaxf(run[g].m, hmax(sg));
+        const float m_new = fmaxf(run[g].m, pd_hmax(sg));
         rescale[g] = 1.0f;
         if (m_new > run[g].m) {
             rescale[g] = run[g].m == -INFINITY ? 0.0f : expf(run[g].m - m_new);
@@ -162,33 +170,33 @@ static inline void online_softmax(const __m256 *s, int64_t group, int64_t n, Run
 
 /* ---- AVX2: keys [t0, t1) of task (b, h) into run and acc [G, D] -----------------------------
  * The body is inlined with d a constant where the caller knows it (64, 128), so that the
- * register tiles below are registers, not stack arrays. Rows past n in a chunk repeat the last
+ * register tiles below are registers, not stack arrays. PdRows past n in a chunk repeat the last
  * row with weight 0: every loop over the chunk has a constant trip count. */
-static inline __attribute__((always_inline)) void attend_avx2_body(
-    const Args *a, int64_t b, int64_t h, int64_t t0, int64_t t1, Running *run,
+static inline __attribute__((always_inline)) void pd_attend_avx2_body(
+    const PdArgs *a, int64_t b, int64_t h, int64_t t0, int64_t t1, PdRunning *run,
     float *acc, const int64_t d) {
     const int64_t group = a->group;
     const float *qg = a->q + (b * a->num_heads + h * group) * d;
     const __m256 scale = _mm256_set1_ps(a->scale);
-    Rows rows = rows_from(a, b, h, t0);
-    for (int64_t t = t0; t < t1; t += CHUNK) {
-        const int64_t n = t1 - t < CHUNK ? t1 - t : CHUNK;
-        const float *k[CHUNK], *v[CHUNK];
-        next_rows(&rows, n, k, v);
+    PdRows rows = pd_rows_from(a, b, h, t0);
+    for (int64_t t = t0; t < t1; t += PD_CHUNK) {
+        const int64_t n = t1 - t < PD_CHUNK ? t1 - t : PD_CHUNK;
+        const float *k[PD_CHUNK], *v[PD_CHUNK];
+        pd_next_rows(&rows, n, k, v);
         __m256 s[MAX_G];
         for (int64_t g = 0; g < group; g++) {
             const float *qv = qg + g * d;
-            __m256 dots[CHUNK];
-            for (int j = 0; j < CHUNK; j++) dots[j] = _mm256_setzero_ps();
+            __m256 dots[PD_CHUNK];
+            for (int j = 0; j < PD_CHUNK; j++) dots[j] = _mm256_setzero_ps();
             for (int64_t i = 0; i < d; i += 8) {
                 const __m256 x = _mm256_loadu_ps(qv + i);
-                for (int j = 0; j < CHUNK; j++)
+                for (int j = 0; j < PD_CHUNK; j++)
                     dots[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[j] + i), dots[j]);
             }
             s[g] = _mm256_mul_ps(hsum8(dots), scale);
         }
-        float p[MAX_G][CHUNK], rescale[MAX_G];
-        online_softmax(s, group, n, run, p, rescale);
+        float p[MAX_G][PD_CHUNK], rescale[MAX_G];
+        pd_online_softmax(s, group, n, run, p, rescale);
         /* acc[g] = acc[g] * rescale[g] + sum_j p[g, j] V[j], 64 lanes at a time in registers */
         for (int64_t g = 0; g < group; g++) {
             float *o = acc + g * d;
@@ -198,7 +206,7 @@ static inline __attribute__((always_inline)) void attend_avx2_body(
                     __m256 sum[8];
                     for (int i = 0; i < 8; i++)
                         sum[i] = _mm256_mul_ps(_mm256_loadu_ps(o + i0 + 8 * i), r);
-                    for (int j = 0; j < CHUNK; j++) {
+                    for (int j = 0; j < PD_CHUNK; j++) {
                         const __m256 pj = _mm256_broadcast_ss(&p[g][j]);
                         for (int i = 0; i < 8; i++)
                             sum[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v[j] + i0 + 8 * i), sum[i]);
@@ -207,7 +215,7 @@ static inline __attribute__((always_inline)) void attend_avx2_body(
                 } else {  /* the last d % 64 lanes, 8 at a time */
                     for (int64_t i = i0; i < d; i += 8) {
                         __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(o + i), r);
-                        for (int j = 0; j < CHUNK; j++)
+                        for (int j = 0; j < PD_CHUNK; j++)
                             sum = _mm256_fmadd_ps(_mm256_broadcast_ss(&p[g][j]),
                                                   _mm256_loadu_ps(v[j] + i), sum);
                         _mm256_storeu_ps(o + i, sum);
@@ -218,48 +226,48 @@ static inline __attribute__((always_inline)) void attend_avx2_body(
     }
 }
 
-static void attend_avx2(const Args *a, int64_t b, int64_t h, int64_t t0, int64_t t1,
-                        Running *run, float *acc) {
+static void pd_attend_avx2(const PdArgs *a, int64_t b, int64_t h, int64_t t0, int64_t t1,
+                        PdRunning *run, float *acc) {
     if (a->head_dim == 64)
-        attend_avx2_body(a, b, h, t0, t1, run, acc, 64);
+        pd_attend_avx2_body(a, b, h, t0, t1, run, acc, 64);
     else if (a->head_dim == 128)
-        attend_avx2_body(a, b, h, t0, t1, run, acc, 128);
+        pd_attend_avx2_body(a, b, h, t0, t1, run, acc, 128);
     else
-        attend_avx2_body(a, b, h, t0, t1, run, acc, a->head_dim);
+        pd_attend_avx2_body(a, b, h, t0, t1, run, acc, a->head_dim);
 }
 
 /* ---- AVX-512 (D % 16 == 0): the same steps 16 lanes wide ------------------------------------ */
-AVX512_TARGET static inline __m256 fold512(__m512 v) {
+PD_AVX512_TARGET static inline __m256 pd_fold512(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
 }
 
-AVX512_TARGET static inline __attribute__((always_inline)) void attend_avx512_body(
-    const Args *a, int64_t b, int64_t h, int64_t t0, int64_t t1, Running *run,
+PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_attend_avx512_body(
+    const PdArgs *a, int64_t b, int64_t h, int64_t t0, int64_t t1, PdRunning *run,
     float *acc, const int64_t d) {
     const int64_t group = a->group;
     const float *qg = a->q + (b * a->num_heads + h * group) * d;
     const __m256 scale = _mm256_set1_ps(a->scale);
-    Rows rows = rows_from(a, b, h, t0);
-    for (int64_t t = t0; t < t1; t += CHUNK) {
-        const int64_t n = t1 - t < CHUNK ? t1 - t : CHUNK;
-        const float *k[CHUNK], *v[CHUNK];
-        next_rows(&rows, n, k, v);
+    PdRows rows = pd_rows_from(a, b, h, t0);
+    for (int64_t t = t0; t < t1; t += PD_CHUNK) {
+        const int64_t n = t1 - t < PD_CHUNK ? t1 - t : PD_CHUNK;
+        const float *k[PD_CHUNK], *v[PD_CHUNK];
+        pd_next_rows(&rows, n, k, v);
         __m256 s[MAX_G];
         for (int64_t g = 0; g < group; g++) {
             const float *qv = qg + g * d;
-            __m512 dots[CHUNK];
-            for (int j = 0; j < CHUNK; j++) dots[j] = _mm512_setzero_ps();
+            __m512 dots[PD_CHUNK];
+            for (int j = 0; j < PD_CHUNK; j++) dots[j] = _mm512_setzero_ps();
             for (int64_t i = 0; i < d; i += 16) {
                 const __m512 x = _mm512_loadu_ps(qv + i);
-                for (int j = 0; j < CHUNK; j++)
+                for (int j = 0; j < PD_CHUNK; j++)
                     dots[j] = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[j] + i), dots[j]);
             }
-            __m256 half[CHUNK];
-            for (int j = 0; j < CHUNK; j++) half[j] = fold512(dots[j]);
+            __m256 half[PD_CHUNK];
+            for (int j = 0; j < PD_CHUNK; j++) half[j] = pd_fold512(dots[j]);
             s[g] = _mm256_mul_ps(hsum8(half), scale);
         }
-        float p[MAX_G][CHUNK], rescale[MAX_G];
-        online_softmax(s, group, n, run, p, rescale);
+        float p[MAX_G][PD_CHUNK], rescale[MAX_G];
+        pd_online_softmax(s, group, n, run, p, rescale);
         for (int64_t g = 0; g < group; g++) {
             float *o = acc + g * d;
             const __m512 r = _mm512_set1_ps(rescale[g]);
@@ -268,7 +276,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void attend_avx512_bo
                     __m512 sum[8];
                     for (int i = 0; i < 8; i++)
                         sum[i] = _mm512_mul_ps(_mm512_loadu_ps(o + i0 + 16 * i), r);
-                    for (int j = 0; j < CHUNK; j++) {
+                    for (int j = 0; j < PD_CHUNK; j++) {
                         const __m512 pj = _mm512_set1_ps(p[g][j]);
                         for (int i = 0; i < 8; i++)
                             sum[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v[j] + i0 + 16 * i), sum[i]);
@@ -278,7 +286,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void attend_avx512_bo
                     __m512 sum[4];
                     for (int i = 0; i < 4; i++)
                         sum[i] = _mm512_mul_ps(_mm512_loadu_ps(o + i0 + 16 * i), r);
-                    for (int j = 0; j < CHUNK; j++) {
+                    for (int j = 0; j < PD_CHUNK; j++) {
                         const __m512 pj = _mm512_set1_ps(p[g][j]);
                         for (int i = 0; i < 4; i++)
                             sum[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v[j] + i0 + 16 * i), sum[i]);
@@ -287,7 +295,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void attend_avx512_bo
                 } else {  /* the last lanes, 16 at a time */
                     for (int64_t i = i0; i < d; i += 16) {
                         __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(o + i), r);
-                        for (int j = 0; j < CHUNK; j++)
+                        for (int j = 0; j < PD_CHUNK; j++)
                             sum = _mm512_fmadd_ps(_mm512_set1_ps(p[g][j]), _mm512_loadu_ps(v[j] + i),
                                                   sum);
                         _mm512_storeu_ps(o + i, sum);
@@ -298,15 +306,15 @@ AVX512_TARGET static inline __attribute__((always_inline)) void attend_avx512_bo
     }
 }
 
-AVX512_TARGET static void attend_avx512(const Args *a, int64_t b, int64_t h, int64_t t0,
-                                        int64_t t1, Running *run,
+PD_AVX512_TARGET static void pd_attend_avx512(const PdArgs *a, int64_t b, int64_t h, int64_t t0,
+                                        int64_t t1, PdRunning *run,
                                         float *acc) {
     if (a->head_dim == 64)
-        attend_avx512_body(a, b, h, t0, t1, run, acc, 64);
+        pd_attend_avx512_body(a, b, h, t0, t1, run, acc, 64);
     else if (a->head_dim == 128)
-        attend_avx512_body(a, b, h, t0, t1, run, acc, 128);
+        pd_attend_avx512_body(a, b, h, t0, t1, run, acc, 128);
     else
-        attend_avx512_body(a, b, h, t0, t1, run, acc, a->head_dim);
+        pd_attend_avx512_body(a, b, h, t0, t1, run, acc, a->head_dim);
 }
 
 /* 1 where this CPU (and OS) runs AVX-512 F, VL and DQ, else 0. */
@@ -319,12 +327,12 @@ int baton_paged_decode_has_avx512(void) {
 /* A thread's piece of a task its share cut: the partial state, merged after the loop. */
 typedef struct {
     int64_t task;  /* -1: unused */
-    Running run[MAX_G];
-    float acc[MAX_G * MAX_D];
-} Partial;
+    PdRunning run[MAX_G];
+    float acc[MAX_G * PD_MAX_D];
+} PdPartial;
 
 /* out[b, h G + g] = acc[g] / l[g] */
-static inline void write_out(const Args *a, int64_t task, const Running *run, const float *acc,
+static inline void pd_write_out(const PdArgs *a, int64_t task, const PdRunning *run, const float *acc,
                              float *out) {
     const int64_t b = task / a->num_kv_heads, h = task % a->num_kv_heads;
     for (int64_t g = 0; g < a->group; g++) {
@@ -345,11 +353,11 @@ int baton_paged_decode_isa(const float *q, const float *cache, int64_t stride_kv
                            float scale, float *out, int isa) {
     const int64_t group = num_heads / num_kv_heads;
     if (num_kv_heads <= 0 || group * num_kv_heads != num_heads || group > MAX_G ||
-        head_dim % 8 != 0 || head_dim > MAX_D || head_dim <= 0)
+        head_dim % 8 != 0 || head_dim > PD_MAX_D || head_dim <= 0)
         return -1;
     if (isa == 1 && !baton_paged_decode_has_avx512()) return -3;
     const int wide = isa == 1 && head_dim % 16 == 0;
-    const Args a = {q,          cache,        stride_kv,      stride_head, stride_block,
+    const PdArgs a = {q,          cache,        stride_kv,      stride_head, stride_block,
                     stride_token, block_tables, seq_lens,     max_blocks,  num_heads,
                     num_kv_heads, group,        head_dim,       block_size,  scale};
     const int64_t num_tasks = num_seqs * num_kv_heads;
@@ -358,7 +366,7 @@ int baton_paged_decode_isa(const float *q, const float *cache, int64_t stride_kv
     total *= num_kv_heads;
     const int threads = total >= 2 * 64 ? omp_get_max_threads() : 1;
     /* two partial pieces per thread at most: its first task and its last */
-    Partial *parts = malloc(sizeof(Partial) * 2 * (size_t)threads);
+    PdPartial *parts = malloc(sizeof(PdPartial) * 2 * (size_t)threads);
     if (parts == NULL) return -2;
     for (int i = 0; i < 2 * threads; i++) parts[i].task = -1;
     for (int64_t b = 0; b < num_seqs; b++)  /* no keys: zeros (the loop skips these tasks) */
@@ -368,8 +376,8 @@ int baton_paged_decode_isa(const float *q, const float *cache, int64_t stride_kv
         const int nt = omp_get_num_threads(), me = omp_get_thread_num();
         /* this thread's share [w0, w1) of the line of all tasks' key positions */
         const int64_t w0 = total * me / nt, w1 = total * (me + 1) / nt;
-        Running run[MAX_G];
-        float acc[MAX_G * MAX_D];
+        PdRunning run[MAX_G];
+        float acc[MAX_G * PD_MAX_D];
         int64_t start = 0;  /* line position of task's first key */
         for (int64_t task = 0; task < num_tasks && start < w1; task++) {
             const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
@@ -379,18 +387,18 @@ int baton_paged_decode_isa(const float *q, const float *cache, int64_t stride_kv
             const int own_all = t0 == 0 && t1 == len;
             start += len;
             if (t0 >= t1) continue;  /* not in this thread's share */
-            for (int64_t g = 0; g < group; g++) run[g] = (Running){-INFINITY, 0.0f};
+            for (int64_t g = 0; g < group; g++) run[g] = (PdRunning){-INFINITY, 0.0f};
             memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
             if (wide)
-                attend_avx512(&a, b, h, t0, t1, run, acc);
+                pd_attend_avx512(&a, b, h, t0, t1, run, acc);
             else
-                attend_avx2(&a, b, h, t0, t1, run, acc);
+                pd_attend_avx2(&a, b, h, t0, t1, run, acc);
             if (own_all) {
-                write_out(&a, task, run, acc, out);
+                pd_write_out(&a, task, run, acc, out);
             } else {
-                Partial *p = &parts[2 * me + (t0 == 0 ? 1 : 0)];  /* first piece: slot 0 */
+                PdPartial *p = &parts[2 * me + (t0 == 0 ? 1 : 0)];  /* first piece: slot 0 */
                 p->task = task;
-                memcpy(p->run, run, sizeof(Running) * (size_t)group);
+                memcpy(p->run, run, sizeof(PdRunning) * (size_t)group);
                 memcpy(p->acc, acc, sizeof(float) * (size_t)(group * head_dim));
             }
         }
@@ -398,22 +406,22 @@ int baton_paged_decode_isa(const float *q, const float *cache, int64_t stride_kv
     /* merge the pieces of split tasks: slots in thread order are in key order */
     for (int i = 0; i < 2 * threads; i++) {
         if (parts[i].task < 0) continue;
-        Partial *first = &parts[i];
+        PdPartial *first = &parts[i];
         for (int j = i + 1; j < 2 * threads; j++) {
-            Partial *p = &parts[j];
+            PdPartial *p = &parts[j];
             if (p->task != first->task) continue;
             for (int64_t g = 0; g < group; g++) {
                 const float m = fmaxf(first->run[g].m, p->run[g].m);
                 const float ca = first->run[g].m == -INFINITY ? 0.0f : expf(first->run[g].m - m);
                 const float cb = p->run[g].m == -INFINITY ? 0.0f : expf(p->run[g].m - m);
-                first->run[g] = (Running){m, first->run[g].l * ca + p->run[g].l * cb};
+                first->run[g] = (PdRunning){m, first->run[g].l * ca + p->run[g].l * cb};
                 for (int64_t e = 0; e < head_dim; e++)
                     first->acc[g * head_dim + e] =
                         first->acc[g * head_dim + e] * ca + p->acc[g * head_dim + e] * cb;
             }
             p->task = -1;
         }
-        write_out(&a, first->task, first->run, first->acc, out);
+        pd_write_out(&a, first->task, first->run, first->acc, out);
         first->task = -1;
     }
     free(parts);
