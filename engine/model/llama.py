@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.model.rms_norm_kernel import add_rms_norm, rms_norm
+from engine.model.swiglu_kernel import swiglu
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +161,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        if gate_up.dtype == torch.float32 and gate_up.device.type == "cpu":
+            act = swiglu(gate_up)  # one C pass into a contiguous [T, I]
+            if act is not None:
+                return self.down_proj(act)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         # In place on the projection's output (views with row stride 2 I): no [T, I] temporaries
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
