@@ -11,10 +11,11 @@
  * acc = sum e^(s - m) V (both rescaled by e^(m_old - m_new) when the max grows). Each key and
  * value row is read from memory once and used while it is in L1.
  *
- * Work split: the (sequence, KV head) tasks laid end to end form one line of key positions;
- * each thread takes an equal share of that line, so a long sequence (batch 1) is split across
- * threads too. A task cut by a share boundary leaves per-thread partial (m, l, acc) that are
- * merged after the parallel loop (the log-sum-exp merge of split softmaxes).
+ * Work split: the (sequence, KV head) tasks laid end to end form one line of key positions,
+ * cut into equal pieces that threads take one at a time (dynamic: a thread held up by other
+ * load leaves the rest to the others), so a long sequence (batch 1) is split across threads
+ * too. A task cut by a piece boundary leaves partial (m, l, acc) states that are merged after
+ * the parallel loop (the log-sum-exp merge of split softmaxes).
  *
  * A 32-sequence SmolLM2 step streams ~240 MB of K and V from memory; software prefetching of
  * the next blocks (tried: 8 to 64 tokens ahead) measured no faster than the hardware's.
@@ -38,6 +39,7 @@
 #define MAX_G 16
 #define PD_MAX_D 256
 #define PD_CHUNK 8
+#define PD_PIECE_KEYS 512
 
 #define PD_AVX512_TARGET __attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma,f16c")))
 
@@ -324,13 +326,6 @@ int baton_paged_decode_has_avx512(void) {
            __builtin_cpu_supports("avx512dq");
 }
 
-/* A thread's piece of a task its share cut: the partial state, merged after the loop. */
-typedef struct {
-    int64_t task;  /* -1: unused */
-    PdRunning run[MAX_G];
-    float acc[MAX_G * PD_MAX_D];
-} PdPartial;
-
 /* out[b, h G + g] = acc[g] / l[g] */
 static inline void pd_write_out(const PdArgs *a, int64_t task, const PdRunning *run, const float *acc,
                              float *out) {
@@ -365,66 +360,84 @@ int baton_paged_decode_isa(const float *q, const float *cache, int64_t stride_kv
     for (int64_t b = 0; b < num_seqs; b++) total += (seq_lens[b] > 0 ? seq_lens[b] : 0);
     total *= num_kv_heads;
     const int threads = total >= 2 * 64 ? omp_get_max_threads() : 1;
-    /* two partial pieces per thread at most: its first task and its last */
-    PdPartial *parts = malloc(sizeof(PdPartial) * 2 * (size_t)threads);
-    if (parts == NULL) return -2;
-    for (int i = 0; i < 2 * threads; i++) parts[i].task = -1;
-    for (int64_t b = 0; b < num_seqs; b++)  /* no keys: zeros (the loop skips these tasks) */
-        if (seq_lens[b] <= 0) memset(out + b * num_heads * head_dim, 0, sizeof(float) * (size_t)(num_heads * head_dim));
-#pragma omp parallel num_threads(threads)
-    {
-        const int nt = omp_get_num_threads(), me = omp_get_thread_num();
-        /* this thread's share [w0, w1) of the line of all tasks' key positions */
-        const int64_t w0 = total * me / nt, w1 = total * (me + 1) / nt;
+    /* pieces of the line, handed out one at a time (a thread that other load on the machine
+     * holds up leaves its share to the others): PIECE_KEYS keys or more, 8 per thread at most */
+    int64_t pieces = total / PD_PIECE_KEYS;
+    pieces = threads == 1 ? 1 : pieces < threads ? threads : pieces > 8 * threads ? 8 * threads : pieces;
+    /* a piece cuts two tasks at most (its first and its last): slot 2 p holds the part of its
+     * first task (t0 > 0), slot 2 p + 1 that of its last (t0 == 0, t1 < len): slots in index
+     * order hold a cut task's parts in key order. A slot: m [G], l [G], acc [G, D]. */
+    const int64_t slot_floats = group * (2 + head_dim);
+    int64_t *slot_task = malloc(sizeof(int64_t) * 2 * (size_t)pieces);
+    float *slots = malloc(sizeof(float) * (size_t)(2 * pieces * slot_floats));
+    if (slot_task == NULL || slots == NULL) {
+        free(slot_task);
+        free(slots);
+        return -2;
+    }
+    for (int64_t i = 0; i < 2 * pieces; i++) slot_task[i] = -1;
+    for (int64_t b = 0; b < num_seqs; b++) /* no keys: zeros (the loop skips these tasks) */
+        if (seq_lens[b] <= 0)
+            memset(out + b * num_heads * head_dim, 0, sizeof(float) * (size_t)(num_heads * head_dim));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t piece = 0; piece < pieces; piece++) {
+        /* this piece [w0, w1) of the line of all tasks' key positions */
+        const int64_t w0 = total * piece / pieces, w1 = total * (piece + 1) / pieces;
         PdRunning run[MAX_G];
         float acc[MAX_G * PD_MAX_D];
-        int64_t start = 0;  /* line position of task's first key */
+        int64_t start = 0; /* line position of task's first key */
         for (int64_t task = 0; task < num_tasks && start < w1; task++) {
             const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
             const int64_t len = seq_lens[b] > 0 ? seq_lens[b] : 0;
             const int64_t t0 = w0 > start ? w0 - start : 0;
             const int64_t t1 = w1 - start < len ? w1 - start : len;
-            const int own_all = t0 == 0 && t1 == len;
             start += len;
-            if (t0 >= t1) continue;  /* not in this thread's share */
+            if (t0 >= t1) continue; /* not in this piece */
             for (int64_t g = 0; g < group; g++) run[g] = (PdRunning){-INFINITY, 0.0f};
             memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
             if (wide)
                 pd_attend_avx512(&a, b, h, t0, t1, run, acc);
             else
                 pd_attend_avx2(&a, b, h, t0, t1, run, acc);
-            if (own_all) {
+            if (t0 == 0 && t1 == len) {
                 pd_write_out(&a, task, run, acc, out);
             } else {
-                PdPartial *p = &parts[2 * me + (t0 == 0 ? 1 : 0)];  /* first piece: slot 0 */
-                p->task = task;
-                memcpy(p->run, run, sizeof(PdRunning) * (size_t)group);
-                memcpy(p->acc, acc, sizeof(float) * (size_t)(group * head_dim));
+                const int64_t i = 2 * piece + (t0 == 0 ? 1 : 0);
+                float *slot = slots + i * slot_floats;
+                slot_task[i] = task;
+                for (int64_t g = 0; g < group; g++) {
+                    slot[g] = run[g].m;
+                    slot[group + g] = run[g].l;
+                }
+                memcpy(slot + 2 * group, acc, sizeof(float) * (size_t)(group * head_dim));
             }
         }
     }
-    /* merge the pieces of split tasks: slots in thread order are in key order */
-    for (int i = 0; i < 2 * threads; i++) {
-        if (parts[i].task < 0) continue;
-        PdPartial *first = &parts[i];
-        for (int j = i + 1; j < 2 * threads; j++) {
-            PdPartial *p = &parts[j];
-            if (p->task != first->task) continue;
+    /* merge each cut task's parts (adjacent slots), the log-sum-exp way, and write it out */
+    for (int64_t i = 0; i < 2 * pieces; i++) {
+        if (slot_task[i] < 0) continue;
+        const int64_t task = slot_task[i];
+        PdRunning run[MAX_G];
+        float *acc = slots + i * slot_floats + 2 * group;
+        for (int64_t g = 0; g < group; g++)
+            run[g] = (PdRunning){slots[i * slot_floats + g], slots[i * slot_floats + group + g]};
+        for (; i + 1 < 2 * pieces && (slot_task[i + 1] == task || slot_task[i + 1] < 0); i++) {
+            if (slot_task[i + 1] < 0) continue;
+            const float *next = slots + (i + 1) * slot_floats;
             for (int64_t g = 0; g < group; g++) {
-                const float m = fmaxf(first->run[g].m, p->run[g].m);
-                const float ca = first->run[g].m == -INFINITY ? 0.0f : expf(first->run[g].m - m);
-                const float cb = p->run[g].m == -INFINITY ? 0.0f : expf(p->run[g].m - m);
-                first->run[g] = (PdRunning){m, first->run[g].l * ca + p->run[g].l * cb};
+                const float m = fmaxf(run[g].m, next[g]);
+                const float ca = run[g].m == -INFINITY ? 0.0f : expf(run[g].m - m);
+                const float cb = next[g] == -INFINITY ? 0.0f : expf(next[g] - m);
+                run[g] = (PdRunning){m, run[g].l * ca + next[group + g] * cb};
                 for (int64_t e = 0; e < head_dim; e++)
-                    first->acc[g * head_dim + e] =
-                        first->acc[g * head_dim + e] * ca + p->acc[g * head_dim + e] * cb;
+                    acc[g * head_dim + e] =
+                        acc[g * head_dim + e] * ca + next[2 * group + g * head_dim + e] * cb;
             }
-            p->task = -1;
         }
-        pd_write_out(&a, first->task, first->run, first->acc, out);
-        first->task = -1;
+        pd_write_out(&a, task, run, acc, out);
     }
-    free(parts);
+    free(slot_task);
+    free(slots);
     return 0;
 }
 
