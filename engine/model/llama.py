@@ -71,7 +71,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(s, norm(s)) with s = x + delta (delta None: s = x). On CPU float32 the add and the
         norm are one C pass (rms_norm.c), any row count: a 2,048-token prefill step's 60 adds
-        and 61 norms in torch were ~6% of its time."""
+        and 61 norms in torch were ~4% of its time (2.6 vs 0.9 ms each, 1 thread)."""
         if delta is None:
             return x, self(x)
         if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
