@@ -1,10 +1,17 @@
 """Engine benchmark: Baton vs Hugging Face transformers on the same checkpoint, one run.
 
     python -m benchmarks.engine [--model smollm2-135m-instruct] [--threads 2] [--json FILE]
+    python -m benchmarks.engine --ceiling-only [--rounds 3] [--cpu-clock --threads 1]
 
 Prints throughput (32 x 128-token prompts, 64 new tokens), batch-1 decode tokens/s,
 prefill tokens/s at 2,000 tokens, and the TTFT of a 7,000-token prompt cold versus with
 5,000 tokens cached (against the ideal: the cold TTFT times the uncached share of compute).
+
+--ceiling-only skips HF and the other figures: it times Baton's throughput run against the
+same run's dense matrix products alone (gemm_floor_s) for --rounds rounds and prints the ratio
+of each, the quick check of how close the engine runs to the ceiling. With --cpu-clock (one
+thread only) both are timed in the thread's CPU time instead of wall time, so that other load
+on a shared machine, which only takes the core away, does not count.
 """
 
 from __future__ import annotations
@@ -28,10 +35,13 @@ def prompts_of(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(100, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
+clock = time.perf_counter  # --cpu-clock: time.thread_time
+
+
 def timed(fn) -> float:
-    start = time.perf_counter()
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 # ---- the two engines, behind the same three timings ----------------------------------------
@@ -159,11 +169,11 @@ def gemm_floor_s(llm: LLM, args) -> float:
 
     def step_s(rows: int, sampled: int) -> float:
         inputs = {k: torch.randn(rows, k) for k in {lin.weight.shape[1] for lin in linears}}
-        start = time.perf_counter()
+        start = clock()
         for lin in linears:
             lin(inputs[lin.weight.shape[1]])
         model.compute_logits(inputs[model.args.hidden_size][:sampled])
-        return time.perf_counter() - start
+        return clock() - start
 
     step = llm.engine.config.max_num_batched_tokens
     prompt_rows = args.num_requests * args.prompt_len
@@ -195,6 +205,25 @@ def compute_share(llm: LLM, total: int, cached: int) -> float:
     return flops(cached) / flops(0)
 
 
+def ceiling_only(llm: LLM, args) -> list[dict]:
+    """Rounds of (Baton's throughput run, its dense matrix products alone), each on new
+    prompts (nothing cached), printed as they come."""
+    runner = BatonRunner(llm)
+    vocab = llm.engine.runner.model.args.vocab_size
+    rounds = []
+    for i in range(args.rounds):
+        batch = prompts_of(args.num_requests, args.prompt_len, vocab, 1000 + i)
+        run_s = runner.batch_s(batch, args.new_tokens)
+        floor_s = gemm_floor_s(llm, args)
+        rounds.append(dict(run_s=run_s, gemm_floor_s=floor_s, ceiling_ratio=floor_s / run_s))
+        print(
+            f"round {i + 1}: throughput run {run_s:.2f}s, its matrix products alone "
+            f"{floor_s:.2f}s -> {floor_s / run_s:.1%} of the ceiling",
+            flush=True,
+        )
+    return rounds
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -211,11 +240,39 @@ def main(argv: list[str] | None = None) -> int:
         "(other load on a shared machine only ever adds time)",
     )
     p.add_argument("--skip-hf", action="store_true", help="Baton figures only")
+    p.add_argument(
+        "--ceiling-only",
+        action="store_true",
+        help="only Baton's throughput run against its matrix products alone, --rounds times",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="rounds of --ceiling-only")
+    p.add_argument(
+        "--cpu-clock",
+        action="store_true",
+        help="time in the thread's CPU time (needs --threads 1): other load does not count",
+    )
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
+    if args.cpu_clock:
+        if args.threads != 1:
+            p.error("--cpu-clock needs --threads 1 (it counts the calling thread's time only)")
+        global clock
+        clock = time.thread_time
     torch.set_num_threads(args.threads)
     # Block size 8 so that the 5,000-token prefix is exactly 625 full blocks.
-    llm = LLM(args.model, dtype="float32", block_size=8, max_num_seqs=max(64, args.num_requests))
+    llm = LLM(
+        args.model,
+        dtype="float32",
+        block_size=8,
+        max_num_seqs=max(64, args.num_requests),
+        num_threads=args.threads,
+    )
+    if args.ceiling_only:
+        rounds = ceiling_only(llm, args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"baton": {"ceiling_rounds": rounds}}, f, indent=2)
+        return 0
     runners = {"Baton": BatonRunner(llm)}
     if not args.skip_hf:
         runners["HF"] = HFRunner(str(llm.engine.model_dir))

@@ -46,7 +46,14 @@ def load_kernel() -> ctypes.CDLL | None:
         ptr,
     ]
     lib.baton_paged_decode.restype = ctypes.c_int
+    lib.baton_paged_decode_isa.argtypes = [*lib.baton_paged_decode.argtypes, ctypes.c_int]
+    lib.baton_paged_decode_isa.restype = ctypes.c_int
+    lib.baton_paged_decode_has_avx512.argtypes = []
+    lib.baton_paged_decode_has_avx512.restype = ctypes.c_int
     return lib
+
+
+ISAS = {"avx2": 0, "avx512": 1}  # baton_paged_decode_isa's isa argument
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -54,9 +61,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, isa: str | None = None) -> None:
+        """isa: "avx2" or "avx512" forces that code (tests); None: AVX-512 where cpuid has it."""
         super().__init__()
         self._lib = lib
+        self._isa = None if isa is None else ISAS[isa]
 
     def _decode(
         self, q: torch.Tensor, blocks: torch.Tensor, plan: _StepPlan, scale: float
@@ -68,7 +77,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out = torch.empty_like(qd)
         _, num_kv_heads, _, block_size, head_dim = blocks.shape
         tables = plan.decode_blocks  # [Bd, blocks] int64, contiguous
-        rc = self._lib.baton_paged_decode(
+        isa = () if self._isa is None else (self._isa,)
+        kernel = (
+            self._lib.baton_paged_decode if self._isa is None else self._lib.baton_paged_decode_isa
+        )
+        rc = kernel(
             qd.data_ptr(),
             blocks.data_ptr(),
             *blocks.stride()[:4],
@@ -82,7 +95,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
             block_size,
             scale,
             out.data_ptr(),
+            *isa,
         )
+        if rc == -3:
+            raise RuntimeError("baton_paged_decode_isa: AVX-512 asked for on a CPU without it")
         if rc != 0:  # a shape the kernel does not take (or no scratch memory)
             return super()._decode(q, blocks, plan, scale)
         return out

@@ -18,11 +18,14 @@ from engine.attention.metadata import AttentionMetadata
 
 @dataclass(slots=True)
 class _PrefillSeq:
-    rows: slice  # query rows of this sequence
+    rows: slice  # query rows of this sequence (of `count` fresh ones of equal length)
     slots: torch.Tensor | None  # [seq_len] cache slots of its keys; None: no cached context
     # [q_len, seq_len] bool, True = attend; None: plain causal, or on CPU a chunk after cached
     # context (attended as context + causal chunk, see _context_chunk_cpu)
     mask: torch.Tensor | None
+    # Fresh prompts of equal length laid end to end in rows run as one batched SDPA call
+    # (a 2,048-token step of 16 x 128-token prompts: ~1.5x faster than 16 calls on 2 threads)
+    count: int = 1
 
 
 @dataclass(slots=True)
@@ -107,7 +110,18 @@ class TorchAttentionBackend(AttentionBackend):
                     if device.type != "cpu":  # the CPU path splits context and chunk instead
                         q_pos = torch.arange(ctx, s_len, device=device)
                         mask = torch.arange(s_len, device=device)[None, :] <= q_pos[:, None]
-                prefills.append(_PrefillSeq(slice(start, start + q_len), slots, mask))
+                last = prefills[-1] if prefills else None
+                if (
+                    ctx == 0
+                    and last is not None
+                    and last.slots is None
+                    and last.rows.stop == start
+                    and last.rows.stop - last.rows.start == q_len * last.count
+                ):  # another fresh prompt of the same length right after the last: batch it
+                    last.rows = slice(last.rows.start, start + q_len)
+                    last.count += 1
+                else:
+                    prefills.append(_PrefillSeq(slice(start, start + q_len), slots, mask))
             start += q_len
         all_decode = len(decode) == len(meta.query_lens)
         return _StepPlan(
@@ -140,16 +154,18 @@ class TorchAttentionBackend(AttentionBackend):
         if plan.decode_rows is not None:
             out.index_copy_(0, plan.decode_rows, self._decode(q, blocks, plan, scale))
         for seq in plan.prefills:
+            if seq.slots is None:  # fresh prompts: this step's keys are their whole context
+                out[seq.rows] = _fresh_prompts(
+                    q[seq.rows], k[seq.rows], v[seq.rows], seq.count, scale
+                )
+                continue
             qs = q[seq.rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            if seq.slots is None:  # fresh prompt: this step's keys are the whole context
-                ks, vs = k[seq.rows].transpose(0, 1), v[seq.rows].transpose(0, 1)
-            elif q.device.type == "cpu":  # only the cached context is gathered
+            if q.device.type == "cpu":  # only the cached context is gathered
                 ctx = cache.index_select(2, seq.slots[: seq.slots.shape[0] - qs.shape[2]])
                 o = _context_chunk_cpu(qs, k[seq.rows], v[seq.rows], ctx[0], ctx[1], scale)
                 out[seq.rows] = o[0].transpose(0, 1)
                 continue
-            else:  # keys and values in one gather: [2, KVH, seq_len, D]
-                ks, vs = cache.index_select(2, seq.slots)
+            ks, vs = cache.index_select(2, seq.slots)  # keys and values in one gather
             o = F.scaled_dot_product_attention(
                 qs,
                 ks.unsqueeze(0),
@@ -202,6 +218,22 @@ class TorchAttentionBackend(AttentionBackend):
             .transpose(0, 1)
             .reshape(bd, num_kv_heads * group, head_dim)
         )
+
+
+def _fresh_prompts(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of `count` fresh prompts of equal length laid end to end, one SDPA call.
+    q: [count * n, H, D]; k, v: [count * n, KVH, D]. Returns [count * n, H, D]."""
+    t, heads, d = q.shape
+
+    def split(x: torch.Tensor) -> torch.Tensor:  # [count * n, h, D] -> [count, h, n, D] (a view)
+        return x.view(count, t // count, x.shape[1], d).transpose(1, 2)
+
+    o = F.scaled_dot_product_attention(
+        split(q), split(k), split(v), is_causal=True, scale=scale, enable_gqa=True
+    )  # [count, H, n, D]
+    return o.transpose(1, 2).reshape(t, heads, d)
 
 
 def _context_chunk_cpu(

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.model.rms_norm_kernel import rms_norm
+from engine.model.rms_norm_kernel import add_rms_norm, rms_norm
+from engine.model.swiglu_kernel import swiglu
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,21 @@ class RMSNorm(nn.Module):
         xf = x.float()
         inv_rms = torch.mean(xf * xf, -1, keepdim=True).add_(self.eps).rsqrt_()
         return self.weight * (xf * inv_rms).to(x.dtype)
+
+    def add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, norm(s)) with s = x + delta (delta None: s = x). On CPU float32 the add and the
+        norm are one C pass (rms_norm.c), any row count: a 2,048-token prefill step's 60 adds
+        and 61 norms in torch were ~4% of its time (2.6 vs 0.9 ms each, 1 thread)."""
+        if delta is None:
+            return x, self(x)
+        if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
+            fused = add_rms_norm(x, delta, self.weight, self.eps)
+            if fused is not None:
+                return fused
+        s = x + delta
+        return s, self(s)
 
 
 def interleaved_rope_order(num_heads: int, head_dim: int) -> torch.Tensor:
@@ -145,7 +161,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        if gate_up.dtype == torch.float32 and gate_up.device.type == "cpu":
+            act = swiglu(gate_up)  # one C pass into a contiguous [T, I]
+            if act is not None:
+                return self.down_proj(act)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         # In place on the projection's output (views with row stride 2 I): no [T, I] temporaries
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
@@ -171,9 +192,28 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """[T, E] -> [T, E]; with rows, [len(rows), E]: every token's keys and values are
         still computed and cached, the attention output and MLP only for those rows."""
-        attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, backend, rows)
-        x = (x if rows is None else x.index_select(0, rows)) + attn
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, mlp = self.forward_pending(x, None, rope, kv_cache, meta, backend, rows)
+        return x + mlp
+
+    def forward_pending(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: tuple[torch.Tensor, ...],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward on the hidden state x + delta (delta None: x), returning its output as a
+        pair (x', delta') whose sum is it: the residual adds are left to the next norm, which
+        does add and norm in one pass."""
+        x, h = self.input_layernorm.add_norm(x, delta)
+        attn = self.self_attn(h, rope, kv_cache, meta, backend, rows)
+        if rows is not None:
+            x = x.index_select(0, rows)
+        x, h = self.post_attention_layernorm.add_norm(x, attn)
+        return x, self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -239,11 +279,13 @@ class LlamaForCausalLM(nn.Module):
         projection and MLP of the others, which no later layer reads."""
         backend.begin_step(meta)
         rope = tuple(t.index_select(0, positions).unsqueeze(1) for t in self.rope_tables)
-        x = self.embed_tokens(input_ids)
+        x, delta = self.embed_tokens(input_ids), None  # the hidden state is x + delta
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = layer(x, rope, kv_cache, meta, backend, rows if i == last else None)
-        return self.norm(x)
+            x, delta = layer.forward_pending(
+                x, delta, rope, kv_cache, meta, backend, rows if i == last else None
+            )
+        return self.norm.add_norm(x, delta)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, E] -> logits [N, V] in fp32."""

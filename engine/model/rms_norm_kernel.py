@@ -22,6 +22,8 @@ def load_kernel() -> ctypes.CDLL | None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.baton_rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
     lib.baton_rms_norm.restype = ctypes.c_int
+    lib.baton_add_rms_norm.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr]
+    lib.baton_add_rms_norm.restype = ctypes.c_int
     return lib
 
 
@@ -37,3 +39,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         x.data_ptr(), x.shape[0], x.shape[1], weight.contiguous().data_ptr(), eps, y.data_ptr()
     )
     return y if rc == 0 else None
+
+
+def add_rms_norm(
+    x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(s, y) with s = x + r and y = weight * (s / rms(s)), in one pass (rows in parallel),
+    for CPU float32 x, r [M, E]; None where the kernel cannot run here or does not take the
+    shape (the caller then uses torch)."""
+    lib = load_kernel()
+    if (
+        lib is None
+        or weight.dtype != torch.float32
+        or weight.device.type != "cpu"
+        or r.shape != x.shape
+        or r.dtype != torch.float32
+    ):
+        return None
+    x, r = x.contiguous(), r.contiguous()
+    s, y = torch.empty_like(x), torch.empty_like(x)
+    rc = lib.baton_add_rms_norm(
+        x.data_ptr(),
+        r.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        weight.contiguous().data_ptr(),
+        eps,
+        s.data_ptr(),
+        y.data_ptr(),
+    )
+    return (s, y) if rc == 0 else None

@@ -12,14 +12,27 @@ from tests.engine.paged_inputs import random_inputs, shuffled_step
 
 lib = load_kernel()
 pytestmark = pytest.mark.skipif(lib is None, reason="no x86-64 AVX2/FMA/F16C CPU or C compiler")
+# Each instruction set this CPU runs (the kernel picks AVX-512 by itself where cpuid has it)
+RUNNABLE_ISAS = (
+    ["avx2", "avx512"] if lib is not None and lib.baton_paged_decode_has_avx512() else ["avx2"]
+)
 
 
 def step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, seed):
     gen = torch.Generator().manual_seed(seed)
     cpu = torch.device("cpu")
-    meta = shuffled_step(query_lens, seq_lens, block_size, 64, gen, cpu)
+    num_blocks = max(64, sum(-(-n // block_size) for n in seq_lens) + 8)
+    meta = shuffled_step(query_lens, seq_lens, block_size, num_blocks, gen, cpu)
     q, k, v, cache = random_inputs(
-        sum(query_lens), num_heads, num_kv_heads, head_dim, block_size, 64, torch.float32, gen, cpu
+        sum(query_lens),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        torch.float32,
+        gen,
+        cpu,
     )
     return q, k, v, cache, meta
 
@@ -30,8 +43,10 @@ def step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, se
         ([1], [37]),  # one sequence
         ([1, 1, 1, 1], [1, 6, 37, 64]),  # all decode: first token, inside a block, many blocks
         ([7, 1, 20, 1], [7, 9, 29, 50]),  # decodes mixed with a fresh prefill and a chunk
+        ([1, 1, 1], [300, 2, 161]),  # long ones: threads' shares cut tasks (merged pieces)
     ],
 )
+@pytest.mark.parametrize("isa", [None, *RUNNABLE_ISAS])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
     [
@@ -43,7 +58,7 @@ def step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, se
     ],
 )
 def test_decode_kernel_equals_torch(
-    query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size
+    query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, isa
 ):
     q, k, v, cache, meta = step(
         query_lens,
@@ -57,7 +72,7 @@ def test_decode_kernel_equals_torch(
     ref_cache, cpu_cache = cache.clone(), cache.clone()
     scale = head_dim**-0.5
     ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, scale)
-    out = CpuAttentionBackend(lib).forward(q, k, v, cpu_cache, meta, scale)
+    out = CpuAttentionBackend(lib, isa).forward(q, k, v, cpu_cache, meta, scale)
     assert torch.equal(cpu_cache, ref_cache)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -65,3 +80,43 @@ def test_decode_kernel_equals_torch(
 def test_auto_picks_the_cpu_backend_here():
     assert get_attention_backend("auto", torch.device("cpu")).name == "cpu"
     assert get_attention_backend("torch", torch.device("cpu")).name == "torch"
+
+
+def test_avx512_refused_without_it_or_taken_with_it():
+    """The AVX-512 code runs only where cpuid reports AVX-512 F/VL/DQ; elsewhere asking for it
+    is an error, never an illegal instruction."""
+    q, k, v, cache, meta = step([1, 1], [5, 17], 4, 2, 16, 4, seed=3)
+    backend = CpuAttentionBackend(lib, "avx512")
+    if lib.baton_paged_decode_has_avx512():
+        ref = TorchAttentionBackend().forward(q, k, v, cache.clone(), meta, 0.25)
+        torch.testing.assert_close(backend.forward(q, k, v, cache, meta, 0.25), ref)
+    else:
+        with pytest.raises(RuntimeError, match="AVX-512"):
+            backend.forward(q, k, v, cache, meta, 0.25)
+
+
+def test_fresh_prompts_of_equal_length_batched_equal_one_by_one():
+    """Fresh prompts of one length laid end to end run as one SDPA call; each must still attend
+    only its own keys, causally (float64 softmax reference, per prompt)."""
+    query_lens, seq_lens = [5, 5, 5, 1, 5, 3, 3], [5, 5, 5, 9, 5, 3, 3]
+    q, k, v, cache, meta = step(query_lens, seq_lens, 6, 2, 16, 4, seed=11)
+    plan = TorchAttentionBackend()._make_plan(meta)
+    assert [(p.rows, p.count) for p in plan.prefills] == [
+        (slice(0, 15), 3),  # three of length 5
+        (slice(16, 21), 1),  # after the decode row: a run of its own
+        (slice(21, 27), 2),  # two of length 3
+    ]
+    out = CpuAttentionBackend(lib).forward(q, k, v, cache, meta, 0.25)
+    start = 0
+    for q_len in query_lens:
+        rows = slice(start, start + q_len)
+        start += q_len
+        if q_len == 1:
+            continue
+        qs, ks, vs = (x[rows].double().transpose(0, 1) for x in (q, k, v))  # [heads, n, D]
+        ks, vs = ks.repeat_interleave(3, 0), vs.repeat_interleave(3, 0)
+        scores = (qs @ ks.transpose(1, 2)) * 0.25
+        causal = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        ref = (probs @ vs).transpose(0, 1).float()
+        torch.testing.assert_close(out[rows], ref, atol=1e-5, rtol=1e-5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.model.llama import RMSNorm
-from engine.model.rms_norm_kernel import load_kernel, rms_norm
+from engine.model.rms_norm_kernel import add_rms_norm, load_kernel, rms_norm
 
 lib = load_kernel()
 pytestmark = pytest.mark.skipif(lib is None, reason="no x86-64 AVX2/FMA/F16C CPU or C compiler")
@@ -46,3 +46,31 @@ def test_a_width_not_a_multiple_of_8_falls_back_to_torch():
     assert rms_norm(x, weight, 1e-6) is None  # the kernel refuses (-1)
     norm = RMSNorm(12, 1e-6)
     torch.testing.assert_close(norm(x), hf_rms_norm(x, norm.weight, 1e-6))
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 576), (3, 64), (64, 576), (301, 200)])  # 64+: threads
+def test_add_then_norm_in_one_pass(rows, dim):
+    g = torch.Generator().manual_seed(rows + dim)
+    x, r = torch.randn(rows, dim, generator=g) * 3, torch.randn(rows, dim, generator=g)
+    weight = torch.randn(dim, generator=g)
+    s, y = add_rms_norm(x, r, weight, 1e-5)
+    assert torch.equal(s, x + r)
+    torch.testing.assert_close(y, hf_rms_norm(x + r, weight, 1e-5), rtol=2e-6, atol=2e-6)
+
+
+def test_the_module_adds_and_norms_with_the_kernel_or_torch():
+    norm = RMSNorm(12, 1e-6)  # width 12: the kernel refuses, torch takes over
+    x, r = torch.randn(5, 12), torch.randn(5, 12)
+    assert add_rms_norm(x, r, norm.weight, 1e-6) is None
+    for module, xs, rs in (
+        (norm, x, r),
+        (RMSNorm(64, 1e-6), torch.randn(70, 64), torch.randn(70, 64)),
+    ):
+        s, y = module.add_norm(xs, rs)
+        assert torch.equal(s, xs + rs)
+        torch.testing.assert_close(
+            y, hf_rms_norm(xs + rs, module.weight, 1e-6), rtol=2e-6, atol=2e-6
+        )
+        s, y = module.add_norm(xs, None)  # nothing pending: s is x itself
+        assert s is xs
+        torch.testing.assert_close(y, hf_rms_norm(xs, module.weight, 1e-6), rtol=2e-6, atol=2e-6)
