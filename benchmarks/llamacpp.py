@@ -95,6 +95,7 @@ class BatonSide:
 
     def __init__(self, llm: LLM) -> None:
         self.runner = BatonRunner(llm)
+        self.model_runner = llm.engine.runner
         self.vocab = llm.engine.runner.model.args.vocab_size
         self.round = 0
 
@@ -102,6 +103,19 @@ class BatonSide:
         self.round += 1
         prompt = prompts_of(1, PROMPT_LEN, self.vocab, 100 + self.round)[0]
         return (DECODE_TOKENS - 1) / self.runner.decode_s(prompt, DECODE_TOKENS)
+
+    def decode_unfused_tok_s(self) -> float | None:
+        """decode_tok_s with the fused decode step off (as BATON_FUSED_DECODE=0); None where
+        the engine has no fused step anyway."""
+        fused = self.model_runner.fused
+        if fused is None:
+            return None
+        self.model_runner.fused = None
+        try:
+            prompt = prompts_of(1, PROMPT_LEN, self.vocab, 150 + self.round)[0]
+            return (DECODE_TOKENS - 1) / self.runner.decode_s(prompt, DECODE_TOKENS)
+        finally:
+            self.model_runner.fused = fused
 
     def prefill_tok_s(self) -> float:
         prompt = prompts_of(1, PREFILL_TOKENS, self.vocab, 200 + self.round)[0]
@@ -112,17 +126,26 @@ class BatonSide:
         return self.runner.batch_s(batch, BATCH_NEW)
 
 
+FUSED_PART = "  fused: "  # prefix of the fused step's own parts (inside its C call)
+
+
 def profile_decode(llm: LLM, tokens: int = DECODE_TOKENS) -> dict[str, float]:
     """Milliseconds per batch-1 decode step, by part: each part's calls are timed (wall clock,
     perf_counter around the call) during one greedy request after a 128-token prompt, the
     prefill step left out. "python, torch dispatch, rest" is what the parts leave unexplained
     of the model runner's step (it also absorbs the timers' own ~1 us per call), "engine loop"
-    what the step leaves of the request's decode time (scheduler, detokenizer, outputs)."""
+    what the step leaves of the request's decode time (scheduler, detokenizer, outputs).
+
+    With the fused decode step (engine/model/fused_decode.py) the decoder stack and the logits
+    are one C call: it is timed as one part, and the C code's own timer (thread 0, per part of
+    the stack, its barrier waits included) splits it into the "fused: ..." lines, which are
+    not added again to the total."""
     import time
 
     import engine.model.llama as llama
     import engine.model_runner as model_runner
     from engine import SamplingParams
+    from engine.model.fused_decode import PARTS, FusedDecoder
     from engine.model.gguf_linear import GGUFBlockLinear
 
     model, runner = llm.engine.runner.model, llm.engine.runner
@@ -158,15 +181,22 @@ def profile_decode(llm: LLM, tokens: int = DECODE_TOKENS) -> dict[str, float]:
     timed(llama.RMSNorm, "forward", lambda *_: "RMS norms (61)")
     timed(llama, "apply_rope", lambda *_: "rope (30)")
     timed(type(runner.backend), "forward", lambda *_: "attention + KV write (30)")
+    timed(FusedDecoder, "step", lambda *_: "fused step: decoder stack + logits (1 C call)")
     timed(model_runner, "sample", lambda *_: "sampling (argmax)")
     timed(model_runner, "build_metadata", lambda *_: "step metadata")
     greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     prompt = prompts_of(1, PROMPT_LEN, model.args.vocab_size, 7)[0]
+    fused = runner.fused
+    if fused is not None:
+        fused.profile(True)
     try:
         one = llm.generate([prompt], greedy)[0]
     finally:
         for owner, attr, original in reversed(originals):
             setattr(owner, attr, original)
+        timings = fused.timings if fused is not None else None
+        if fused is not None:
+            fused.profile(False)
     decode = steps[1:]  # steps[0] is the prefill
     out = {part: 0.0 for record in decode for part in record}
     for record in decode:
@@ -175,6 +205,9 @@ def profile_decode(llm: LLM, tokens: int = DECODE_TOKENS) -> dict[str, float]:
     step = out.pop("step")
     out["python, torch dispatch, rest"] = step - sum(out.values())
     out["engine loop (scheduler, outputs)"] = 1e3 * (one.latency - one.ttft) / (tokens - 1) - step
+    if timings is not None:  # every fused step is a decode step (the prefill has 128 tokens)
+        for name, sec in zip(PARTS, timings, strict=True):
+            out[FUSED_PART + name] = 1e3 * sec / len(decode)
     out["whole decode step"] = 1e3 * (one.latency - one.ttft) / (tokens - 1)
     return out
 
@@ -189,7 +222,11 @@ def compare(sides: dict[str, object], repeats: int) -> dict[str, dict[str, float
                 "prefill_tok_s": side.prefill_tok_s(),
                 "batch_s": side.batch_s(),
             }
+            if hasattr(side, "decode_unfused_tok_s"):
+                figures["decode_b1_unfused_tok_s"] = side.decode_unfused_tok_s()
             for key, value in figures.items():
+                if value is None:
+                    continue
                 better = min if key == "batch_s" else max
                 best[name][key] = better(best[name].get(key, value), value)
     return best
@@ -229,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     for label, key, lower_is_better in rows:
         ratio = theirs[key] / ours[key] if lower_is_better else ours[key] / theirs[key]
         print(f"{label:44} {theirs[key]:10.2f} {ours[key]:10.2f} {ratio:17.2f}x")
+        if key == "decode_b1_tok_s" and "decode_b1_unfused_tok_s" in ours:
+            unfused = ours["decode_b1_unfused_tok_s"]
+            label = "  unfused step (BATON_FUSED_DECODE=0)"
+            print(f"{label:44} {theirs[key]:10.2f} {unfused:10.2f} {unfused / theirs[key]:17.2f}x")
     print(
         f"{'  (as output tok/s)':44} {new_tokens / theirs['batch_s']:10.1f} "
         f"{new_tokens / ours['batch_s']:10.1f}"
