@@ -182,3 +182,28 @@ def test_library_key_covers_included_files(tmp_path):
     before = library_path(main)
     (tmp_path / "part.c").write_text("int part(void) { return 2; }\n")
     assert library_path(main) != before
+
+
+def test_a_step_the_kernel_refuses_writes_nothing(engine_pair):
+    runner = engine_pair[0].engine.runner
+    before = [c.clone() for c in runner.kv_caches]
+    assert runner.fused.step(VOCAB, [3], 1) is None  # no such token: C refuses (-1)
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
+    with pytest.raises(ValueError, match="cannot hold"):
+        runner.fused.step(1, [3], 5)  # 5 tokens need 2 blocks of 4
+
+
+def test_a_head_without_blocks_gets_its_logits_from_torch(engine_pair, monkeypatch):
+    fused, unfused = engine_pair
+    runner = fused.engine.runner
+    monkeypatch.setattr(runner.model, "lm_head", runner.model.lm_head.dense)  # float32 only
+    no_head = FusedDecoder.build(runner.model, runner.kv_caches, runner.backend, runner.config)
+    assert no_head is not None and not no_head.has_head
+    monkeypatch.setattr(runner, "fused", no_head)
+    calls = spy_steps(runner, monkeypatch)
+    prompt = random_prompts([6], seed=44, vocab=VOCAB)[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert fused.generate([prompt], params)[0].token_ids == (
+        unfused.generate([prompt], params)[0].token_ids
+    )
+    assert calls == [7, 8, 9, 10, 11]
