@@ -72,7 +72,7 @@ typedef struct {
 enum {
     T_NORM,      /* RMSNorms, residual adds, block sums (every thread, private copies) */
     T_QKV,       /* qkv product */
-    T_ROPE_KV,   /* RoPE and the KV cache write */
+    T_ROPE_KV,   /* RoPE (every thread) and the KV cache write (one thread, no wait) */
     T_ATTENTION, /* attention over the paged cache */
     T_O,         /* output projection of attention */
     T_GATE_UP,   /* gate/up product and SwiGLU */
@@ -208,19 +208,27 @@ static void rope_rows(const float *src, int64_t heads, int64_t D, const float *r
 
 /* out[D] = attention of one query head qv over the len keys and values of its KV head (k_head,
  * v_head: that head's base in the cache), exactly paged_decode.c's arithmetic for that head.
+ * The last position's key and value (this step's token) are read from new_k, new_v instead
+ * of the cache: the same values, so the cache write needs no barrier before the attention.
  * scores: [len] scratch. */
 static void attend_head(const float *qv, const float *k_head, const float *v_head,
-                        int64_t stride_block, int64_t stride_token, const int64_t *table,
-                        int64_t len, int64_t head_dim, int64_t block_size, float scale,
-                        float *scores, float *o) {
+                        const float *new_k, const float *new_v, int64_t stride_block,
+                        int64_t stride_token, const int64_t *table, int64_t len,
+                        int64_t head_dim, int64_t block_size, float scale, float *scores,
+                        float *o) {
+#define KEY(t)                                                                                     \
+    ((t) == len - 1 ? new_k                                                                        \
+                    : k_head + table[(t) / block_size] * stride_block +                           \
+                          ((t) % block_size) * stride_token)
+#define VALUE(t)                                                                                   \
+    ((t) == len - 1 ? new_v                                                                        \
+                    : v_head + table[(t) / block_size] * stride_block +                           \
+                          ((t) % block_size) * stride_token)
     const __m256 scale_v = _mm256_set1_ps(scale);
     int64_t t0 = 0;
     for (; t0 + 8 <= len; t0 += 8) {
         const float *k[8];
-        for (int j = 0; j < 8; j++) {
-            const int64_t t = t0 + j;
-            k[j] = k_head + table[t / block_size] * stride_block + (t % block_size) * stride_token;
-        }
+        for (int j = 0; j < 8; j++) k[j] = KEY(t0 + j);
         __m256 acc[8];
         for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
         for (int64_t i = 0; i < head_dim; i += 8) {
@@ -230,11 +238,7 @@ static void attend_head(const float *qv, const float *k_head, const float *v_hea
         }
         _mm256_storeu_ps(scores + t0, _mm256_mul_ps(hsum8(acc), scale_v));
     }
-    for (int64_t t = t0; t < len; t++) {
-        const float *k =
-            k_head + table[t / block_size] * stride_block + (t % block_size) * stride_token;
-        scores[t] = dot(qv, k, head_dim) * scale;
-    }
+    for (int64_t t = t0; t < len; t++) scores[t] = dot(qv, KEY(t), head_dim) * scale;
     float m = -INFINITY, sum = 0.0f;
     for (int64_t t = 0; t < len; t++) m = scores[t] > m ? scores[t] : m;
     const __m256 mv = _mm256_set1_ps(m);
@@ -256,14 +260,15 @@ static void attend_head(const float *qv, const float *k_head, const float *v_hea
         __m256 acc[8];
         for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t t = 0; t < len; t++) {
-            const float *v =
-                v_head + table[t / block_size] * stride_block + (t % block_size) * stride_token + i0;
+            const float *v = VALUE(t) + i0;
             const __m256 p = _mm256_set1_ps(scores[t]);
             for (int64_t i = 0; i < lanes; i++)
                 acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), acc[i]);
         }
         for (int64_t i = 0; i < lanes; i++) _mm256_storeu_ps(o + i0 + 8 * i, _mm256_mul_ps(acc[i], norm));
     }
+#undef KEY
+#undef VALUE
 }
 
 static int matrix_ok(const ds_matrix *w, int64_t n, int64_t k) {
@@ -307,8 +312,8 @@ int baton_decode_step(const ds_model *m, int64_t token, const int64_t *block_tab
     const float *rot = m->rope + pos * D; /* (cos, sin) pairs of this position */
     const int64_t max_k = I > E ? (I > q_size ? I : q_size) : (E > q_size ? E : q_size);
     /* shared: qkv, attention output, a product's output, the SwiGLU activations; then per
-     * thread (private): residual x, normed xn, roped q, block sums, attention scores */
-    const int64_t own_size = 2 * E + q_size + max_k / QK + seq_len;
+     * thread (private): residual x, normed xn, roped q and k, block sums, attention scores */
+    const int64_t own_size = 2 * E + q_size + kv_size + max_k / QK + seq_len;
     const int threads = omp_get_max_threads();
     float *shared = malloc(sizeof(float) * (size_t)(qkv_n + q_size + E + I + threads * own_size));
     if (shared == NULL) return -2;
@@ -317,7 +322,7 @@ int baton_decode_step(const ds_model *m, int64_t token, const int64_t *block_tab
 #pragma omp parallel num_threads(threads)
     {
         float *x = own_all + omp_get_thread_num() * own_size, *xn = x + E, *q = xn + E,
-              *xsum = q + q_size, *scores = xsum + max_k / QK;
+              *k = q + q_size, *xsum = k + kv_size, *scores = xsum + max_k / QK;
         const int timed = timings != NULL && omp_get_thread_num() == 0;
         double t_prev = timed ? omp_get_wtime() : 0.0;
 #define MARK(part)                                                                                 \
@@ -336,25 +341,28 @@ int baton_decode_step(const ds_model *m, int64_t token, const int64_t *block_tab
             MARK(T_NORM);
             matrix_for(&L->qkv, xn, xsum, m->avx512, qkv);
             MARK(T_QKV);
-            rope_rows(qkv, H, D, rot, q);
-#pragma omp single
+            rope_rows(qkv, H + KVH, D, rot, q); /* q, then k right after it */
+            const float *v = qkv + q_size + kv_size;
+            /* one thread writes the token's key and value to the cache; nobody waits for it:
+             * the attention below reads them from k and v, the cache only at other slots */
+#pragma omp single nowait
             {
                 float *k_dst =
                     L->kv_cache + slot_block * m->stride_block + slot_off * m->stride_token;
-                float *v_dst = k_dst + m->stride_kv;
                 for (int64_t h = 0; h < KVH; h++) {
-                    rope_rows(qkv + q_size + h * D, 1, D, rot, k_dst + h * m->stride_head);
-                    memcpy(v_dst + h * m->stride_head, qkv + q_size + kv_size + h * D,
+                    memcpy(k_dst + h * m->stride_head, k + h * D, sizeof(float) * (size_t)D);
+                    memcpy(k_dst + m->stride_kv + h * m->stride_head, v + h * D,
                            sizeof(float) * (size_t)D);
                 }
             }
             MARK(T_ROPE_KV);
 #pragma omp for schedule(static)
             for (int64_t hq = 0; hq < H; hq++) {
-                const float *k_head = L->kv_cache + (hq / G) * m->stride_head;
-                attend_head(q + hq * D, k_head, k_head + m->stride_kv, m->stride_block,
-                            m->stride_token, block_table, seq_len, D, m->block_size, m->scale,
-                            scores, attn + hq * D);
+                const int64_t h = hq / G;
+                const float *k_head = L->kv_cache + h * m->stride_head;
+                attend_head(q + hq * D, k_head, k_head + m->stride_kv, k + h * D, v + h * D,
+                            m->stride_block, m->stride_token, block_table, seq_len, D,
+                            m->block_size, m->scale, scores, attn + hq * D);
             }
             MARK(T_ATTENTION);
             block_sums(attn, q_size, xsum);

@@ -61,10 +61,21 @@ def spy_steps(runner, monkeypatch) -> list[int]:
     return calls
 
 
+@pytest.fixture
+def threads(request):
+    """torch's (and so OpenMP's) thread count for one test, restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("isa", RUNNABLE_ISAS)
-def test_each_step_equals_the_unfused_path(quantized_llama, isa, monkeypatch):
+def test_each_step_equals_the_unfused_path(quantized_llama, isa, threads, monkeypatch):
     """Token by token over 14 positions (blocks of 4: three block boundaries, blocks out of
-    order): final hidden state, logits and every layer's cache equal the unfused path's."""
+    order): final hidden state, logits and every layer's cache equal the unfused path's, on
+    one thread and on two (rows and heads shared out, private copies of the small vectors)."""
     monkeypatch.setenv(ISA_ENV, isa)
     llm = LLM(str(quantized_llama), **OPTS)
     runner = llm.engine.runner
