@@ -1,6 +1,8 @@
 """Baton vs llama.cpp on the very same GGUF file, side by side in one run.
 
     python -m benchmarks.llamacpp [--threads 2] [--repeats 3] [--json FILE]   (make bench-llamacpp)
+    python -m benchmarks.llamacpp --decode-only    (batch-1 decode only: fused, unfused, llama.cpp)
+    python -m benchmarks.llamacpp --profile        (where a Baton batch-1 decode step goes)
 
 llama.cpp's own `llama-bench` and `llama-batched-bench` are built once from the pinned
 llama-cpp-python sdist into ~/.cache/baton/llamacpp (benchmarks/llamacpp_build.py); Baton never
@@ -10,7 +12,9 @@ depends on them. Three workloads, both engines with the same thread count:
   - prefill of 2,000 tokens        (llama-bench pp2000; Baton: TTFT of a 2,000-token prompt)
   - 32 sequences x (128 prompt -> 64 new), whole run (llama-batched-bench; Baton: one
     generate() of all 32, continuous batching)
-The two engines alternate per round, so drifts of a shared machine's speed hit both alike;
+Baton's batch-1 decode is measured twice per round: with its fused decode step (the default)
+and with it off (the unfused path, as BATON_FUSED_DECODE=0 runs it). The engines alternate per
+round, so drifts of a shared machine's speed hit both alike;
 each figure is the best of --repeats rounds (other load only ever adds time).
 """
 
@@ -212,16 +216,17 @@ def profile_decode(llm: LLM, tokens: int = DECODE_TOKENS) -> dict[str, float]:
     return out
 
 
-def compare(sides: dict[str, object], repeats: int) -> dict[str, dict[str, float]]:
+def compare(
+    sides: dict[str, object], repeats: int, decode_only: bool = False
+) -> dict[str, dict[str, float]]:
     best: dict[str, dict[str, float]] = {name: {} for name in sides}
     for i in range(repeats):
         for name, side in sides.items():
             log(f"round {i + 1}/{repeats}: {name}")
-            figures = {
-                "decode_b1_tok_s": side.decode_tok_s(),
-                "prefill_tok_s": side.prefill_tok_s(),
-                "batch_s": side.batch_s(),
-            }
+            figures = {"decode_b1_tok_s": side.decode_tok_s()}
+            if not decode_only:
+                figures["prefill_tok_s"] = side.prefill_tok_s()
+                figures["batch_s"] = side.batch_s()
             if hasattr(side, "decode_unfused_tok_s"):
                 figures["decode_b1_unfused_tok_s"] = side.decode_unfused_tok_s()
             for key, value in figures.items():
@@ -240,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--profile", action="store_true", help="only Baton: a batch-1 decode step, by part"
     )
+    p.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="only the batch-1 decode figures (fused step, unfused step, llama.cpp)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.profile:
@@ -253,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     gguf = smollm2_gguf()
     llm = LLM(MODEL_ALIAS, dtype="float32", max_num_seqs=max(64, BATCH))
     sides = {"Baton": BatonSide(llm), "llama.cpp": LlamaCppRunner(bin_dir, gguf, args.threads)}
-    figures = compare(sides, args.repeats)
+    figures = compare(sides, args.repeats, args.decode_only)
     ours, theirs = figures["Baton"], figures["llama.cpp"]
     new_tokens = BATCH * BATCH_NEW
     rows = [
@@ -264,16 +274,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"same GGUF: {gguf.name}, {args.threads} threads each, best of {args.repeats}")
     print(f"{'work':44} {'llama.cpp':>10} {'Baton':>10} {'Baton / llama.cpp':>18}")
     for label, key, lower_is_better in rows:
+        if key not in ours:
+            continue
         ratio = theirs[key] / ours[key] if lower_is_better else ours[key] / theirs[key]
         print(f"{label:44} {theirs[key]:10.2f} {ours[key]:10.2f} {ratio:17.2f}x")
         if key == "decode_b1_tok_s" and "decode_b1_unfused_tok_s" in ours:
             unfused = ours["decode_b1_unfused_tok_s"]
             label = "  unfused step (BATON_FUSED_DECODE=0)"
             print(f"{label:44} {theirs[key]:10.2f} {unfused:10.2f} {unfused / theirs[key]:17.2f}x")
-    print(
-        f"{'  (as output tok/s)':44} {new_tokens / theirs['batch_s']:10.1f} "
-        f"{new_tokens / ours['batch_s']:10.1f}"
-    )
+    if "batch_s" in ours:
+        print(
+            f"{'  (as output tok/s)':44} {new_tokens / theirs['batch_s']:10.1f} "
+            f"{new_tokens / ours['batch_s']:10.1f}"
+        )
     print("ratio > 1: Baton is faster (for the whole run: llama.cpp's seconds / Baton's)")
     if args.json:
         Path(args.json).write_text(json.dumps({"baton": ours, "llama.cpp": theirs}, indent=2))
