@@ -3,6 +3,7 @@
     python -m benchmarks.llamacpp [--threads 2] [--repeats 3] [--json FILE]   (make bench-llamacpp)
     python -m benchmarks.llamacpp --decode-only    (batch-1 decode only: fused, unfused, llama.cpp)
     python -m benchmarks.llamacpp --profile        (where a Baton batch-1 decode step goes)
+    python -m benchmarks.llamacpp --step           (one decode step alone: fused vs unfused)
 
 llama.cpp's own `llama-bench` and `llama-batched-bench` are built once from the pinned
 llama-cpp-python sdist into ~/.cache/baton/llamacpp (benchmarks/llamacpp_build.py); Baton never
@@ -216,6 +217,46 @@ def profile_decode(llm: LLM, tokens: int = DECODE_TOKENS) -> dict[str, float]:
     return out
 
 
+def step_ms(llm: LLM, rounds: int = 8, per_round: int = 20) -> dict[str, float]:
+    """One batch-1 decode step alone (model forward + logits at position PROMPT_LEN + 1, no
+    engine loop), fused C step vs the unfused path, alternating rounds: best wall-clock and
+    best CPU-time (process_time: all threads' CPU, the figure a loaded machine distorts least
+    on one thread) milliseconds per step."""
+    import time
+
+    from engine.attention import build_metadata
+
+    runner = llm.engine.runner
+    model, fused = runner.model, runner.fused
+    if fused is None:
+        raise SystemExit("no fused decode step here (BATON_FUSED_DECODE=0, or not CPU float32)")
+    blocks = list(range(1, -(-(PROMPT_LEN + 2) // runner.block_size) + 1))
+    length = PROMPT_LEN + 2
+
+    def unfused() -> None:
+        meta = build_metadata([1], [length], [blocks], runner.block_size, runner.device)
+        ids, pos = torch.tensor([5]), torch.tensor([length - 1])
+        model.compute_logits(model(ids, pos, runner.kv_caches, meta, runner.backend))
+
+    def fused_step() -> None:
+        fused.step(5, blocks, length)
+
+    best: dict[str, float] = {}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, fn in (("fused", fused_step), ("unfused", unfused)):
+                wall, cpu = time.perf_counter(), time.process_time()
+                for _ in range(per_round):
+                    fn()
+                for kind, sec in (
+                    ("wall", time.perf_counter() - wall),
+                    ("cpu", time.process_time() - cpu),
+                ):
+                    key = f"{name} {kind} ms"
+                    best[key] = min(best.get(key, float("inf")), 1e3 * sec / per_round)
+    return best
+
+
 def compare(
     sides: dict[str, object], repeats: int, decode_only: bool = False
 ) -> dict[str, dict[str, float]]:
@@ -246,12 +287,22 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", action="store_true", help="only Baton: a batch-1 decode step, by part"
     )
     p.add_argument(
+        "--step",
+        action="store_true",
+        help="only Baton: one decode step alone, fused vs unfused (wall and CPU ms)",
+    )
+    p.add_argument(
         "--decode-only",
         action="store_true",
         help="only the batch-1 decode figures (fused step, unfused step, llama.cpp)",
     )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.step:
+        llm = LLM(MODEL_ALIAS, dtype="float32")
+        for key, ms in step_ms(llm).items():
+            print(f"{key:24} {ms:7.2f}")
+        return 0
     if args.profile:
         llm = LLM(MODEL_ALIAS, dtype="float32")
         BatonRunner(llm)  # warm-up
