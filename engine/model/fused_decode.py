@@ -127,6 +127,8 @@ def _matrix(layer: object) -> Matrix | None:
     """The blocks of a GGUFBlockLinear as a Matrix; None for any other layer or block type."""
     if not isinstance(layer, GGUFBlockLinear) or layer.block_type not in BLOCK_TYPES:
         return None
+    if getattr(layer, "int8_activations", False):  # int8 products: not this step's arithmetic
+        return None
     bias = layer.bias
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None

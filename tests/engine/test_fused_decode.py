@@ -173,6 +173,9 @@ def test_models_it_cannot_run_keep_the_unfused_path(engine_pair, monkeypatch):
     monkeypatch.delenv(ENV)
     int8 = types.SimpleNamespace(int8_activations=True)
     assert FusedDecoder.build(*args, int8) is None  # until int8 products run fused too
+    monkeypatch.setattr(runner.model.layers[0].mlp.down_proj, "int8_activations", True, False)
+    assert FusedDecoder.build(*args, runner.config) is None  # a layer with int8 products
+    monkeypatch.undo()
     torch_backend = types.SimpleNamespace(name="torch")
     assert FusedDecoder.build(runner.model, runner.kv_caches, torch_backend, None) is None
     hook = runner.model.layers[1].mlp.register_forward_hook(lambda *_: None)
