@@ -1,7 +1,9 @@
 """Baton vs llama.cpp on the very same GGUF file, side by side in one run.
 
     python -m benchmarks.llamacpp [--threads 2] [--repeats 3] [--json FILE]   (make bench-llamacpp)
-    python -m benchmarks.llamacpp --profile [--int8]   (Baton's batch-1 decode step, by part)
+    python -m benchmarks.llamacpp --decode-only    (batch-1 decode: fused, unfused, int8, llama.cpp)
+    python -m benchmarks.llamacpp --profile [--int8]   (where a Baton batch-1 decode step goes)
+    python -m benchmarks.llamacpp --step           (one decode step alone: fused vs unfused)
 
 llama.cpp's own `llama-bench` and `llama-batched-bench` are built once from the pinned
 llama-cpp-python sdist into ~/.cache/baton/llamacpp (benchmarks/llamacpp_build.py); Baton never
@@ -11,11 +13,13 @@ depends on them. Three workloads, both engines with the same thread count:
   - prefill of 2,000 tokens        (llama-bench pp2000; Baton: TTFT of a 2,000-token prompt)
   - 32 sequences x (128 prompt -> 64 new), whole run (llama-batched-bench; Baton: one
     generate() of all 32, continuous batching)
-A third column, "Baton int8", is Baton with int8_activations on (activations quantized to int8
-per 32 values, integer dot products: llama.cpp's own arithmetic for these products); it is
-measured for batch-1 decode only (prefill and the 32-sequence batch have more than 8 rows a
-step, which stay float32: the same as "Baton").
-The engines alternate per round, so drifts of a shared machine's speed hit all alike;
+Baton's batch-1 decode is measured twice per round: with its fused decode step (the default)
+and with it off (the unfused path, as BATON_FUSED_DECODE=0 runs it). A third column, "Baton
+int8", is Baton with int8_activations on (activations quantized to int8 per 32 values, integer
+dot products: llama.cpp's own arithmetic for these products); it is measured for batch-1 decode
+only (prefill and the 32-sequence batch have more than 8 rows a step, which stay float32: the
+same as "Baton"). The engines alternate per round, so drifts of a shared machine's speed hit
+all alike;
 each figure is the best of --repeats rounds (other load only ever adds time).
 """
 
@@ -104,6 +108,7 @@ class BatonSide:
     def __init__(self, llm: LLM, measures: tuple[str, ...] = ("decode", "prefill", "batch")):
         self.measures = measures
         self.runner = BatonRunner(llm)
+        self.model_runner = llm.engine.runner
         self.vocab = llm.engine.runner.model.args.vocab_size
         self.round = 0
 
@@ -111,6 +116,19 @@ class BatonSide:
         self.round += 1
         prompt = prompts_of(1, PROMPT_LEN, self.vocab, 100 + self.round)[0]
         return (DECODE_TOKENS - 1) / self.runner.decode_s(prompt, DECODE_TOKENS)
+
+    def decode_unfused_tok_s(self) -> float | None:
+        """decode_tok_s with the fused decode step off (as BATON_FUSED_DECODE=0); None where
+        the engine has no fused step anyway."""
+        fused = self.model_runner.fused
+        if fused is None:
+            return None
+        self.model_runner.fused = None
+        try:
+            prompt = prompts_of(1, PROMPT_LEN, self.vocab, 150 + self.round)[0]
+            return (DECODE_TOKENS - 1) / self.runner.decode_s(prompt, DECODE_TOKENS)
+        finally:
+            self.model_runner.fused = fused
 
     def prefill_tok_s(self) -> float:
         prompt = prompts_of(1, PREFILL_TOKENS, self.vocab, 200 + self.round)[0]
@@ -121,17 +139,26 @@ class BatonSide:
         return self.runner.batch_s(batch, BATCH_NEW)
 
 
+FUSED_PART = "  fused: "  # prefix of the fused step's own parts (inside its C call)
+
+
 def profile_decode(llm: LLM, tokens: int = DECODE_TOKENS) -> dict[str, float]:
     """Milliseconds per batch-1 decode step, by part: each part's calls are timed (wall clock,
     perf_counter around the call) during one greedy request after a 128-token prompt, the
     prefill step left out. "python, torch dispatch, rest" is what the parts leave unexplained
     of the model runner's step (it also absorbs the timers' own ~1 us per call), "engine loop"
-    what the step leaves of the request's decode time (scheduler, detokenizer, outputs)."""
+    what the step leaves of the request's decode time (scheduler, detokenizer, outputs).
+
+    With the fused decode step (engine/model/fused_decode.py) the decoder stack and the logits
+    are one C call: it is timed as one part, and the C code's own timer (thread 0, per part of
+    the stack, its barrier waits included) splits it into the "fused: ..." lines, which are
+    not added again to the total."""
     import time
 
     import engine.model.llama as llama
     import engine.model_runner as model_runner
     from engine import SamplingParams
+    from engine.model.fused_decode import PARTS, FusedDecoder
     from engine.model.gguf_linear import GGUFBlockLinear
 
     model, runner = llm.engine.runner.model, llm.engine.runner
@@ -168,15 +195,22 @@ def profile_decode(llm: LLM, tokens: int = DECODE_TOKENS) -> dict[str, float]:
     timed(llama.RMSNorm, "forward", lambda *_: "RMS norms (61)")
     timed(llama, "apply_rope", lambda *_: "rope (30)")
     timed(type(runner.backend), "forward", lambda *_: "attention + KV write (30)")
+    timed(FusedDecoder, "step", lambda *_: "fused step: decoder stack + logits (1 C call)")
     timed(model_runner, "sample", lambda *_: "sampling (argmax)")
     timed(model_runner, "build_metadata", lambda *_: "step metadata")
     greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     prompt = prompts_of(1, PROMPT_LEN, model.args.vocab_size, 7)[0]
+    fused = runner.fused
+    if fused is not None:
+        fused.profile(True)
     try:
         one = llm.generate([prompt], greedy)[0]
     finally:
         for owner, attr, original in reversed(originals):
             setattr(owner, attr, original)
+        timings = fused.timings if fused is not None else None
+        if fused is not None:
+            fused.profile(False)
     decode = steps[1:]  # steps[0] is the prefill
     out = {part: 0.0 for record in decode for part in record}
     for record in decode:
@@ -185,8 +219,51 @@ def profile_decode(llm: LLM, tokens: int = DECODE_TOKENS) -> dict[str, float]:
     step = out.pop("step")
     out["python, torch dispatch, rest"] = step - sum(out.values())
     out["engine loop (scheduler, outputs)"] = 1e3 * (one.latency - one.ttft) / (tokens - 1) - step
+    if timings is not None:  # every fused step is a decode step (the prefill has 128 tokens)
+        for name, sec in zip(PARTS, timings, strict=True):
+            out[FUSED_PART + name] = 1e3 * sec / len(decode)
     out["whole decode step"] = 1e3 * (one.latency - one.ttft) / (tokens - 1)
     return out
+
+
+def step_ms(llm: LLM, rounds: int = 8, per_round: int = 20) -> dict[str, float]:
+    """One batch-1 decode step alone (model forward + logits at position PROMPT_LEN + 1, no
+    engine loop), fused C step vs the unfused path, alternating rounds: best wall-clock and
+    best CPU-time (process_time: all threads' CPU, the figure a loaded machine distorts least
+    on one thread) milliseconds per step."""
+    import time
+
+    from engine.attention import build_metadata
+
+    runner = llm.engine.runner
+    model, fused = runner.model, runner.fused
+    if fused is None:
+        raise SystemExit("no fused decode step here (BATON_FUSED_DECODE=0, or not CPU float32)")
+    blocks = list(range(1, -(-(PROMPT_LEN + 2) // runner.block_size) + 1))
+    length = PROMPT_LEN + 2
+
+    def unfused() -> None:
+        meta = build_metadata([1], [length], [blocks], runner.block_size, runner.device)
+        ids, pos = torch.tensor([5]), torch.tensor([length - 1])
+        model.compute_logits(model(ids, pos, runner.kv_caches, meta, runner.backend))
+
+    def fused_step() -> None:
+        fused.step(5, blocks, length)
+
+    best: dict[str, float] = {}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, fn in (("fused", fused_step), ("unfused", unfused)):
+                wall, cpu = time.perf_counter(), time.process_time()
+                for _ in range(per_round):
+                    fn()
+                for kind, sec in (
+                    ("wall", time.perf_counter() - wall),
+                    ("cpu", time.process_time() - cpu),
+                ):
+                    key = f"{name} {kind} ms"
+                    best[key] = min(best.get(key, float("inf")), 1e3 * sec / per_round)
+    return best
 
 
 def compare(sides: dict[str, object], repeats: int) -> dict[str, dict[str, float]]:
@@ -203,7 +280,11 @@ def compare(sides: dict[str, object], repeats: int) -> dict[str, dict[str, float
                 )
                 if measure in side.measures
             }
+            if "decode" in side.measures and hasattr(side, "decode_unfused_tok_s"):
+                figures["decode_b1_unfused_tok_s"] = side.decode_unfused_tok_s()
             for key, value in figures.items():
+                if value is None:
+                    continue
                 better = min if key == "batch_s" else max
                 best[name][key] = better(best[name].get(key, value), value)
     return best
@@ -221,12 +302,22 @@ def main(argv: list[str] | None = None) -> int:
         "--int8", action="store_true", help="with --profile: the engine with int8_activations"
     )
     p.add_argument(
+        "--step",
+        action="store_true",
+        help="only Baton: one decode step alone, fused vs unfused (wall and CPU ms)",
+    )
+    p.add_argument(
         "--decode-only",
         action="store_true",
-        help="only the batch-1 decode row (minutes instead of tens of minutes on a busy machine)",
+        help="only the batch-1 decode figures (fused step, unfused step, int8, llama.cpp)",
     )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.step:
+        llm = LLM(MODEL_ALIAS, dtype="float32")
+        for key, ms in step_ms(llm).items():
+            print(f"{key:24} {ms:7.2f}")
+        return 0
     if args.profile:
         llm = LLM(MODEL_ALIAS, dtype="float32", int8_activations=args.int8)
         BatonRunner(llm)  # warm-up
@@ -274,6 +365,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{label:44} {theirs[key]:10.2f} {ours[key]:10.2f} {int8_value} "
             f"{ratio(ours, key, lower_is_better)} {ratio(ours8, key, lower_is_better)}"
         )
+        if key == "decode_b1_tok_s" and "decode_b1_unfused_tok_s" in ours:
+            unfused = ours["decode_b1_unfused_tok_s"]
+            label = "  unfused step (BATON_FUSED_DECODE=0)"
+            print(
+                f"{label:44} {theirs[key]:10.2f} {unfused:10.2f} {'-':>10} "
+                f"{unfused / theirs[key]:9.2f}x"
+            )
     if "batch_s" in theirs:
         print(
             f"{'  (as output tok/s)':44} {new_tokens / theirs['batch_s']:10.1f} "

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -69,6 +70,32 @@ def _build(source: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def source_files(source: Path) -> list[Path]:
+    """source and every file it includes with `#include "..."` (relative to the including
+    file, as the compiler resolves them), recursively, each once: what a build depends on."""
+    seen: list[Path] = []
+    pending = [source.resolve()]
+    while pending:
+        path = pending.pop()
+        if path in seen:
+            continue
+        seen.append(path)
+        for name in _LOCAL_INCLUDE.findall(path.read_text()):
+            pending.append((path.parent / name).resolve())
+    return seen
+
+
+def library_path(source: Path) -> Path:
+    """Where source's library is cached: keyed by a hash of source, the files it includes (a
+    change in one rebuilds every library using it) and CFLAGS."""
+    text = b"".join(path.read_bytes() for path in source_files(source))
+    digest = hashlib.sha256(text + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    return kernel_dir() / f"{source.stem}-{digest}.so"
+
+
 @functools.cache
 def load_native(source: Path) -> ctypes.CDLL | None:
     """The compiled library of a C source file, or None (logged once) where it cannot run."""
@@ -77,8 +104,7 @@ def load_native(source: Path) -> ctypes.CDLL | None:
             "%s needs an x86-64 CPU with %s; using the torch path", source.name, "/".join(CPU_FLAGS)
         )
         return None
-    digest = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    target = kernel_dir() / f"{source.stem}-{digest}.so"
+    target = library_path(source)
     try:
         if not target.is_file():
             _build(source, target)

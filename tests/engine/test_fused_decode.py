@@ -1,0 +1,223 @@
+"""The fused batch-1 decode step (engine/model/decode_step.c): the same hidden states, logits
+and KV cache contents as the unfused path step by step, the same greedy tokens (and
+transformers'), and the unfused path wherever a step is not one decode token."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention import build_metadata
+from engine.attention.kv_layout import allocate_kv_cache
+from engine.model import fused_decode
+from engine.model.fused_decode import ENV, FusedDecoder
+from engine.model.gguf_kernel import ISA_ENV
+from engine.native import library_path, source_files
+from engine.weights.gguf_convert import convert_gguf_to_hf
+from tests.engine.test_gguf_blocks import VOCAB, write_quantized_llama_gguf
+from tests.engine.test_gguf_isa import RUNNABLE_ISAS
+from tests.helpers import hf_greedy, random_prompts
+
+lib = fused_decode.load_kernel()
+pytestmark = pytest.mark.skipif(lib is None, reason="no x86-64 AVX2/FMA/F16C CPU or C compiler")
+
+OPTS = dict(skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def quantized_llama(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fused")
+    write_quantized_llama_gguf(root / "tiny.gguf")
+    convert_gguf_to_hf(root / "tiny.gguf", root / "hf")
+    return root / "hf"
+
+
+@pytest.fixture(scope="module")
+def engine_pair(quantized_llama):
+    """(fused on, fused off) engines on the same checkpoint."""
+    fused = LLM(str(quantized_llama), **OPTS)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV, "0")
+        unfused = LLM(str(quantized_llama), **OPTS)
+    assert fused.engine.runner.fused is not None
+    assert unfused.engine.runner.fused is None
+    return fused, unfused
+
+
+def spy_steps(runner, monkeypatch) -> list[int]:
+    """Records the sequence length of every fused step the runner takes."""
+    calls: list[int] = []
+    original = runner.fused.step
+
+    def step(token, block_ids, seq_len, logits=True):
+        calls.append(seq_len)
+        return original(token, block_ids, seq_len, logits)
+
+    monkeypatch.setattr(runner.fused, "step", step)
+    return calls
+
+
+@pytest.fixture
+def threads(request):
+    """torch's (and so OpenMP's) thread count for one test, restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
+def test_each_step_equals_the_unfused_path(quantized_llama, isa, threads, monkeypatch):
+    """Token by token over 14 positions (blocks of 4: three block boundaries, blocks out of
+    order): final hidden state, logits and every layer's cache equal the unfused path's, on
+    one thread and on two (rows and heads shared out, private copies of the small vectors)."""
+    monkeypatch.setenv(ISA_ENV, isa)
+    llm = LLM(str(quantized_llama), **OPTS)
+    runner = llm.engine.runner
+    model, a = runner.model, runner.model.args
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # norm weights other than ones, so that each one's place matters
+        for layer in model.layers:
+            layer.input_layernorm.weight.uniform_(0.5, 1.5, generator=g)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5, generator=g)
+        model.norm.weight.uniform_(0.5, 1.5, generator=g)
+
+    def caches() -> list[torch.Tensor]:
+        return [
+            allocate_kv_cache(16, 4, a.num_kv_heads, a.head_dim, torch.float32)
+            for _ in range(a.num_layers)
+        ]
+
+    ref_caches, fused_caches = caches(), caches()
+    fused = FusedDecoder.build(model, fused_caches, runner.backend, runner.config)
+    assert fused is not None and fused.has_head
+    blocks = [5, 2, 9, 0]
+    tokens = torch.randint(0, VOCAB, (14,), generator=g).tolist()
+    with torch.inference_mode():
+        for p, token in enumerate(tokens):
+            meta = build_metadata([1], [p + 1], [blocks], 4, torch.device("cpu"))
+            ids, pos = torch.tensor([token]), torch.tensor([p])
+            ref_hidden = model(ids, pos, ref_caches, meta, runner.backend)
+            ref_logits = model.compute_logits(ref_hidden)
+            hidden, logits = fused.step(token, blocks, p + 1)
+            # values of order 1; the one difference in arithmetic is silu's exp (last bit),
+            # which later layers' sums carry on at ~1e-6
+            torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+            for ref, ours in zip(ref_caches, fused_caches, strict=True):
+                torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    # the first layer's keys and values come from the same operations, bit for bit
+    assert torch.equal(fused_caches[0], ref_caches[0])
+    assert fused_caches[0].abs().sum() > 0
+
+
+def test_greedy_tokens_equal_unfused_and_transformers(
+    engine_pair, quantized_llama, hf_models, monkeypatch
+):
+    fused, unfused = engine_pair
+    calls = spy_steps(fused.engine.runner, monkeypatch)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    hf = hf_models(str(quantized_llama))
+    for prompt in random_prompts([1, 5, 9, 17], seed=41, vocab=VOCAB):
+        calls.clear()
+        ours = fused.generate([prompt], params)[0].token_ids
+        # every step after the prompt's one prefill step is a fused decode step (a one-token
+        # prompt's own step too)
+        first = len(prompt) + 1 if len(prompt) > 1 else 1
+        assert calls == list(range(first, len(prompt) + 12))
+        assert ours == unfused.generate([prompt], params)[0].token_ids
+        assert ours == hf_greedy(hf, prompt, 12)
+        # again: the prompt's full blocks now come from the prefix cache
+        assert fused.generate([prompt], params)[0].token_ids == ours
+
+
+def test_steps_of_several_requests_or_a_prefill_take_the_unfused_path(engine_pair, monkeypatch):
+    fused, unfused = engine_pair
+    calls = spy_steps(fused.engine.runner, monkeypatch)
+    prompts = random_prompts([6, 6], seed=42, vocab=VOCAB)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    ours = [o.token_ids for o in fused.generate(prompts, params)]
+    assert calls == []  # the two requests always share their steps
+    assert ours == [o.token_ids for o in unfused.generate(prompts, params)]
+    # a longer request finishes alone: its last steps are batch-1 decode steps again
+    params_each = [params, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)]
+    ours = [o.token_ids for o in fused.generate(prompts, params_each)]
+    assert calls == [11, 12, 13]  # 6 prompt tokens + 8 new: tokens 6, 7, 8 come alone
+    assert ours == [o.token_ids for o in unfused.generate(prompts, params_each)]
+
+
+def test_sampled_requests_and_logprobs_match(engine_pair):
+    fused, unfused = engine_pair
+    prompt = random_prompts([7], seed=43, vocab=VOCAB)[0]
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
+    a, b = fused.generate([prompt], params)[0], unfused.generate([prompt], params)[0]
+    assert a.token_ids == b.token_ids
+    for x, y in zip(a.logprobs, b.logprobs, strict=True):
+        assert x.token_id == y.token_id and [t for t, _ in x.top] == [t for t, _ in y.top]
+        assert x.logprob == pytest.approx(y.logprob, rel=1e-5, abs=1e-5)
+        for (_, lx), (_, ly) in zip(x.top, y.top, strict=True):
+            assert lx == pytest.approx(ly, rel=1e-5, abs=1e-5)
+
+
+def test_models_it_cannot_run_keep_the_unfused_path(engine_pair, monkeypatch):
+    runner = engine_pair[0].engine.runner
+    args = (runner.model, runner.kv_caches, runner.backend)
+    assert FusedDecoder.build(*args, runner.config) is not None
+    monkeypatch.setenv(ENV, "0")
+    assert FusedDecoder.build(*args, runner.config) is None
+    monkeypatch.delenv(ENV)
+    int8 = types.SimpleNamespace(int8_activations=True)
+    assert FusedDecoder.build(*args, int8) is None  # until int8 products run fused too
+    monkeypatch.setattr(runner.model.layers[0].mlp.down_proj, "int8_activations", True, False)
+    assert FusedDecoder.build(*args, runner.config) is None  # a layer with int8 products
+    monkeypatch.undo()
+    torch_backend = types.SimpleNamespace(name="torch")
+    assert FusedDecoder.build(runner.model, runner.kv_caches, torch_backend, None) is None
+    hook = runner.model.layers[1].mlp.register_forward_hook(lambda *_: None)
+    try:
+        assert FusedDecoder.build(*args, runner.config) is None
+    finally:
+        hook.remove()
+    dense = LLM(engine_pair[1].engine.model_dir, use_gguf_blocks=False, **OPTS)
+    assert dense.engine.runner.fused is None  # no blocks: nothing for the C step to read
+
+
+def test_library_key_covers_included_files(tmp_path):
+    names = {p.name for p in source_files(fused_decode.SOURCE)}
+    assert names == {"decode_step.c", "gguf_gemm.c", "paged_decode.c", "rms_norm.c"}
+    (tmp_path / "part.c").write_text("int part(void) { return 1; }\n")
+    main = tmp_path / "main.c"
+    main.write_text('#include "part.c"\nint whole(void) { return part(); }\n')
+    before = library_path(main)
+    (tmp_path / "part.c").write_text("int part(void) { return 2; }\n")
+    assert library_path(main) != before
+
+
+def test_a_step_the_kernel_refuses_writes_nothing(engine_pair):
+    runner = engine_pair[0].engine.runner
+    before = [c.clone() for c in runner.kv_caches]
+    assert runner.fused.step(VOCAB, [3], 1) is None  # no such token: C refuses (-1)
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
+    with pytest.raises(ValueError, match="cannot hold"):
+        runner.fused.step(1, [3], 5)  # 5 tokens need 2 blocks of 4
+
+
+def test_a_head_without_blocks_gets_its_logits_from_torch(engine_pair, monkeypatch):
+    fused, unfused = engine_pair
+    runner = fused.engine.runner
+    monkeypatch.setattr(runner.model, "lm_head", runner.model.lm_head.dense)  # float32 only
+    no_head = FusedDecoder.build(runner.model, runner.kv_caches, runner.backend, runner.config)
+    assert no_head is not None and not no_head.has_head
+    monkeypatch.setattr(runner, "fused", no_head)
+    calls = spy_steps(runner, monkeypatch)
+    prompt = random_prompts([6], seed=44, vocab=VOCAB)[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert fused.generate([prompt], params)[0].token_ids == (
+        unfused.generate([prompt], params)[0].token_ids
+    )
+    assert calls == [7, 8, 9, 10, 11]
