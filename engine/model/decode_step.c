@@ -21,6 +21,10 @@
  *     softmax, pass 2), shared out by query head instead of by KV head;
  *   - SwiGLU: silu(g) * u with silu(g) = g / (1 + e^-g); the one place the values may differ
  *     from torch's in the last bit (its vectorized exp is another polynomial).
+ * With int8_isa set (the opt-in int8_activations), every product's input vector is quantized
+ * per 32 values (baton_quantize_row_q8) and rows are summed with gguf_gemm.c's integer-dot
+ * tiles, as baton_gguf_gemm_q8 computes one row (the AVX-512 VNNI choice takes the 256-bit
+ * VNNI tile here, so only its summation order differs from the unfused path's).
  *
  * KV cache per layer: head-major [2, KVH, num_blocks, block_size, D] (engine/attention/
  * kv_layout.py), addressed by element strides like paged_decode.c. The token's key and value
@@ -66,7 +70,17 @@ typedef struct {
     const float *embed;      /* [vocab, E] */
     const float *rope;       /* [max_positions, D / 2, 2]: (cos, sin) of each rotation pair */
     ds_matrix head;          /* output projection; blocks NULL: logits are not computed here */
+    int32_t int8_isa;        /* 0: float32 activations; else BATON_I8_* (int8_activations) */
 } ds_model;
+
+/* The input vector of a product, as every kernel wants it: x [K], its block sums, and with
+ * int8 its quantized blocks (q [K], scales d and d * sum(q) [K / 32]). Per thread. */
+typedef struct {
+    const float *x, *xsum;
+    const int8_t *xq;
+    const float *xd, *xs;
+    int avx512, int8_isa;
+} ds_input;
 
 /* Parts of the step, timed by thread 0 when the caller passes a timings array. */
 enum {
@@ -106,6 +120,45 @@ static void block_sums(const float *x, int64_t K, float *xsum) {
                                  _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
         xsum[b] = hsum(s);
     }
+}
+
+/* in = x [K] ready for a product: block sums, and the int8 blocks where the step uses them. */
+static void prepare_input(ds_input *in, const float *x, int64_t K, float *xsum, int8_t *xq,
+                          float *xd, float *xs) {
+    block_sums(x, K, xsum);
+    if (in->int8_isa) baton_quantize_row_q8(x, K, xq, xd, xs);
+    in->x = x;
+    in->xsum = xsum;
+    in->xq = xq;
+    in->xd = xd;
+    in->xs = xs;
+}
+
+/* Rows [0, rows) (rows <= I8_ROWS) of W x from the int8 blocks of x, W starting at `w`, with
+ * gguf_gemm.c's tile of each ISA (one activation row). */
+static void i8_tile_avx2(const int8_t *xq, const float *xd, const float *xs, int64_t K,
+                         const uint8_t *w, int rows, int32_t type, float *y) {
+    gemm_q8_avx2_tile(xq, xd, xs, K, w, 0, rows, type, 0, 1, 0, y);
+}
+AVXVNNI_TARGET static void i8_tile_avxvnni(const int8_t *xq, const float *xd, const float *xs,
+                                           int64_t K, const uint8_t *w, int rows, int32_t type,
+                                           float *y) {
+    gemm_q8_avxvnni_tile(xq, xd, xs, K, w, 0, rows, type, 0, 1, 0, y);
+}
+AVX512VNNI_TARGET static void i8_tile_vnni256(const int8_t *xq, const float *xd, const float *xs,
+                                              int64_t K, const uint8_t *w, int rows, int32_t type,
+                                              float *y) {
+    gemm_q8_vnni256_tile(xq, xd, xs, K, w, 0, rows, type, 0, 1, 0, y);
+}
+
+static void i8_rows(const ds_matrix *w, const ds_input *in, int64_t n0, int count, float *y) {
+    const uint8_t *rows = w->blocks + n0 * (w->k / QK) * block_bytes_of(w->type);
+    if (in->int8_isa == BATON_I8_AVXVNNI)
+        i8_tile_avxvnni(in->xq, in->xd, in->xs, w->k, rows, count, w->type, y);
+    else if (in->int8_isa == BATON_I8_AVX512VNNI)
+        i8_tile_vnni256(in->xq, in->xd, in->xs, w->k, rows, count, w->type, y);
+    else
+        i8_tile_avx2(in->xq, in->xd, in->xs, w->k, rows, count, w->type, y);
 }
 
 /* Row n of W x, as baton_gguf_gemm computes it for one row of x (AVX2). */
@@ -156,25 +209,26 @@ AVX512_TARGET static void rows_avx512_q4_1(const ds_matrix *w, const float *x, c
 }
 
 /* y[0 .. count) = rows n0 .. n0 + count of W x (+ bias), count <= 2. */
-static void matrix_rows(const ds_matrix *w, const float *x, const float *xsum, int64_t n0,
-                        int count, int avx512, float *y) {
-    if (avx512 && w->type == 3) {
-        rows_avx512_q4_1(w, x, xsum, n0, count, y);
+static void matrix_rows(const ds_matrix *w, const ds_input *in, int64_t n0, int count,
+                        float *y) {
+    if (in->int8_isa) {
+        i8_rows(w, in, n0, count, y);
+    } else if (in->avx512 && w->type == 3) {
+        rows_avx512_q4_1(w, in->x, in->xsum, n0, count, y);
     } else {
-        for (int r = 0; r < count; r++) y[r] = row_avx2(w, x, xsum, n0 + r);
+        for (int r = 0; r < count; r++) y[r] = row_avx2(w, in->x, in->xsum, n0 + r);
     }
     if (w->bias != NULL)
         for (int r = 0; r < count; r++) y[r] = y[r] + w->bias[n0 + r];
 }
 
 /* y = W x, rows shared out among the team (call from every thread; ends with a barrier). */
-static void matrix_for(const ds_matrix *w, const float *x, const float *xsum, int avx512,
-                       float *y) {
+static void matrix_for(const ds_matrix *w, const ds_input *in, float *y) {
     const int64_t pairs = (w->n + 1) / 2;
     OMP_FOR(ROWS_SCHEDULE)
     for (int64_t g = 0; g < pairs; g++) {
         const int64_t n0 = 2 * g;
-        matrix_rows(w, x, xsum, n0, w->n - n0 < 2 ? 1 : 2, avx512, y + n0);
+        matrix_rows(w, in, n0, w->n - n0 < 2 ? 1 : 2, y + n0);
     }
 }
 
@@ -185,13 +239,13 @@ static inline __m256 exp_upto88(__m256 x) {
 }
 
 /* act[i0 .. i0 + count) = silu(gate) * up for the gate/up rows i0 .. i0 + count (count <= 8). */
-static void swiglu_rows(const ds_matrix *w, const float *x, const float *xsum, int64_t inter,
-                        int64_t i0, int count, int avx512, float *act) {
+static void swiglu_rows(const ds_matrix *w, const ds_input *in, int64_t inter, int64_t i0,
+                        int count, float *act) {
     float gate[8], up[8];
     for (int r = 0; r < count; r += 2) {
         const int c = count - r < 2 ? 1 : 2;
-        matrix_rows(w, x, xsum, i0 + r, c, avx512, gate + r);
-        matrix_rows(w, x, xsum, inter + i0 + r, c, avx512, up + r);
+        matrix_rows(w, in, i0 + r, c, gate + r);
+        matrix_rows(w, in, inter + i0 + r, c, up + r);
     }
     if (count == 8) {
         const __m256 g = _mm256_loadu_ps(gate);
@@ -297,6 +351,9 @@ static int check_model(const ds_model *m) {
                   D = m->head_dim;
     if (E <= 0 || E % 8 || D % 8 || KVH <= 0 || H % KVH || m->block_size <= 0) return -1;
     if (m->avx512 && !baton_cpu_has_avx512()) return -1;
+    if (m->int8_isa && (m->int8_isa < BATON_I8_AVX2 || m->int8_isa > BATON_I8_AVX512VNNI ||
+                        !(baton_cpu_int8_isas() & (1 << m->int8_isa))))
+        return -1;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const ds_layer *L = &m->layers[l];
         if (!matrix_ok(&L->qkv, (H + 2 * KVH) * D, E) || !matrix_ok(&L->o, E, H * D) ||
@@ -328,7 +385,8 @@ int baton_decode_step(const ds_model *m, int64_t token, const int64_t *block_tab
     const int64_t max_k = I > E ? (I > q_size ? I : q_size) : (E > q_size ? E : q_size);
     /* shared: qkv, attention output, a product's output, the SwiGLU activations; then per
      * thread (private): residual x, normed xn, roped q and k, block sums, attention scores */
-    const int64_t own_size = 2 * E + q_size + kv_size + max_k / QK + seq_len;
+    const int64_t own_size =
+        2 * E + q_size + kv_size + max_k / QK + seq_len + max_k / 4 + 2 * (max_k / QK);
     const int threads = omp_get_max_threads();
     float *shared = malloc(sizeof(float) * (size_t)(qkv_n + q_size + E + I + threads * own_size));
     if (shared == NULL) return -2;
@@ -338,6 +396,9 @@ int baton_decode_step(const ds_model *m, int64_t token, const int64_t *block_tab
     {
         float *x = own_all + omp_get_thread_num() * own_size, *xn = x + E, *q = xn + E,
               *k = q + q_size, *xsum = k + kv_size, *scores = xsum + max_k / QK;
+        float *xd = scores + seq_len, *xs = xd + max_k / QK;
+        int8_t *xq = (int8_t *)(xs + max_k / QK); /* max_k bytes */
+        ds_input in = {.avx512 = m->avx512, .int8_isa = m->int8_isa};
         const int timed = timings != NULL && omp_get_thread_num() == 0;
         double t_prev = timed ? omp_get_wtime() : 0.0;
 #define MARK(part)                                                                                 \
@@ -352,9 +413,9 @@ int baton_decode_step(const ds_model *m, int64_t token, const int64_t *block_tab
         for (int64_t l = 0; l < m->num_layers; l++) {
             const ds_layer *L = &m->layers[l];
             baton_rms_norm(x, 1, E, L->input_norm, m->eps, xn);
-            block_sums(xn, E, xsum);
+            prepare_input(&in, xn, E, xsum, xq, xd, xs);
             MARK(T_NORM);
-            matrix_for(&L->qkv, xn, xsum, m->avx512, qkv);
+            matrix_for(&L->qkv, &in, qkv);
             MARK(T_QKV);
             rope_rows(qkv, H + KVH, D, rot, q); /* q, then k right after it */
             const float *v = qkv + q_size + kv_size;
@@ -380,34 +441,33 @@ int baton_decode_step(const ds_model *m, int64_t token, const int64_t *block_tab
                             m->block_size, m->scale, scores, attn + hq * D);
             }
             MARK(T_ATTENTION);
-            block_sums(attn, q_size, xsum);
+            prepare_input(&in, attn, q_size, xsum, xq, xd, xs);
             MARK(T_NORM);
-            matrix_for(&L->o, attn, xsum, m->avx512, tmp);
+            matrix_for(&L->o, &in, tmp);
             MARK(T_O);
             for (int64_t e = 0; e < E; e++) x[e] = x[e] + tmp[e];
             baton_rms_norm(x, 1, E, L->post_norm, m->eps, xn);
-            block_sums(xn, E, xsum);
+            prepare_input(&in, xn, E, xsum, xq, xd, xs);
             MARK(T_NORM);
             OMP_FOR(SWIGLU_SCHEDULE)
             for (int64_t c = 0; c < (I + 7) / 8; c++) {
                 const int64_t i0 = 8 * c;
-                swiglu_rows(&L->gate_up, xn, xsum, I, i0, I - i0 < 8 ? (int)(I - i0) : 8,
-                            m->avx512, act);
+                swiglu_rows(&L->gate_up, &in, I, i0, I - i0 < 8 ? (int)(I - i0) : 8, act);
             }
             MARK(T_GATE_UP);
-            block_sums(act, I, xsum);
+            prepare_input(&in, act, I, xsum, xq, xd, xs);
             MARK(T_NORM);
-            matrix_for(&L->down, act, xsum, m->avx512, tmp);
+            matrix_for(&L->down, &in, tmp);
             MARK(T_DOWN);
             for (int64_t e = 0; e < E; e++) x[e] = x[e] + tmp[e];
         }
         baton_rms_norm(x, 1, E, m->final_norm, m->eps, xn);
-        block_sums(xn, E, xsum);
+        prepare_input(&in, xn, E, xsum, xq, xd, xs);
 #pragma omp master
         memcpy(hidden, xn, sizeof(float) * (size_t)E);
         MARK(T_NORM);
         if (m->head.blocks != NULL && logits != NULL) {
-            matrix_for(&m->head, xn, xsum, m->avx512, logits); /* Q8_0 rows: AVX2, as now */
+            matrix_for(&m->head, &in, logits); /* Q8_0 rows: AVX2 (or int8), as unfused */
             MARK(T_HEAD);
         }
 #undef MARK

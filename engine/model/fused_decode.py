@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from engine.attention.kv_layout import head_major
-from engine.model.gguf_kernel import ISA_ENV, _gemv_isa_for
+from engine.model.gguf_kernel import INT8_ISA_IDS, ISA_ENV, _gemv_isa_for, _int8_isa_for
 from engine.model.gguf_kernel import load_kernel as load_gguf_kernel
 from engine.model.gguf_linear import GGUFBlockLinear
 from engine.native import load_native
@@ -103,6 +103,7 @@ class Model(ctypes.Structure):
         ("embed", ctypes.c_void_p),
         ("rope", ctypes.c_void_p),
         ("head", Matrix),
+        ("int8_isa", ctypes.c_int32),  # 0, or BATON_I8_* (set per step, as gguf_matmul_int8)
     ]
 
 
@@ -126,8 +127,6 @@ def enabled() -> bool:
 def _matrix(layer: object) -> Matrix | None:
     """The blocks of a GGUFBlockLinear as a Matrix; None for any other layer or block type."""
     if not isinstance(layer, GGUFBlockLinear) or layer.block_type not in BLOCK_TYPES:
-        return None
-    if getattr(layer, "int8_activations", False):  # int8 products: not this step's arithmetic
         return None
     bias = layer.bias
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
@@ -157,6 +156,7 @@ class FusedDecoder:
         self.has_head = bool(model.head.blocks)
         self.hidden_size, self.vocab, self.block_size = model.hidden, model.vocab, model.block_size
         self._gguf_lib = load_gguf_kernel()
+        self.int8 = False  # the model's products quantize activations to int8 (set by build)
         self.timings: ctypes.Array | None = None  # set by profile(): seconds per part
 
     @classmethod
@@ -213,7 +213,9 @@ class FusedDecoder:
             head,
         )
         logger.info("batch-1 decode steps run fused in C (%s=0 turns it off)", ENV)
-        return cls(lib, c_model, layers, keep, list(kv_caches))
+        fused = cls(lib, c_model, layers, keep, list(kv_caches))
+        fused.int8 = bool(getattr(config, "int8_activations", False))
+        return fused
 
     @staticmethod
     def _refusal(
@@ -222,9 +224,6 @@ class FusedDecoder:
         """Why this model cannot run fused (None: it can)."""
         if not enabled():
             return f"${ENV}=0"
-        if getattr(config, "int8_activations", False):
-            # TODO(int8): run the int8-activation products inside the fused step instead.
-            return "int8_activations is on (the fused step multiplies float32 activations)"
         if getattr(backend, "name", None) != "cpu":
             return "the attention backend is not cpu"
         weight = model.embed_tokens.weight
@@ -240,6 +239,19 @@ class FusedDecoder:
             for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 if _matrix(lin) is None:
                     return f"layer {i} has a matrix without Q4_1 / Q8_0 blocks"
+        int8 = bool(getattr(config, "int8_activations", False))
+        matrices = [
+            lin
+            for layer in model.layers
+            for lin in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+        ] + ([model.lm_head] if isinstance(model.lm_head, GGUFBlockLinear) else [])
+        if any(getattr(lin, "int8_activations", False) != int8 for lin in matrices):
+            return "int8_activations differs between the engine and its layers"
         if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
             return "a module has forward hooks (the fused step would skip them)"
         for cache in kv_caches:
@@ -273,6 +285,10 @@ class FusedDecoder:
         # Q4_1 rows through AVX-512 exactly when the unfused path's gguf_matmul would
         isa = _gemv_isa_for(self._gguf_lib, os.environ.get(ISA_ENV, ""))
         self._model.avx512 = int(isa == "avx512")
+        forced = os.environ.get(ISA_ENV, "")
+        self._model.int8_isa = (
+            INT8_ISA_IDS[_int8_isa_for(self._gguf_lib, forced)] if self.int8 else 0
+        )
         table = (ctypes.c_int64 * len(block_ids))(*block_ids)
         hidden = torch.empty(1, self.hidden_size, dtype=torch.float32)
         out = torch.empty(1, self.vocab, dtype=torch.float32) if logits and self.has_head else None

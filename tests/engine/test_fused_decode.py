@@ -15,7 +15,8 @@ from engine.attention import build_metadata
 from engine.attention.kv_layout import allocate_kv_cache
 from engine.model import fused_decode
 from engine.model.fused_decode import ENV, FusedDecoder
-from engine.model.gguf_kernel import ISA_ENV
+from engine.model.gguf_kernel import ISA_ENV, int8_isas
+from engine.model.gguf_kernel import load_kernel as load_gguf_kernel
 from engine.native import library_path, source_files
 from engine.weights.gguf_convert import convert_gguf_to_hf
 from tests.engine.test_gguf_blocks import VOCAB, write_quantized_llama_gguf
@@ -116,6 +117,52 @@ def test_each_step_equals_the_unfused_path(quantized_llama, isa, threads, monkey
     assert fused_caches[0].abs().sum() > 0
 
 
+INT8_ISAS = int8_isas(load_gguf_kernel()) if load_gguf_kernel() is not None else []
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("isa", INT8_ISAS)
+def test_int8_steps_equal_the_unfused_int8_path(quantized_llama, isa, threads, monkeypatch):
+    """With int8_activations every product's input is quantized to int8 blocks inside the C
+    step as the unfused int8 layers do it: logits and caches equal theirs, and greedy tokens."""
+    monkeypatch.setenv(ISA_ENV, isa)
+    llm = LLM(str(quantized_llama), int8_activations=True, **OPTS)
+    runner = llm.engine.runner
+    model, a = runner.model, runner.model.args
+    assert runner.fused is not None and runner.fused.int8
+
+    def caches() -> list[torch.Tensor]:
+        return [
+            allocate_kv_cache(16, 4, a.num_kv_heads, a.head_dim, torch.float32)
+            for _ in range(a.num_layers)
+        ]
+
+    ref_caches, fused_caches = caches(), caches()
+    fused = FusedDecoder.build(model, fused_caches, runner.backend, runner.config)
+    blocks = [5, 2, 9, 0]
+    tokens = torch.randint(0, VOCAB, (14,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.inference_mode():
+        for p, token in enumerate(tokens):
+            meta = build_metadata([1], [p + 1], [blocks], 4, torch.device("cpu"))
+            ids, pos = torch.tensor([token]), torch.tensor([p])
+            ref_hidden = model(ids, pos, ref_caches, meta, runner.backend)
+            ref_logits = model.compute_logits(ref_hidden)
+            hidden, logits = fused.step(token, blocks, p + 1)
+            # the same integer dot products; AVX-512 VNNI sums the unfused row in zmm lanes,
+            # the fused one in ymm lanes (another float order), and silu's exp (last bit)
+            torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+            for ref, ours in zip(ref_caches, fused_caches, strict=True):
+                torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV, "0")
+        unfused = LLM(str(quantized_llama), int8_activations=True, **OPTS)
+    prompts = random_prompts([5, 9], seed=11, vocab=VOCAB)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ours = [o.token_ids for o in llm.generate(prompts, greedy)]
+    assert ours == [o.token_ids for o in unfused.generate(prompts, greedy)]
+
+
 def test_greedy_tokens_equal_unfused_and_transformers(
     engine_pair, quantized_llama, hf_models, monkeypatch
 ):
@@ -172,7 +219,7 @@ def test_models_it_cannot_run_keep_the_unfused_path(engine_pair, monkeypatch):
     assert FusedDecoder.build(*args, runner.config) is None
     monkeypatch.delenv(ENV)
     int8 = types.SimpleNamespace(int8_activations=True)
-    assert FusedDecoder.build(*args, int8) is None  # until int8 products run fused too
+    assert FusedDecoder.build(*args, int8) is None  # the engine says int8, its layers do not
     monkeypatch.setattr(runner.model.layers[0].mlp.down_proj, "int8_activations", True, False)
     assert FusedDecoder.build(*args, runner.config) is None  # a layer with int8 products
     monkeypatch.undo()
