@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-latency-ms", type=float, default=2.0)
     p.add_argument("--vocab-size", type=int, default=49152)
     p.add_argument("--write", action="store_true", help="store the figures in the profile")
-    p.add_argument("--shared-cores", type=int, default=os.cpu_count(), help="as sim_validation's")
+    p.add_argument("--shared-cores", type=float, default=os.cpu_count(), help="as sim_validation's")
     args = p.parse_args(argv)
     if not any(Path(args.runs).rglob("manifest.yaml")):
         print(f"error: no experiment runs (manifest.yaml) under {args.runs}", file=sys.stderr)

@@ -69,12 +69,12 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     add_overhead_args(p)
 
 
-def add_overhead_args(p: argparse.ArgumentParser, shared_cores: int | None = None) -> None:
+def add_overhead_args(p: argparse.ArgumentParser, shared_cores: float | None = None) -> None:
     """The per-request control path and the cores workers share (also read by
     benchmarks/sim_validation.py, whose runs share this machine's cores)."""
     p.add_argument(
         "--shared-cores",
-        type=int,
+        type=float,
         default=shared_cores,
         help="the workers run on one machine with this many cores: a step starting while more "
         "workers compute runs busy/cores times slower (default: "

@@ -51,7 +51,7 @@ class ClusterConfig:
     kv_latency_s: float = 0.002  # fixed cost of one transfer
     local_overhead_s: float = 0.0  # control path of a request prefilled on its decode worker
     remote_overhead_s: float = 0.0  # control path of a request prefilled on a prefill worker
-    shared_cores: int | None = None  # cores all workers share (one machine); None: one each
+    shared_cores: float | None = None  # cores all workers share (one machine); None: one each
     seed: int = 0  # the random policy's
 
     def __post_init__(self) -> None:
@@ -61,8 +61,8 @@ class ClusterConfig:
             raise ValueError(f"kv bandwidth must be > 0 GB/s, got {self.kv_bandwidth_gbs}")
         if self.local_overhead_s < 0 or self.remote_overhead_s < 0:
             raise ValueError("request overheads must be >= 0 s")
-        if self.shared_cores is not None and self.shared_cores < 1:
-            raise ValueError(f"shared cores must be >= 1, got {self.shared_cores}")
+        if self.shared_cores is not None and self.shared_cores <= 0:
+            raise ValueError(f"shared cores must be > 0, got {self.shared_cores}")
 
 
 class SimCluster:
