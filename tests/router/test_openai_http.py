@@ -289,7 +289,10 @@ def test_client_gone_mid_stream_or_before_the_reply_aborts_and_frees_blocks(serv
             assert next(line for line in lines if line.startswith("data:"))
         # the connection is closed here, about 1000 tokens before the end
     wait_all_free(workers)
-    assert len(aborted) == before + 1 and aborted[-1].startswith("cmpl-")
+    # one request aborted: once, or twice when a poll was in flight (router/stream.py aborts
+    # again after it, in case the request registered meanwhile)
+    assert 1 <= len(aborted) - before <= 2 and set(aborted[before:]) == {aborted[-1]}
+    assert aborted[-1].startswith("cmpl-")
     with pytest.raises(httpx.ReadTimeout):  # 1000 decode steps take well over 0.3 s
         httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=0.3)
     wait_all_free(workers)
