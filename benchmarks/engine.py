@@ -156,16 +156,7 @@ def gemm_floor_s(llm: LLM, args) -> float:
     sampling and scheduling are left out, so no engine can run the workload faster than this on
     this machine in float32."""
     model = llm.engine.runner.model
-    linears = [
-        lin
-        for layer in model.layers
-        for lin in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        )
-    ]
+    linears = [lin for layer in model.layers for lin in layer.linears()]
 
     def step_s(rows: int, sampled: int) -> float:
         inputs = {k: torch.randn(rows, k) for k in {lin.weight.shape[1] for lin in linears}}

@@ -178,12 +178,8 @@ class FusedDecoder:
         for i, (layer, cache) in enumerate(zip(model.layers, kv_caches, strict=True)):
             storage = head_major(cache)
             keep.append(storage)
-            attn, mlp = layer.self_attn, layer.mlp
             layers[i] = Layer(
-                _matrix(attn.qkv_proj),
-                _matrix(attn.o_proj),
-                _matrix(mlp.gate_up_proj),
-                _matrix(mlp.down_proj),
+                *(_matrix(lin) for lin in layer.linears()),
                 layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(),
                 storage.data_ptr(),
@@ -235,21 +231,12 @@ class FusedDecoder:
         if a.hidden_size % 8 or a.head_dim % 8 or a.num_heads % a.num_kv_heads:
             return "shapes the C step does not take"
         for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if _matrix(lin) is None:
-                    return f"layer {i} has a matrix without Q4_1 / Q8_0 blocks"
+            if any(_matrix(lin) is None for lin in layer.linears()):
+                return f"layer {i} has a matrix without Q4_1 / Q8_0 blocks"
         int8 = bool(getattr(config, "int8_activations", False))
-        matrices = [
-            lin
-            for layer in model.layers
-            for lin in (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            )
-        ] + ([model.lm_head] if isinstance(model.lm_head, GGUFBlockLinear) else [])
+        matrices = [lin for layer in model.layers for lin in layer.linears()]
+        if isinstance(model.lm_head, GGUFBlockLinear):
+            matrices.append(model.lm_head)
         if any(getattr(lin, "int8_activations", False) != int8 for lin in matrices):
             return "int8_activations differs between the engine and its layers"
         if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):

@@ -181,6 +181,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = LlamaMLP(args)
 
+    def linears(self) -> tuple[nn.Module, ...]:
+        """The layer's four projections in the order a token meets them: qkv, o, gate_up,
+        down."""
+        attn, mlp = self.self_attn, self.mlp
+        return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
     def forward(
         self,
         x: torch.Tensor,
