@@ -71,22 +71,11 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
-def test_each_step_equals_the_unfused_path(quantized_llama, isa, threads, monkeypatch):
+def compare_steps(runner, g: torch.Generator, tolerance: float):
     """Token by token over 14 positions (blocks of 4: three block boundaries, blocks out of
-    order): final hidden state, logits and every layer's cache equal the unfused path's, on
-    one thread and on two (rows and heads shared out, private copies of the small vectors)."""
-    monkeypatch.setenv(ISA_ENV, isa)
-    llm = LLM(str(quantized_llama), **OPTS)
-    runner = llm.engine.runner
+    order), a fused step over fresh caches against the runner's unfused model: final hidden
+    state, logits and every layer's cache within `tolerance`. Returns (unfused, fused) caches."""
     model, a = runner.model, runner.model.args
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():  # norm weights other than ones, so that each one's place matters
-        for layer in model.layers:
-            layer.input_layernorm.weight.uniform_(0.5, 1.5, generator=g)
-            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5, generator=g)
-        model.norm.weight.uniform_(0.5, 1.5, generator=g)
 
     def caches() -> list[torch.Tensor]:
         return [
@@ -99,6 +88,7 @@ def test_each_step_equals_the_unfused_path(quantized_llama, isa, threads, monkey
     assert fused is not None and fused.has_head
     blocks = [5, 2, 9, 0]
     tokens = torch.randint(0, VOCAB, (14,), generator=g).tolist()
+    close = dict(rtol=tolerance, atol=tolerance)
     with torch.inference_mode():
         for p, token in enumerate(tokens):
             meta = build_metadata([1], [p + 1], [blocks], 4, torch.device("cpu"))
@@ -106,12 +96,33 @@ def test_each_step_equals_the_unfused_path(quantized_llama, isa, threads, monkey
             ref_hidden = model(ids, pos, ref_caches, meta, runner.backend)
             ref_logits = model.compute_logits(ref_hidden)
             hidden, logits = fused.step(token, blocks, p + 1)
-            # values of order 1; the one difference in arithmetic is silu's exp (last bit),
-            # which later layers' sums carry on at ~1e-6
-            torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(hidden, ref_hidden, **close)
+            torch.testing.assert_close(logits, ref_logits, **close)
             for ref, ours in zip(ref_caches, fused_caches, strict=True):
-                torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(ours, ref, **close)
+    return ref_caches, fused_caches
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
+def test_each_step_equals_the_unfused_path(quantized_llama, isa, threads, monkeypatch):
+    """Token by token over 14 positions (blocks of 4: three block boundaries, blocks out of
+    order): final hidden state, logits and every layer's cache equal the unfused path's, on
+    one thread and on two (rows and heads shared out, private copies of the small vectors)."""
+    monkeypatch.setenv(ISA_ENV, isa)
+    llm = LLM(str(quantized_llama), **OPTS)
+    runner = llm.engine.runner
+    model = runner.model
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # norm weights other than ones, so that each one's place matters
+        for layer in model.layers:
+            layer.input_layernorm.weight.uniform_(0.5, 1.5, generator=g)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5, generator=g)
+        model.norm.weight.uniform_(0.5, 1.5, generator=g)
+
+    # values of order 1; the one difference in arithmetic is silu's exp (last bit), which
+    # later layers' sums carry on at ~1e-6
+    ref_caches, fused_caches = compare_steps(runner, g, tolerance=1e-5)
     # the first layer's keys and values come from the same operations, bit for bit
     assert torch.equal(fused_caches[0], ref_caches[0])
     assert fused_caches[0].abs().sum() > 0
@@ -128,32 +139,10 @@ def test_int8_steps_equal_the_unfused_int8_path(quantized_llama, isa, threads, m
     monkeypatch.setenv(ISA_ENV, isa)
     llm = LLM(str(quantized_llama), int8_activations=True, **OPTS)
     runner = llm.engine.runner
-    model, a = runner.model, runner.model.args
     assert runner.fused is not None and runner.fused.int8
-
-    def caches() -> list[torch.Tensor]:
-        return [
-            allocate_kv_cache(16, 4, a.num_kv_heads, a.head_dim, torch.float32)
-            for _ in range(a.num_layers)
-        ]
-
-    ref_caches, fused_caches = caches(), caches()
-    fused = FusedDecoder.build(model, fused_caches, runner.backend, runner.config)
-    blocks = [5, 2, 9, 0]
-    tokens = torch.randint(0, VOCAB, (14,), generator=torch.Generator().manual_seed(6)).tolist()
-    with torch.inference_mode():
-        for p, token in enumerate(tokens):
-            meta = build_metadata([1], [p + 1], [blocks], 4, torch.device("cpu"))
-            ids, pos = torch.tensor([token]), torch.tensor([p])
-            ref_hidden = model(ids, pos, ref_caches, meta, runner.backend)
-            ref_logits = model.compute_logits(ref_hidden)
-            hidden, logits = fused.step(token, blocks, p + 1)
-            # the same integer dot products; AVX-512 VNNI sums the unfused row in zmm lanes,
-            # the fused one in ymm lanes (another float order), and silu's exp (last bit)
-            torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
-            for ref, ours in zip(ref_caches, fused_caches, strict=True):
-                torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    # the same integer dot products; AVX-512 VNNI sums the unfused row in zmm lanes, the fused
+    # one in ymm lanes (another float order), and silu's exp (last bit)
+    compare_steps(runner, torch.Generator().manual_seed(6), tolerance=1e-4)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV, "0")
         unfused = LLM(str(quantized_llama), int8_activations=True, **OPTS)
