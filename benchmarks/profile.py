@@ -4,7 +4,9 @@
                                  [--quick] [--out FILE]
 
 Drives LLMEngine steps directly with crafted requests: a grid point is a step of D decode
-rows at context L plus (unless P = 0) one prefill chunk of P tokens after C cached tokens.
+rows at context L plus (unless P = 0) one prefill chunk of P tokens after C cached tokens;
+further decode batches are measured alone (decode-only steps: where the matrix products
+change regime with the row count).
 Decoding requests share a cached prompt prefix and a prefill request's first C tokens are a
 cached prefix too, so reaching a point costs one block of setup, not a prefill of L or C.
 Every point runs --repeats times (rounds over the whole grid, so a drift of a shared
@@ -40,14 +42,20 @@ class Grid:
     prefill: tuple[int, ...]
     context: tuple[int, ...]
     decodes: tuple[tuple[int, int], ...]  # (D, L); (0, 0) = no decodes
+    decode_only: tuple[tuple[int, int], ...] = ()  # (D, L) measured without prefill only
+
+    @property
+    def max_decodes(self) -> int:
+        return max(d for d, _ in self.decodes + self.decode_only)
 
 
 FULL = Grid(
     (32, 128, 512, 1024),
     (0, 1536, 4096),
     ((0, 0), (1, 256), (4, 256), (8, 256), (8, 1024), (24, 256)),
+    ((2, 256), (6, 256), (12, 256), (16, 256), (32, 256), (48, 256)),
 )
-QUICK = Grid((8, 32), (0, 64), ((0, 0), (2, 16), (4, 48)))
+QUICK = Grid((8, 32), (0, 64), ((0, 0), (2, 16), (4, 48)), ((1, 16), (12, 16)))
 
 
 def log(msg: str) -> None:
@@ -122,8 +130,11 @@ class Profiler:
             raise RuntimeError(f"step ran {result.scheduled}, not the grid point {expected}")
         return StepShape.of(decode_contexts, chunks), seconds
 
-    def points(self, decodes: int) -> list[tuple[int, int]]:
-        """(P, C) points of a decode batch: every chunk at every context, plus decodes only."""
+    def points(self, decodes: int, context: int) -> list[tuple[int, int]]:
+        """(P, C) points of a decode batch: every chunk at every context, plus decodes only
+        (a decode_only batch: decodes only)."""
+        if (decodes, context) in self.grid.decode_only:
+            return [(0, 0)]
         pts = [(p, c) for p in self.grid.prefill for c in self.grid.context]
         return pts + ([(0, 0)] if decodes else [])
 
@@ -132,13 +143,13 @@ def profile(engine: LLMEngine, grid: Grid, repeats: int) -> list[dict]:
     """Median seconds per grid point, with the shape of its median run."""
     profiler = Profiler(engine, grid)
     rows = []
-    for count, context in grid.decodes:
+    for count, context in grid.decodes + grid.decode_only:
         log(f"decodes: {count} at context {context}")
         profiler.start_decodes(count, context)
         profiler.measure(min(grid.prefill), 0)  # warm-up, not recorded
         runs: dict[tuple[int, int], list[tuple[StepShape, float]]] = {}
         for _ in range(repeats):
-            for point in profiler.points(count):
+            for point in profiler.points(count, context):
                 runs.setdefault(point, []).append(profiler.measure(*point))
         for (p, c), samples in runs.items():
             samples.sort(key=lambda s: s[1])
@@ -165,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     grid = QUICK if args.quick else FULL
-    max_decodes = max(d for d, _ in grid.decodes)
+    max_decodes = grid.max_decodes
     engine = LLMEngine(
         args.model,
         dtype=args.dtype,

@@ -9,6 +9,11 @@ prefill tokens (the steps the budget shapes): its EWMA, or where that is lower, 
 TAIL_QUANTILE of the last RECENT_STEPS ratios, so that steps slower than usual (a shared
 CPU, a cache miss) stay within the target too: the target bounds the tail of the step
 times, not their mean.
+
+A decode's inter-token time is its step plus the engine loop's work between two steps
+(outputs handed to their streams, requests added): the engine reports those gaps, and steps
+are planned within the target less the TAIL_QUANTILE of the recent ones (at most
+MAX_GAP_SHARE of the target).
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ RATIO_LIMITS = (0.1, 10.0)  # one measured step moves the ratio at most by this 
 TOLERANCE = 1e-9  # relative slack when comparing a prediction with the target
 RECENT_STEPS = 20  # ratios the tail is taken over
 TAIL_QUANTILE = 0.9  # the ratio planned with: this quantile of the recent ones (or the EWMA)
-MIN_TAIL_STEPS = 5  # before this many ratios, the EWMA alone
+MIN_TAIL_STEPS = 5  # before this many ratios (or gaps), the EWMA alone (no gap)
+MAX_GAP_SHARE = 0.5  # the gaps between steps take at most this share of the target
 
 
 class ChunkBudget:
@@ -38,14 +44,16 @@ class ChunkBudget:
         self.alpha = alpha
         self.ratio = 1.0  # EWMA of measured / predicted seconds
         self.recent: deque[float] = deque(maxlen=RECENT_STEPS)  # the last ratios
+        self.gaps: deque[float] = deque(maxlen=RECENT_STEPS)  # the last gaps between steps
 
     def planning_ratio(self) -> float:
         """The correction plans use: the EWMA, or the recent ratios' tail where higher."""
-        if len(self.recent) < MIN_TAIL_STEPS:
-            return self.ratio
-        ordered = sorted(self.recent)
-        tail = ordered[min(len(ordered) - 1, int(TAIL_QUANTILE * len(ordered)))]
-        return max(self.ratio, tail)
+        return max(self.ratio, _tail(self.recent, default=self.ratio))
+
+    def step_limit_s(self) -> float:
+        """Seconds a step may be predicted to take: the target less the gaps' tail."""
+        gap = min(_tail(self.gaps, default=0.0), MAX_GAP_SHARE * self.target_s)
+        return self.target_s - gap
 
     def predict(self, shape: StepShape) -> float:
         """Corrected predicted seconds of a step of this shape."""
@@ -55,8 +63,12 @@ class ChunkBudget:
         """An empty plan for the next step."""
         return StepPlan(self)
 
-    def observe(self, shape: StepShape, seconds: float) -> None:
-        """Correct the model by a step that ran: only steps with prefill tokens count."""
+    def observe(self, shape: StepShape, seconds: float, gap_s: float | None = None) -> None:
+        """Correct the model by a step that ran: only steps with prefill tokens count.
+        gap_s: seconds from the previous step's end to this one's start when the engine went
+        straight on (what its decodes waited beyond the step), else None."""
+        if gap_s is not None and gap_s >= 0:
+            self.gaps.append(gap_s)
         predicted = self.model.predict(shape)
         if shape.prefill_tokens == 0 or predicted <= 0 or seconds <= 0:
             return
@@ -77,7 +89,7 @@ class StepPlan:
         self.shape = self.shape.with_decode(context)
 
     def fits(self, context: int, n: int) -> bool:
-        limit = self.budget.target_s * (1 + TOLERANCE)
+        limit = self.budget.step_limit_s() * (1 + TOLERANCE)
         return self.budget.predict(self.shape.with_chunk(context, n)) <= limit
 
     def grant(self, context: int, want: int) -> int:
@@ -94,3 +106,11 @@ class StepPlan:
         if n > 0:
             self.shape = self.shape.with_chunk(context, n)
         return n
+
+
+def _tail(values: deque[float], default: float) -> float:
+    """The TAIL_QUANTILE of the values; `default` while fewer than MIN_TAIL_STEPS."""
+    if len(values) < MIN_TAIL_STEPS:
+        return default
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(TAIL_QUANTILE * len(ordered)))]

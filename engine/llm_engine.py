@@ -75,6 +75,7 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: dict[str, RequestOutput] = {}  # outputs produced outside step()
         self._held: dict[str, float] = {}  # prefilled request id -> hold time (prefill role)
+        self._went_on_from: float | None = None  # end of the last step, if work was left
         self.metrics = EngineMetrics()  # this engine's own registry (engine/metrics.py)
 
     def _chunk_budget(self) -> ChunkBudget | None:
@@ -339,8 +340,13 @@ class LLMEngine:
                 result.outputs[req.request_id] = earlier.merged(out) if earlier else out
         result.kv_events = self.pool.take_events()
         self.record_state(len(batch.preempted))
+        end = time.perf_counter()
         if not batch.is_empty():  # the whole step, scheduling and outputs too: what ITL sees
-            self.scheduler.observe(batch, time.perf_counter() - step_start)
+            gap = None if self._went_on_from is None else step_start - self._went_on_from
+            self.scheduler.observe(batch, end - step_start, gap)
+        # With requests left the caller steps again at once: the time until then is a gap
+        # every running decode waits too (the engine loop's dispatch and calls).
+        self._went_on_from = end if self.has_unfinished() else None
         return result
 
     def record_state(self, preempted: int = 0) -> None:

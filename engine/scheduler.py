@@ -120,10 +120,11 @@ class Scheduler:
             return min(1, budget)
         return plan.grant(req.num_computed_tokens, min(remaining, budget))
 
-    def observe(self, out: SchedulerOutput, seconds: float) -> None:
-        """The step `out` ran in `seconds`: corrects the budget's model (no-op without one)."""
+    def observe(self, out: SchedulerOutput, seconds: float, gap_s: float | None = None) -> None:
+        """The step `out` ran in `seconds`, `gap_s` after the previous one: corrects the
+        budget's model (no-op without one)."""
         if self.budget is not None and out.plan is not None:
-            self.budget.observe(out.plan.shape, seconds)
+            self.budget.observe(out.plan.shape, seconds, gap_s)
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(req, n):

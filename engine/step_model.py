@@ -2,11 +2,26 @@
 steps (benchmarks/profile.py) and stored as a profile JSON; pure Python (numpy only to fit).
 
 A step's shape is what its cost depends on: prefill tokens and chunks, the query-key pairs of
-prefill attention, decode rows and the keys they read. The model is linear in those features
-(a constant, per-token and per-row costs, and an attention term in context):
+prefill attention, the cached keys each chunk reads, decode rows and the keys they read. The
+model is linear in those features (a constant, per-token and per-row costs, and attention terms
+in context):
 
     seconds = const + prefill_tokens * a + prefill_chunks * b + prefill_attention * c
-              + decodes * d + decode_context * e
+              + decodes * d + decode_context * e + prefill_context * f
+              + small_rows * g + large_step * h
+
+small_rows and large_step are the two regimes of the matrix products (not stored, derived
+from the step's rows R = prefill tokens + decode rows): up to SMALL_STEP_ROWS rows a CPU
+engine on a GGUF checkpoint multiplies straight from the quantized blocks, at a cost per row
+(small_rows = min(R, SMALL_STEP_ROWS)); above it the dense float32 weights are streamed once
+more (large_step = 1). Linear in decode rows alone, the 1-thread SmolLM2 profile was 20% high
+at one decode row and 29% low at eight.
+
+The prefill_context term is the part of a chunk's attention that goes with its cached context and not
+with its query count (gathering the cached keys, and attention over few queries using the
+hardware worse than over many): on CPU, 32 tokens after 4,096 cached ones cost 2.8x the
+same 32 after none, while the pair term alone fitted them at 2.1x; small chunks late in a long
+prompt are the steps dynamic chunking has to size right.
 
 Coefficients are fitted by least squares on relative error and kept non-negative, so that a
 prediction never falls as a step grows (the chunk budget searches on that).
@@ -26,7 +41,13 @@ FEATURES = (
     "prefill_attention",
     "decodes",
     "decode_context",
+    "prefill_context",
+    "small_rows",
+    "large_step",
 )
+# The rows up to which the matrix products take the small-step path: QUANT_MAX_ROWS of
+# engine/model/gguf_linear.py (tests/engine/test_step_model.py checks they agree).
+SMALL_STEP_ROWS = 8
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "profiles"
 FORM = "seconds = sum(coefficient * feature) over " + ", ".join(FEATURES)
 
@@ -40,6 +61,7 @@ class StepShape:
     prefill_attention: int = 0  # query-key pairs of prefill rows: sum n * c + n (n + 1) / 2
     decodes: int = 0
     decode_context: int = 0  # keys the decode rows attend to (their contexts, new token included)
+    prefill_context: int = 0  # cached keys the prefill chunks attend to (their contexts, summed)
 
     def with_chunk(self, context: int, n: int) -> StepShape:
         """This shape plus a prefill chunk of n tokens after `context` computed tokens."""
@@ -48,6 +70,7 @@ class StepShape:
             prefill_tokens=self.prefill_tokens + n,
             prefill_chunks=self.prefill_chunks + 1,
             prefill_attention=self.prefill_attention + n * context + n * (n + 1) // 2,
+            prefill_context=self.prefill_context + context,
         )
 
     def with_decode(self, context: int) -> StepShape:
@@ -57,6 +80,7 @@ class StepShape:
         )
 
     def features(self) -> tuple[float, ...]:
+        rows = self.prefill_tokens + self.decodes
         return (
             1.0,
             self.prefill_tokens,
@@ -64,6 +88,9 @@ class StepShape:
             self.prefill_attention,
             self.decodes,
             self.decode_context,
+            self.prefill_context,
+            min(rows, SMALL_STEP_ROWS),
+            1.0 if rows > SMALL_STEP_ROWS else 0.0,
         )
 
     @classmethod

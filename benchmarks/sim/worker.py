@@ -163,7 +163,9 @@ class SimWorker:
         plan = self.budget.plan() if self.budget else None
         budget = c.max_num_batched_tokens
         rows: list[tuple[Job, int]] = []
-        shape = [0, 0, 0, 0, 0]  # prefill tokens, chunks, attention pairs, decodes, context
+        # StepShape's fields in order: prefill tokens, chunks, attention pairs, decodes, decode
+        # context, prefill context
+        shape = [0, 0, 0, 0, 0, 0]
         decodes = [j for j in self.running if j.num_tokens - j.num_computed == 1]
         prefills = [j for j in self.running if j.num_tokens - j.num_computed > 1]
         for job in decodes + prefills:
@@ -223,6 +225,7 @@ class SimWorker:
             shape[0] += n
             shape[1] += 1
             shape[2] += n * job.num_computed + n * (n + 1) // 2
+            shape[5] += job.num_computed
         return n
 
     def _step_done(self, rows: list[tuple[Job, int]]) -> None:

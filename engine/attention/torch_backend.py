@@ -23,6 +23,10 @@ class _PrefillSeq:
     # [q_len, seq_len] bool, True = attend; None: plain causal, or on CPU a chunk after cached
     # context (attended as context + causal chunk, see _context_chunk_cpu)
     mask: torch.Tensor | None
+    # On CPU, a chunk after cached context: the block ids holding that context (gathered as
+    # whole blocks, ~2x faster than slot by slot); None otherwise
+    context_blocks: torch.Tensor | None = None
+    context_len: int = 0  # cached tokens before this chunk
     # Fresh prompts of equal length laid end to end in rows run as one batched SDPA call
     # (a 2,048-token step of 16 x 128-token prompts: ~1.5x faster than 16 calls on 2 threads)
     count: int = 1
@@ -104,24 +108,28 @@ class TorchAttentionBackend(AttentionBackend):
         for s, (q_len, s_len) in enumerate(zip(meta.query_lens, meta.seq_lens, strict=True)):
             if q_len > 1:
                 ctx = s_len - q_len
-                slots = mask = None
-                if ctx > 0:
+                slots = mask = context_blocks = None
+                if ctx > 0 and device.type == "cpu":  # context and chunk attended apart
+                    context_blocks = meta.block_tables[s, : -(-ctx // meta.block_size)].long()
+                elif ctx > 0:
                     slots = context_slots(meta.block_tables[s : s + 1], meta.block_size, s_len)[0]
-                    if device.type != "cpu":  # the CPU path splits context and chunk instead
-                        q_pos = torch.arange(ctx, s_len, device=device)
-                        mask = torch.arange(s_len, device=device)[None, :] <= q_pos[:, None]
+                    q_pos = torch.arange(ctx, s_len, device=device)
+                    mask = torch.arange(s_len, device=device)[None, :] <= q_pos[:, None]
                 last = prefills[-1] if prefills else None
                 if (
                     ctx == 0
                     and last is not None
                     and last.slots is None
+                    and last.context_blocks is None
                     and last.rows.stop == start
                     and last.rows.stop - last.rows.start == q_len * last.count
                 ):  # another fresh prompt of the same length right after the last: batch it
                     last.rows = slice(last.rows.start, start + q_len)
                     last.count += 1
                 else:
-                    prefills.append(_PrefillSeq(slice(start, start + q_len), slots, mask))
+                    prefills.append(
+                        _PrefillSeq(slice(start, start + q_len), slots, mask, context_blocks, ctx)
+                    )
             start += q_len
         all_decode = len(decode) == len(meta.query_lens)
         return _StepPlan(
@@ -154,16 +162,16 @@ class TorchAttentionBackend(AttentionBackend):
         if plan.decode_rows is not None:
             out.index_copy_(0, plan.decode_rows, self._decode(q, blocks, plan, scale))
         for seq in plan.prefills:
+            qs = q[seq.rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+            if seq.context_blocks is not None:  # CPU: only the cached context is gathered
+                ctx = _gather_blocks(blocks, seq.context_blocks)[:, :, : seq.context_len]
+                o = _context_chunk_cpu(qs, k[seq.rows], v[seq.rows], ctx[0], ctx[1], scale)
+                out[seq.rows] = o[0].transpose(0, 1)
+                continue
             if seq.slots is None:  # fresh prompts: this step's keys are their whole context
                 out[seq.rows] = _fresh_prompts(
                     q[seq.rows], k[seq.rows], v[seq.rows], seq.count, scale
                 )
-                continue
-            qs = q[seq.rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            if q.device.type == "cpu":  # only the cached context is gathered
-                ctx = cache.index_select(2, seq.slots[: seq.slots.shape[0] - qs.shape[2]])
-                o = _context_chunk_cpu(qs, k[seq.rows], v[seq.rows], ctx[0], ctx[1], scale)
-                out[seq.rows] = o[0].transpose(0, 1)
                 continue
             ks, vs = cache.index_select(2, seq.slots)  # keys and values in one gather
             o = F.scaled_dot_product_attention(
@@ -186,12 +194,11 @@ class TorchAttentionBackend(AttentionBackend):
         (SDPA's CPU flash kernel is slow for single-token queries). Whole blocks are gathered
         (contiguous block_size x D rows per head). Returns [Bd, H, D]."""
         bd, num_ctx_blocks = plan.decode_blocks.shape
-        _, num_kv_heads, num_blocks, block_size, head_dim = blocks.shape
+        _, num_kv_heads, _, block_size, head_dim = blocks.shape
         length = num_ctx_blocks * block_size
         group = q.shape[1] // num_kv_heads
-        by_block = blocks.view(2, num_kv_heads, num_blocks, block_size * head_dim)
-        # Keys and values of every context block in one gather: [2, KVH, Bd * blocks, ...]
-        kv = by_block.index_select(2, plan.decode_blocks.reshape(-1))
+        # Keys and values of every context block in one gather: [2, KVH, Bd * L, D]
+        kv = _gather_blocks(blocks, plan.decode_blocks.reshape(-1))
         kd = kv[0].view(num_kv_heads * bd, length, head_dim)
         vd = kv[1].view(num_kv_heads * bd, length, head_dim)
         qd = q if plan.all_decode else q.index_select(0, plan.decode_rows)
@@ -248,16 +255,28 @@ def _context_chunk_cpu(
     by their log-sum-exps: the cached context (every query sees every key) and the chunk
     itself (causal). On CPU this is ~15% faster than one SDPA call with an explicit mask.
 
+    The context call stacks the G query heads of a KV head along the query axis ([1, KVH,
+    G * n, D]: no row attends differently, since no mask applies), so the cached keys are read
+    as they are instead of repeated G times: 32 queries after 4,096 cached tokens, 1 thread,
+    4.7 vs 13.8 ms per layer; the same numbers (each query row is computed alone).
+
     q: [1, H, n, D]; k_new, v_new: [n, KVH, D] (this chunk); k_ctx, v_ctx: [KVH, ctx, D] (the
     cached context). Returns [1, H, n, D].
     """
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    group = q.shape[1] // k_ctx.shape[0]
+    _, num_heads, n, head_dim = q.shape
+    num_kv_heads = k_ctx.shape[0]
+    group = num_heads // num_kv_heads
 
     def heads(x: torch.Tensor) -> torch.Tensor:  # [KVH, L, D] -> [1, H, L, D]
         return x.repeat_interleave(group, dim=0).unsqueeze(0)
 
-    out_ctx, lse_ctx = flash(q, heads(k_ctx), heads(v_ctx), 0.0, False, attn_mask=None, scale=scale)
+    stacked = q.reshape(1, num_kv_heads, group * n, head_dim)  # head h = kv * G + g
+    out_ctx, lse_ctx = flash(
+        stacked, k_ctx.unsqueeze(0), v_ctx.unsqueeze(0), 0.0, False, attn_mask=None, scale=scale
+    )
+    out_ctx = out_ctx.reshape(1, num_heads, n, head_dim)
+    lse_ctx = lse_ctx.reshape(1, num_heads, n)
     out_new, lse_new = flash(
         q,
         heads(k_new.transpose(0, 1)),
@@ -272,6 +291,13 @@ def _context_chunk_cpu(
         out_ctx * (lse_ctx - lse).exp_().unsqueeze(-1)
         + out_new * (lse_new - lse).exp_().unsqueeze(-1)
     ).to(q.dtype)
+
+
+def _gather_blocks(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Keys and values of these blocks, in order: [2, KVH, len(ids) * block_size, D]."""
+    two, num_kv_heads, num_blocks, block_size, head_dim = blocks.shape
+    by_block = blocks.view(two, num_kv_heads, num_blocks, block_size * head_dim)
+    return by_block.index_select(2, ids).view(two, num_kv_heads, -1, head_dim)
 
 
 def _by_slot(blocks: torch.Tensor) -> torch.Tensor:

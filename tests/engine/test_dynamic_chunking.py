@@ -94,6 +94,22 @@ def test_plans_with_the_tail_of_recent_ratios():
     assert budget.plan().grant(0, 5000) == 393  # (50 / 1.0141 - 10) / 0.1 = 393.0
 
 
+def test_plans_steps_within_the_target_less_the_gaps_between_them():
+    budget = ChunkBudget(LINEAR, 0.050, 4)
+    for gap in (0.001, 0.002, 0.010, 0.003):  # fewer than MIN_TAIL_STEPS: no gap yet
+        budget.observe(StepShape.of(decode_contexts=[5]), 0.011, gap)
+    assert budget.step_limit_s() == 0.050
+    assert budget.plan().grant(0, 5000) == 400  # 10 + 0.1 n <= 50 ms
+    budget.observe(StepShape.of(decode_contexts=[5]), 0.011, None)  # not counted: idle before
+    budget.observe(StepShape.of(decode_contexts=[5]), 0.011, 0.004)
+    # gaps 1, 2, 10, 3, 4 ms: the 90% quantile is the largest, 10 ms
+    assert budget.step_limit_s() == pytest.approx(0.040)
+    assert budget.plan().grant(0, 5000) == 300  # 10 + 0.1 n <= 40 ms
+    for _ in range(20):  # gaps longer than the target: at most half of it is given up
+        budget.observe(StepShape.of(decode_contexts=[5]), 0.011, 0.200)
+    assert budget.step_limit_s() == pytest.approx(0.025)
+
+
 def test_no_target_no_plan():
     sched = make_scheduler()
     sched.add(make_request("a", range(40), max_tokens=1))

@@ -12,6 +12,7 @@ from benchmarks import profile
 from engine.step_model import (
     FALLBACK,
     PROFILES_DIR,
+    SMALL_STEP_ROWS,
     StepModel,
     StepShape,
     find_step_model,
@@ -26,6 +27,9 @@ TRUE = {
     "prefill_attention": 3e-8,
     "decodes": 5e-4,
     "decode_context": 1e-7,
+    "prefill_context": 2e-6,
+    "small_rows": 3e-3,
+    "large_step": 2e-2,
 }
 
 
@@ -47,7 +51,17 @@ def test_shape_counts_attention_pairs_and_decode_keys():
         prefill_attention=(4 * 100 + 10) + 6,  # token i of a chunk after c reads c + i + 1 keys
         decodes=2,
         decode_context=11 + 21,
+        prefill_context=100 + 0,  # cached keys the chunks attend to
     )
+
+
+def test_small_and_large_steps_are_the_gguf_kernels_regimes():
+    from engine.model.gguf_linear import QUANT_MAX_ROWS
+
+    assert SMALL_STEP_ROWS == QUANT_MAX_ROWS
+    model = StepModel({"small_rows": 1.0, "large_step": 10.0})
+    assert [model.predict(StepShape.of([5] * d)) for d in (1, 8, 9, 30)] == [1, 8, 18, 18]
+    assert model.predict(StepShape.of([5] * 3, [(0, 4)])) == 7  # rows: decodes + chunk tokens
 
 
 def test_fit_recovers_the_coefficients_of_noise_free_steps():
@@ -113,7 +127,10 @@ def test_profiler_quick_grid_writes_a_loadable_profile(tiny_llama, tmp_path, cap
     grid = profile.QUICK
     decode_batches = sum(1 for d, _ in grid.decodes if d)
     points = len(grid.decodes) * len(grid.prefill) * len(grid.context) + decode_batches
+    points += len(grid.decode_only)  # one decode-only step each
     assert len(data["points"]) == points
+    alone = [(p["decodes"], p["decode_len"]) for p in data["points"] if p["prefill"] == 0]
+    assert set(grid.decode_only) <= set(alone)
     assert data["key"]["dtype"] == "float32" and data["key"]["device"] == "cpu"
     assert data["error"]["held_out"] == points // 4
     model = StepModel.load(out)
