@@ -17,11 +17,11 @@ engine on a GGUF checkpoint multiplies straight from the quantized blocks, at a 
 more (large_step = 1). Linear in decode rows alone, the 1-thread SmolLM2 profile was 20% high
 at one decode row and 29% low at eight.
 
-The prefill_context term is the part of a chunk's attention that goes with its cached context and not
-with its query count (gathering the cached keys, and attention over few queries using the
-hardware worse than over many): on CPU, 32 tokens after 4,096 cached ones cost 2.8x the
-same 32 after none, while the pair term alone fitted them at 2.1x; small chunks late in a long
-prompt are the steps dynamic chunking has to size right.
+The prefill_context term is the part of a chunk's attention that goes with its cached
+context and not with its query count (gathering the cached keys, and attention over few
+queries using the hardware worse than over many): on CPU, 32 tokens after 4,096 cached ones
+cost 2.8x the same 32 after none, while the pair term alone fitted them at 2.1x; small chunks
+late in a long prompt are the steps dynamic chunking has to size right.
 
 Coefficients are fitted by least squares on relative error and kept non-negative, so that a
 prediction never falls as a step grows (the chunk budget searches on that).
