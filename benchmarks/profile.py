@@ -2,6 +2,7 @@
 
     python -m benchmarks.profile [--model smollm2-135m-instruct] [--threads 1] [--repeats 3]
                                  [--quick] [--out FILE]
+    python -m benchmarks.profile --refit benchmarks/profiles/<key>.json
 
 Drives LLMEngine steps directly with crafted requests: a grid point is a step of D decode
 rows at context L plus (unless P = 0) one prefill chunk of P tokens after C cached tokens;
@@ -12,7 +13,9 @@ cached prefix too, so reaching a point costs one block of setup, not a prefill o
 Every point runs --repeats times (rounds over the whole grid, so a drift of a shared
 machine's speed hits all points alike) and keeps its median. The fit is checked on every
 4th point held out (mean/max relative error printed), then refitted on all points and
-written to benchmarks/profiles/<model>-<dtype>-<device>[-<threads>t].json with the points.
+written to benchmarks/profiles/<model>-<dtype>-<device>[-<threads>t].json with the points
+(a request_overhead_ms calibrated into that file before is kept). --refit fits a profile
+again from its stored points, measuring nothing (for a change of the model's features).
 """
 
 from __future__ import annotations
@@ -163,44 +166,8 @@ def profile(engine: LLMEngine, grid: Grid, repeats: int) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="baton profile", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="a tiny grid (tests)")
-    parser.add_argument("--out", help="profile path (default: benchmarks/profiles/<key>.json)")
-    parser.add_argument("--note", default="", help="kept in the profile (how it was measured)")
-    args = parser.parse_args(argv)
-
-    grid = QUICK if args.quick else FULL
-    max_decodes = grid.max_decodes
-    engine = LLMEngine(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        num_threads=args.threads,
-        skip_tokenizer_init=True,
-        block_size=BLOCK,
-        chunk_size=max(grid.prefill),
-        max_num_batched_tokens=max(grid.prefill) + max_decodes,
-        num_kv_blocks=800,
-    )
-    key = engine.step_profile_key()
-    log(f"profiling {key}: grid {grid}, {args.repeats} repeats")
-    start = time.perf_counter()
-    rows = profile(engine, grid, args.repeats)
-    samples = [(StepShape(**r["shape"]), r["seconds"]) for r in rows]
-    cpu = engine.runner.device.type == "cpu"
-    info = {
-        "model": args.model,
-        "dtype": str(engine.runner.dtype).removeprefix("torch."),
-        "device": "cpu" if cpu else torch.cuda.get_device_name(engine.runner.device),
-        "threads": torch.get_num_threads() if cpu else None,
-    }
-    model = fit_with_holdout(samples, key=info, note=args.note)
+def report(model, rows: list[dict], samples: list[tuple[StepShape, float]]) -> None:
+    """Every point measured against the model, the coefficients and the held-out error."""
     print(
         f"{'decodes':>8} {'L':>5} {'P':>5} {'C':>5} {'measured ms':>12} {'model ms':>9} {'err':>6}"
     )
@@ -217,13 +184,86 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"held-out error ({e['held_out']} points, fitted without them): mean "
         f"{e['mean_rel']:.1%}, max {e['max_rel']:.1%}; on all points refitted: mean "
-        f"{e['fit_mean_rel']:.1%}  ({time.perf_counter() - start:.0f} s)"
+        f"{e['fit_mean_rel']:.1%}"
     )
-    out = Path(args.out) if args.out else PROFILES_DIR / f"{key}.json"
-    data = model.to_json() | {"grid": asdict(grid), "repeats": args.repeats, "points": rows}
+
+
+def samples_of(rows: list[dict]) -> list[tuple[StepShape, float]]:
+    return [(StepShape(**r["shape"]), r["seconds"]) for r in rows]
+
+
+def write(out: Path, model, extra: dict) -> None:
+    """The profile JSON: the model, then `extra` (grid, repeats, points); a calibrated control
+    path (request_overhead_ms, benchmarks/sim_calibration.py) already in `out` is kept."""
+    old = json.loads(out.read_text()) if out.is_file() else {}
+    data = model.to_json() | extra
+    if "request_overhead_ms" in old:
+        data["request_overhead_ms"] = old["request_overhead_ms"]
+        log(f"kept request_overhead_ms {old['request_overhead_ms']} of {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {out}")
+
+
+def refit(path: Path) -> int:
+    """Fit a profile again from its stored points (after the model's features changed)."""
+    data = json.loads(path.read_text())
+    rows = data["points"]
+    samples = samples_of(rows)
+    model = fit_with_holdout(samples, key=data["key"], note=data.get("note", ""))
+    report(model, rows, samples)
+    write(path, model, {k: data[k] for k in ("grid", "repeats", "points") if k in data})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="baton profile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a tiny grid (tests)")
+    parser.add_argument("--out", help="profile path (default: benchmarks/profiles/<key>.json)")
+    parser.add_argument("--note", default="", help="kept in the profile (how it was measured)")
+    parser.add_argument(
+        "--refit",
+        metavar="PROFILE",
+        help="measure nothing: fit this profile again from its stored points and rewrite it",
+    )
+    args = parser.parse_args(argv)
+    if args.refit:
+        return refit(Path(args.refit))
+
+    grid = QUICK if args.quick else FULL
+    engine = LLMEngine(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        num_threads=args.threads,
+        skip_tokenizer_init=True,
+        block_size=BLOCK,
+        chunk_size=max(grid.prefill),
+        max_num_batched_tokens=max(grid.prefill) + grid.max_decodes,
+        num_kv_blocks=800,
+    )
+    key = engine.step_profile_key()
+    log(f"profiling {key}: grid {grid}, {args.repeats} repeats")
+    start = time.perf_counter()
+    rows = profile(engine, grid, args.repeats)
+    samples = samples_of(rows)
+    cpu = engine.runner.device.type == "cpu"
+    info = {
+        "model": args.model,
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "device": "cpu" if cpu else torch.cuda.get_device_name(engine.runner.device),
+        "threads": torch.get_num_threads() if cpu else None,
+    }
+    model = fit_with_holdout(samples, key=info, note=args.note)
+    report(model, rows, samples)
+    log(f"measured in {time.perf_counter() - start:.0f} s")
+    out = Path(args.out) if args.out else PROFILES_DIR / f"{key}.json"
+    write(out, model, {"grid": asdict(grid), "repeats": args.repeats, "points": rows})
     return 0
 
 

@@ -8,14 +8,15 @@ in context):
 
     seconds = const + prefill_tokens * a + prefill_chunks * b + prefill_attention * c
               + decodes * d + decode_context * e + prefill_context * f
-              + small_rows * g + large_step * h
+              + small_rows * g + multi_row * h + large_step * i
 
-small_rows and large_step are the two regimes of the matrix products (not stored, derived
-from the step's rows R = prefill tokens + decode rows): up to SMALL_STEP_ROWS rows a CPU
-engine on a GGUF checkpoint multiplies straight from the quantized blocks, at a cost per row
-(small_rows = min(R, SMALL_STEP_ROWS)); above it the dense float32 weights are streamed once
-more (large_step = 1). Linear in decode rows alone, the 1-thread SmolLM2 profile was 20% high
-at one decode row and 29% low at eight.
+small_rows, multi_row and large_step are the three regimes of a CPU engine's matrix products
+on a GGUF checkpoint (not stored, derived from the step's rows R = prefill tokens + decode
+rows): one row runs the fused batch-1 step; up to SMALL_STEP_ROWS rows multiply straight from
+the quantized blocks, at a cost per row (small_rows = min(R, SMALL_STEP_ROWS); multi_row = 1
+from two rows, the cost of leaving the fused step); above that the dense float32 weights are
+streamed once more (large_step = 1). Linear in decode rows alone, the 1-thread SmolLM2
+profile was 20% high at one decode row and 29% low at eight.
 
 The prefill_context term is the part of a chunk's attention that goes with its cached
 context and not with its query count (gathering the cached keys, and attention over few
@@ -43,6 +44,7 @@ FEATURES = (
     "decode_context",
     "prefill_context",
     "small_rows",
+    "multi_row",
     "large_step",
 )
 # The rows up to which the matrix products take the small-step path: QUANT_MAX_ROWS of
@@ -90,6 +92,7 @@ class StepShape:
             self.decode_context,
             self.prefill_context,
             min(rows, SMALL_STEP_ROWS),
+            1.0 if rows > 1 else 0.0,
             1.0 if rows > SMALL_STEP_ROWS else 0.0,
         )
 

@@ -29,6 +29,7 @@ TRUE = {
     "decode_context": 1e-7,
     "prefill_context": 2e-6,
     "small_rows": 3e-3,
+    "multi_row": 5e-3,
     "large_step": 2e-2,
 }
 
@@ -36,7 +37,7 @@ TRUE = {
 def grid_shapes() -> list[StepShape]:
     return [
         StepShape.of([ctx] * d, [(c, p)] if p else [])
-        for d, ctx in ((0, 0), (4, 100), (8, 900), (16, 300))
+        for d, ctx in ((0, 0), (1, 50), (4, 100), (8, 900), (16, 300))
         for p in (0, 16, 256, 1000)
         for c in (0, 500, 2000)
         if d or p
@@ -59,9 +60,10 @@ def test_small_and_large_steps_are_the_gguf_kernels_regimes():
     from engine.model.gguf_linear import QUANT_MAX_ROWS
 
     assert SMALL_STEP_ROWS == QUANT_MAX_ROWS
-    model = StepModel({"small_rows": 1.0, "large_step": 10.0})
-    assert [model.predict(StepShape.of([5] * d)) for d in (1, 8, 9, 30)] == [1, 8, 18, 18]
-    assert model.predict(StepShape.of([5] * 3, [(0, 4)])) == 7  # rows: decodes + chunk tokens
+    model = StepModel({"small_rows": 1.0, "multi_row": 0.5, "large_step": 10.0})
+    predicted = [model.predict(StepShape.of([5] * d)) for d in (1, 2, 8, 9, 30)]
+    assert predicted == [1, 2.5, 8.5, 18.5, 18.5]
+    assert model.predict(StepShape.of([5] * 3, [(0, 4)])) == 7.5  # rows: decodes + chunk
 
 
 def test_fit_recovers_the_coefficients_of_noise_free_steps():
@@ -136,3 +138,14 @@ def test_profiler_quick_grid_writes_a_loadable_profile(tiny_llama, tmp_path, cap
     model = StepModel.load(out)
     assert all(v >= 0 for v in model.coefficients.values())
     assert "held-out error" in capsys.readouterr().out
+
+    # --refit: the same fit from the stored points (an older form's coefficients replaced),
+    # and a calibrated control path in the file is kept
+    data["coefficients"] = {"const": 1.0}
+    data["request_overhead_ms"] = {"local": 12.5, "remote": 40.0}
+    out.write_text(json.dumps(data))
+    assert profile.main(["--refit", str(out)]) == 0
+    refitted = json.loads(out.read_text())
+    assert StepModel.load(out).coefficients == model.coefficients
+    assert refitted["request_overhead_ms"] == {"local": 12.5, "remote": 40.0}
+    assert refitted["points"] == data["points"] and refitted["key"] == data["key"]
