@@ -219,6 +219,19 @@ def itl_beside_long(summary: dict, q: str = "p99") -> float | None:
     return summary["by_kind"].get("chat", {}).get("itl_beside_long_prefill_ms", {}).get(q)
 
 
+def floor_step_ms(config: dict) -> float:
+    """Predicted ms (shipped 1-thread profile) of the cheapest step beside the longest prompt
+    the workload can send near its end: one chat decode and a one-block chunk after
+    long_max - block_size cached tokens. A target below it cannot hold there: the engine must
+    still advance the prompt by a block a step (engine/chunk_budget.py's floor)."""
+    from benchmarks.simulate import DEFAULT_PROFILE
+    from engine.step_model import StepModel, StepShape
+
+    o, block = config["options"], config["block_size"]
+    shape = StepShape.of([o["chat_len"]], [(o["long_max"] - block, block)])
+    return 1000 * StepModel.load(DEFAULT_PROFILE).predict(shape)
+
+
 def chunking_verdict(s: dict[str, dict]) -> list[str]:
     lines = []
     for name, x in s.items():
@@ -231,7 +244,15 @@ def chunking_verdict(s: dict[str, dict]) -> list[str]:
         if target:
             ok = beside is not None and beside <= 1.1 * target
             ratio = _f(beside / target if beside else None, ".2f")
-            line += f" ({ratio}x target: {_check(ok)} <= 1.1x)"
+            floor = floor_step_ms(x["config"])
+            if floor > target:
+                line += (
+                    f" ({ratio}x target; below this hardware's floor: one block after "
+                    f"{x['config']['options']['long_max']:,} tokens beside one decode is "
+                    f"predicted at {floor:.0f} ms, so the target cannot hold)"
+                )
+            else:
+                line += f" ({ratio}x target: {_check(ok)} <= 1.1x)"
         lines.append(line)
     return lines
 

@@ -54,7 +54,7 @@ class Grid:
 
 FULL = Grid(
     (32, 128, 512, 1024),
-    (0, 1536, 4096),
+    (0, 1536, 4096, 6144),
     ((0, 0), (1, 256), (4, 256), (8, 256), (8, 1024), (24, 256)),
     ((2, 256), (6, 256), (12, 256), (16, 256), (32, 256), (48, 256)),
 )
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         block_size=BLOCK,
         chunk_size=max(grid.prefill),
         max_num_batched_tokens=max(grid.prefill) + grid.max_decodes,
-        num_kv_blocks=800,
+        num_kv_blocks=1200,
     )
     key = engine.step_profile_key()
     log(f"profiling {key}: grid {grid}, {args.repeats} repeats")

@@ -18,9 +18,13 @@ MAX_GAP_SHARE of the target).
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 
 from engine.step_model import StepModel, StepShape
+
+logger = logging.getLogger(__name__)
 
 RATIO_LIMITS = (0.1, 10.0)  # one measured step moves the ratio at most by this factor
 TOLERANCE = 1e-9  # relative slack when comparing a prediction with the target
@@ -28,6 +32,7 @@ RECENT_STEPS = 20  # ratios the tail is taken over
 TAIL_QUANTILE = 0.9  # the ratio planned with: this quantile of the recent ones (or the EWMA)
 MIN_TAIL_STEPS = 5  # before this many ratios (or gaps), the EWMA alone (no gap)
 MAX_GAP_SHARE = 0.5  # the gaps between steps take at most this share of the target
+OVERRUN_LOG_EVERY_S = 60.0  # a target the floor cannot keep is logged at most this often
 
 
 class ChunkBudget:
@@ -45,6 +50,8 @@ class ChunkBudget:
         self.ratio = 1.0  # EWMA of measured / predicted seconds
         self.recent: deque[float] = deque(maxlen=RECENT_STEPS)  # the last ratios
         self.gaps: deque[float] = deque(maxlen=RECENT_STEPS)  # the last gaps between steps
+        self.floor_overruns = 0  # steps whose floor chunk alone was predicted over the target
+        self._overrun_logged_at: float | None = None
 
     def planning_ratio(self) -> float:
         """The correction plans use: the EWMA, or the recent ratios' tail where higher."""
@@ -58,6 +65,23 @@ class ChunkBudget:
     def predict(self, shape: StepShape) -> float:
         """Corrected predicted seconds of a step of this shape."""
         return self.planning_ratio() * self.model.predict(shape)
+
+    def floor_overrun(self, context: int, n: int, predicted_s: float) -> None:
+        """A step took the floor chunk although predicted over the target: the target cannot
+        hold beside a prompt at this context on this hardware; counted, logged now and then."""
+        self.floor_overruns += 1
+        now = time.monotonic()
+        if self._overrun_logged_at is None or now - self._overrun_logged_at >= OVERRUN_LOG_EVERY_S:
+            self._overrun_logged_at = now
+            logger.warning(
+                "itl_target_ms %.0f cannot hold: a step with the smallest chunk (%d tokens "
+                "after %d cached) is predicted at %.0f ms (%d such steps so far)",
+                self.target_s * 1000,
+                n,
+                context,
+                predicted_s * 1000,
+                self.floor_overruns,
+            )
 
     def plan(self) -> StepPlan:
         """An empty plan for the next step."""
@@ -101,8 +125,11 @@ class StepPlan:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self.fits(context, mid) else (lo, mid)
         n = lo
-        if self.shape.prefill_tokens == 0:
-            n = max(n, min(self.budget.min_tokens, want))
+        if self.shape.prefill_tokens == 0 and n < min(self.budget.min_tokens, want):
+            n = min(self.budget.min_tokens, want)
+            if not self.fits(context, n):
+                predicted = self.budget.predict(self.shape.with_chunk(context, n))
+                self.budget.floor_overrun(context, n, predicted)
         if n > 0:
             self.shape = self.shape.with_chunk(context, n)
         return n

@@ -89,7 +89,9 @@ class SimCluster:
         self.pending: dict[str, deque[tuple[str, Job]]] = {w: deque() for w in self.decode}
         self.transfers = 0
         self.bytes_moved = 0
-        self.busy_workers = 0  # workers with a step in flight (SimWorker._set_busy)
+        # workers with a step in flight (SimWorker._set_busy), and on a shared machine the KV
+        # transfers in flight (CPU transfers copy on both ends: a sender and receiver thread)
+        self.busy_workers = 0
 
     @property
     def block_size(self) -> int:
@@ -151,9 +153,13 @@ class SimCluster:
         self.transfers += 1
         self.bytes_moved += nbytes
         seconds = self.config.kv_latency_s + nbytes / (self.config.kv_bandwidth_gbs * 1e9)
+        if self.config.shared_cores is not None:  # the copies take a core of the machine too
+            self.busy_workers += 1
         self.loop.at(self.loop.now + seconds, self._transferred, worker, job)
 
     def _transferred(self, prefill: SimWorker, job: Job) -> None:
+        if self.config.shared_cores is not None:
+            self.busy_workers -= 1
         prefill.release(job)
         prefill._kick()  # its waiting prompts may fit now
         decode = self.decode[job.request.decode_worker]

@@ -9,6 +9,7 @@ from benchmarks.experiments import (
     EXPERIMENTS,
     Shape,
     chunking_verdict,
+    floor_step_ms,
     long_prompt_verdict,
     policies_verdict,
     slug,
@@ -104,22 +105,36 @@ def test_policies_verdict_hit_rate_balance_and_best_goodput():
 
 
 def test_chunking_verdict_compares_itl_beside_long_prefills_with_its_target():
+    workload = {"options": EXPERIMENTS["chunking"].options, "block_size": 16}
     s = {
         "chunk 512": summary(chat={"itl": {"p99": 90.0}}, long={"ttft": {"median": 30000.0}}),
         "itl_target 300 ms": summary(
             chat={"itl": {"p99": 250.0}},
             long={"ttft": {"median": 40000.0}},
-            config={"itl_target_ms": 300},
+            config={"itl_target_ms": 300} | workload,
+        ),
+        "itl_target 20 ms": summary(
+            chat={"itl": {"p99": 250.0}},
+            long={"ttft": {"median": 40000.0}},
+            config={"itl_target_ms": 20} | workload,
         ),
     }
     s["chunk 512"]["by_kind"]["chat"]["itl_beside_long_prefill_ms"] = {"p99": 2000.0}
     s["itl_target 300 ms"]["by_kind"]["chat"]["itl_beside_long_prefill_ms"] = {"p99": 320.0}
+    s["itl_target 20 ms"]["by_kind"]["chat"]["itl_beside_long_prefill_ms"] = {"p99": 320.0}
     lines = chunking_verdict(s)
     assert lines[0] == (
         "chunk 512: chat ITL p99 beside long prefills 2000 ms (all chat ITLs: 90 ms), "
         "long-prompt TTFT p50 30000 ms"
     )
     assert lines[1].endswith("(1.07x target: met <= 1.1x)")
+    # 20 ms is below what one block costs after 7,000 cached tokens on this CPU's profile
+    floor = floor_step_ms(s["itl_target 20 ms"]["config"])
+    assert 20 < floor < 300
+    assert lines[2].endswith(
+        f"(16.00x target; below this hardware's floor: one block after 7,000 tokens beside "
+        f"one decode is predicted at {floor:.0f} ms, so the target cannot hold)"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(EXPERIMENTS))

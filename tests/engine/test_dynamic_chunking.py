@@ -54,12 +54,19 @@ def test_chunks_share_the_target_in_order_and_attention_bounds_them():
     assert step(sched)[0].num_tokens == {"a": 250, "b": 150}  # 400 tokens in all
 
 
-def test_floor_advances_one_prompt_when_decodes_fill_the_target():
+def test_floor_advances_one_prompt_when_decodes_fill_the_target(caplog):
     sched = scheduler_with(LINEAR, 0.005, min_tokens=4)  # the step's constant alone is 10 ms
     sched.add(make_request("a", range(100, 120), max_tokens=1))
     sched.add(make_request("b", range(200, 212), max_tokens=1))
-    steps = run_to_completion(sched)
+    with caplog.at_level("WARNING", logger="engine.chunk_budget"):
+        steps = run_to_completion(sched)
     assert steps == [{"a": 4}] * 5 + [{"b": 4}] * 3
+    assert sched.budget.floor_overruns == 8  # every step: the floor alone is over the target
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == [  # logged once a minute, not every step
+        "itl_target_ms 5 cannot hold: a step with the smallest chunk (4 tokens after 0 "
+        "cached) is predicted at 10 ms (1 such steps so far)"
+    ]
 
 
 def test_online_correction_scales_the_budget_by_the_measured_ratio():
