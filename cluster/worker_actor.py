@@ -30,9 +30,12 @@ def worker_class(role: str):
         def __init__(self, worker_id: str, engine: dict, transfer: dict, threads: int) -> None:
             import torch  # deferred: runs in the worker's process
 
+            from engine.gc_freeze import freeze_startup_objects
+
             torch.set_num_threads(threads)
             super().__init__(worker_id, engine, transfer)
             self.incarnation = uuid.uuid4().hex  # changes when Ray restarts the actor
+            freeze_startup_objects()  # the loaded worker: no longer scanned by gc
 
         def ping(self) -> str:
             return self.incarnation

@@ -7,6 +7,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from decode_worker.worker import DecodeWorker
+from engine.gc_freeze import freeze_startup_objects
 from kvtransfer.control import serve_until_closed
 
 
@@ -15,4 +16,6 @@ def main(
 ) -> None:
     """Process entry point (multiprocessing target)."""
     torch.set_num_threads(num_threads)
-    serve_until_closed(DecodeWorker(worker_id, engine_options, transfer), conn)
+    worker = DecodeWorker(worker_id, engine_options, transfer)
+    freeze_startup_objects()
+    serve_until_closed(worker, conn)

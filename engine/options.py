@@ -126,8 +126,9 @@ class EngineOptions:
     itl_target_ms: float | None = option(
         None,
         "dynamic chunking: each step's prefill tokens are chosen so that the predicted step "
-        "time stays within this many ms (chunk_size then does not apply; a waiting prompt "
-        "still gets one block per step); unset: fixed chunk_size",
+        "time, plus the recent gaps between steps, stays within this many ms (chunk_size then "
+        "does not apply; a waiting prompt still gets one block per step, with a warning when "
+        "even that is predicted over the target); unset: fixed chunk_size",
         gt=0,
     )
     step_profile: str | None = option(

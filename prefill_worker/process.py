@@ -6,6 +6,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from engine.gc_freeze import freeze_startup_objects
 from kvtransfer.control import serve_until_closed
 from prefill_worker.worker import PrefillWorker
 
@@ -15,4 +16,6 @@ def main(
 ) -> None:
     """Process entry point (multiprocessing target)."""
     torch.set_num_threads(num_threads)
-    serve_until_closed(PrefillWorker(worker_id, engine_options, transfer), conn)
+    worker = PrefillWorker(worker_id, engine_options, transfer)
+    freeze_startup_objects()
+    serve_until_closed(worker, conn)
