@@ -318,7 +318,11 @@ class LLMEngine:
         """Schedule one batch, run it, and return what each request gained."""
         step_start = time.perf_counter()
         result = StepResult(outputs=self.take_pending())
+        budget = self.scheduler.budget
+        overruns = budget.floor_overruns if budget is not None else 0
         batch = self.scheduler.schedule()
+        if budget is not None and budget.floor_overruns > overruns:
+            self.metrics.floor_steps.inc(budget.floor_overruns - overruns)
         result.scheduled = dict(batch.num_tokens)
         result.preempted = list(batch.preempted)
         now = time.monotonic()

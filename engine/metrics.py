@@ -14,6 +14,9 @@ Units and scopes (the same as vLLM v1, so that its dashboards map over):
   request_*_time_seconds    per request: queue = arrival -> first scheduled, prefill = first
                             scheduled -> first token, decode = first token -> finished (stop or
                             length); a decode worker records only decode time for remote KV
+  itl_target_floor_steps_total  Baton's own: steps (with itl_target_ms) whose one-block floor
+                            chunk alone was predicted over the target (a target this hardware
+                            cannot hold at that context and load)
 """
 
 from __future__ import annotations
@@ -82,6 +85,12 @@ class EngineMetrics:
         )
         self.cache_hits = Counter(
             f"{PREFIX}prefix_cache_hits", "Prefix cache hits, in tokens served.", registry=r
+        )
+        self.floor_steps = Counter(
+            f"{PREFIX}itl_target_floor_steps",
+            "Steps whose one-block floor chunk was predicted over itl_target_ms (the target "
+            "cannot hold there).",
+            registry=r,
         )
         self.queue_time = _histogram("request_queue_time_seconds", "arrival -> first scheduled", r)
         self.prefill_time = _histogram(

@@ -139,6 +139,13 @@ def test_engine_with_a_target_keeps_greedy_outputs(tiny_llama):
             tokens[rid] = tokens.get(rid, []) + more
         outputs.append(tokens | {"first": first.scheduled})
         engine.check_integrity()
+        floor_steps = engine.metrics.registry.get_sample_value(
+            "baton:itl_target_floor_steps_total"
+        )
+        # a 1 us target: every step that took the floor chunk was predicted over it
+        budget = engine.scheduler.budget
+        assert floor_steps == (budget.floor_overruns if budget else 0)
+        assert (floor_steps > 0) == bool(options)
     fixed, dynamic = outputs
     assert fixed.pop("first") == {"0": 300, "1": 57, "2": 21}
     assert dynamic.pop("first") == {"0": 8}  # the floor: one block a step
