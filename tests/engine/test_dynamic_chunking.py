@@ -139,9 +139,7 @@ def test_engine_with_a_target_keeps_greedy_outputs(tiny_llama):
             tokens[rid] = tokens.get(rid, []) + more
         outputs.append(tokens | {"first": first.scheduled})
         engine.check_integrity()
-        floor_steps = engine.metrics.registry.get_sample_value(
-            "baton:itl_target_floor_steps_total"
-        )
+        floor_steps = engine.metrics.registry.get_sample_value("baton:itl_target_floor_steps_total")
         # a 1 us target: every step that took the floor chunk was predicted over it
         budget = engine.scheduler.budget
         assert floor_steps == (budget.floor_overruns if budget else 0)
