@@ -115,3 +115,22 @@ def load_native(source: Path) -> ctypes.CDLL | None:
             "could not build %s (%s); using the torch path", source.name, str(detail).strip()[:500]
         )
         return None
+
+
+@functools.cache
+def _load_kernel(source: Path, signatures: tuple) -> ctypes.CDLL | None:
+    lib = load_native(source)
+    if lib is None:
+        return None
+    for name, argtypes in signatures:
+        function = getattr(lib, name)
+        function.argtypes = list(argtypes)
+        function.restype = ctypes.c_int  # every Baton kernel returns a status (or a flag)
+    return lib
+
+
+def load_kernel_library(source: Path, **signatures: list) -> ctypes.CDLL | None:
+    """load_native(source) with each named function's argtypes set (restype int: all of
+    Baton's kernels return a status), or None where it cannot run here. Cached per source and
+    signatures."""
+    return _load_kernel(source, tuple((n, tuple(a)) for n, a in signatures.items()))

@@ -9,48 +9,29 @@ keep the torch path (SDPA's flash kernel). float32 only; other dtypes use the to
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend, _StepPlan
-from engine.native import load_native
+from engine.native import load_kernel_library
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 
 
-@functools.cache
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel with its signature set, or None where it cannot run here."""
-    lib = load_native(SOURCE)
-    if lib is None:
-        return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.baton_paged_decode.argtypes = [
-        ptr,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        ptr,
-        i64,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        ctypes.c_float,
-        ptr,
-    ]
-    lib.baton_paged_decode.restype = ctypes.c_int
-    lib.baton_paged_decode_isa.argtypes = [*lib.baton_paged_decode.argtypes, ctypes.c_int]
-    lib.baton_paged_decode_isa.restype = ctypes.c_int
-    lib.baton_paged_decode_has_avx512.argtypes = []
-    lib.baton_paged_decode_has_avx512.restype = ctypes.c_int
-    return lib
+    # q, cache, 4 cache strides, block tables, their width, lengths, sequences, heads, kv heads,
+    # head dim, block size, scale, out
+    decode = [ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, i64, i64]
+    decode += [ctypes.c_float, ptr]
+    return load_kernel_library(
+        SOURCE,
+        baton_paged_decode=decode,
+        baton_paged_decode_isa=[*decode, ctypes.c_int],
+        baton_paged_decode_has_avx512=[],
+    )
 
 
 ISAS = {"avx2": 0, "avx512": 1}  # baton_paged_decode_isa's isa argument

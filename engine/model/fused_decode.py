@@ -16,7 +16,6 @@ only the token, its block table and the sequence length go to C.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import os
 from pathlib import Path
@@ -27,7 +26,7 @@ from engine.attention.kv_layout import head_major
 from engine.model.gguf_kernel import INT8_ISA_IDS, ISA_ENV, _gemv_isa_for, _int8_isa_for
 from engine.model.gguf_kernel import load_kernel as load_gguf_kernel
 from engine.model.gguf_linear import GGUFBlockLinear
-from engine.native import load_native
+from engine.native import load_kernel_library
 
 logger = logging.getLogger(__name__)
 
@@ -107,16 +106,12 @@ class Model(ctypes.Structure):
     ]
 
 
-@functools.cache
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled step with its signature set, or None where it cannot run here."""
-    lib = load_native(SOURCE)
-    if lib is None:
-        return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.baton_decode_step.argtypes = [ctypes.POINTER(Model), i64, ptr, i64, ptr, ptr, ptr]
-    lib.baton_decode_step.restype = ctypes.c_int
-    return lib
+    return load_kernel_library(
+        SOURCE, baton_decode_step=[ctypes.POINTER(Model), i64, ptr, i64, ptr, ptr, ptr]
+    )
 
 
 def enabled() -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine.native import load_native
+from engine.native import load_kernel_library
 from engine.weights.gguf_convert import KEPT_BLOCK_TYPES
 
 SOURCE = Path(__file__).with_name("gguf_gemm.c")
@@ -41,30 +41,20 @@ ISA_CHOICES = {
 INT8_ISA_IDS = {"avx2": 1, "avxvnni": 2, "avx512vnni": 3}  # BATON_I8_* in gguf_gemm.c
 
 
-@functools.cache
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled library with its signatures set, or None where it cannot run here."""
-    lib = load_native(SOURCE)
-    if lib is None:
-        return None
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-    lib.baton_gguf_gemm.argtypes = [ptr, i64, i64, ptr, i64, i32, ptr, ptr]
-    lib.baton_gguf_gemm.restype = ctypes.c_int
-    lib.baton_gguf_dequantize.argtypes = [ptr, i64, i64, i32, ptr]
-    lib.baton_gguf_dequantize.restype = ctypes.c_int
-    lib.baton_gguf_gemv_avx512.argtypes = [ptr, i64, ptr, i64, i32, ptr, ptr]
-    lib.baton_gguf_gemv_avx512.restype = ctypes.c_int
-    lib.baton_cpu_has_avx512.argtypes = []
-    lib.baton_cpu_has_avx512.restype = ctypes.c_int
-    lib.baton_cpu_int8_isas.argtypes = []
-    lib.baton_cpu_int8_isas.restype = ctypes.c_int
-    lib.baton_quantize_row_q8.argtypes = [ptr, i64, ptr, ptr, ptr]
-    lib.baton_quantize_row_q8.restype = ctypes.c_int
-    lib.baton_gguf_gemm_q8.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i64, i32, i32, ptr]
-    lib.baton_gguf_gemm_q8.restype = ctypes.c_int
-    lib.baton_gguf_gemm_q8_f32.argtypes = [ptr, i64, i64, ptr, i64, i32, i32, ptr, ptr]
-    lib.baton_gguf_gemm_q8_f32.restype = ctypes.c_int
-    return lib
+    return load_kernel_library(
+        SOURCE,
+        baton_gguf_gemm=[ptr, i64, i64, ptr, i64, i32, ptr, ptr],
+        baton_gguf_dequantize=[ptr, i64, i64, i32, ptr],
+        baton_gguf_gemv_avx512=[ptr, i64, ptr, i64, i32, ptr, ptr],
+        baton_cpu_has_avx512=[],
+        baton_cpu_int8_isas=[],
+        baton_quantize_row_q8=[ptr, i64, ptr, ptr, ptr],
+        baton_gguf_gemm_q8=[ptr, ptr, ptr, i64, i64, ptr, i64, i32, i32, ptr],
+        baton_gguf_gemm_q8_f32=[ptr, i64, i64, ptr, i64, i32, i32, ptr, ptr],
+    )
 
 
 def _forced_isa() -> str:

@@ -3,28 +3,23 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
-from engine.native import load_native
+from engine.native import load_kernel_library
 
 SOURCE = Path(__file__).with_name("rms_norm.c")
 
 
-@functools.cache
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled library with its signature set, or None where it cannot run here."""
-    lib = load_native(SOURCE)
-    if lib is None:
-        return None
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.baton_rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
-    lib.baton_rms_norm.restype = ctypes.c_int
-    lib.baton_add_rms_norm.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_float, ptr, ptr]
-    lib.baton_add_rms_norm.restype = ctypes.c_int
-    return lib
+    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    return load_kernel_library(
+        SOURCE,
+        baton_rms_norm=[ptr, i64, i64, ptr, f32, ptr],
+        baton_add_rms_norm=[ptr, ptr, i64, i64, ptr, f32, ptr, ptr],
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
-from engine.native import load_native
+from engine.native import load_kernel_library
 
 SOURCE = Path(__file__).with_name("swiglu.c")
 
 
-@functools.cache
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled library with its signature set, or None where it cannot run here."""
-    lib = load_native(SOURCE)
-    if lib is None:
-        return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.baton_swiglu.argtypes = [ptr, i64, i64, i64, ptr]
-    lib.baton_swiglu.restype = ctypes.c_int
-    return lib
+    return load_kernel_library(SOURCE, baton_swiglu=[ptr, i64, i64, i64, ptr])
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor | None:
