@@ -23,8 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.sim_validation import simulated_summary
-from benchmarks.simulate import DEFAULT_PROFILE, REQUEST_OVERHEAD_KEY
+from benchmarks.sim_validation import add_replay_args, simulated_summary
+from benchmarks.simulate import REQUEST_OVERHEAD_KEY
 
 
 def path_of(run_dir: Path) -> str:
@@ -58,10 +58,7 @@ def measure(runs: Path, args: argparse.Namespace) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sim_calibration")
     p.add_argument("runs", help="the idle experiment's output (runs/experiments/idle)")
-    p.add_argument("--profile", default=str(DEFAULT_PROFILE), help="step profile JSON")
-    p.add_argument("--kv-bandwidth-gbps", type=float, default=2.0)
-    p.add_argument("--kv-latency-ms", type=float, default=2.0)
-    p.add_argument("--vocab-size", type=int, default=49152)
+    add_replay_args(p)
     p.add_argument("--write", action="store_true", help="store the figures in the profile")
     p.add_argument("--shared-cores", type=float, default=os.cpu_count(), help="as sim_validation's")
     args = p.parse_args(argv)

@@ -99,13 +99,18 @@ def validation_table(rows: list[tuple[str, dict, dict]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sim_validation")
-    p.add_argument("runs", help="an experiments output directory (or one experiment's)")
+def add_replay_args(p: argparse.ArgumentParser) -> None:
+    """How real runs are simulated again (also benchmarks/sim_calibration.py's flags)."""
     p.add_argument("--profile", default=str(DEFAULT_PROFILE), help="step profile JSON")
     p.add_argument("--kv-bandwidth-gbps", type=float, default=2.0)
     p.add_argument("--kv-latency-ms", type=float, default=2.0)
     p.add_argument("--vocab-size", type=int, default=49152)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sim_validation")
+    p.add_argument("runs", help="an experiments output directory (or one experiment's)")
+    add_replay_args(p)
     add_overhead_args(p, shared_cores=os.cpu_count())
     p.add_argument("--out", help="also write the table to this file")
     args = p.parse_args(argv)
