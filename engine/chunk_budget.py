@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 from engine.step_model import StepModel, StepShape
 
@@ -39,8 +40,14 @@ class ChunkBudget:
     """Holds the model, the target and the online correction ratio across steps."""
 
     def __init__(
-        self, model: StepModel, target_s: float, min_tokens: int, alpha: float = 0.25
+        self,
+        model: StepModel,
+        target_s: float,
+        min_tokens: int,
+        alpha: float = 0.25,
+        on_floor_overrun: Callable[[], None] | None = None,
     ) -> None:
+        """on_floor_overrun: called for every floor overrun (the engine's metric)."""
         if target_s <= 0 or min_tokens < 1 or not 0 < alpha <= 1:
             raise ValueError("need target_s > 0, min_tokens >= 1 and 0 < alpha <= 1")
         self.model = model
@@ -52,6 +59,7 @@ class ChunkBudget:
         self.gaps: deque[float] = deque(maxlen=RECENT_STEPS)  # the last gaps between steps
         self.floor_overruns = 0  # steps whose floor chunk alone was predicted over the target
         self._overrun_logged_at: float | None = None
+        self._on_floor_overrun = on_floor_overrun
 
     def planning_ratio(self) -> float:
         """The correction plans use: the EWMA, or the recent ratios' tail where higher."""
@@ -70,6 +78,8 @@ class ChunkBudget:
         """A step took the floor chunk although predicted over the target: the target cannot
         hold beside a prompt at this context on this hardware; counted, logged now and then."""
         self.floor_overruns += 1
+        if self._on_floor_overrun is not None:
+            self._on_floor_overrun()
         now = time.monotonic()
         if self._overrun_logged_at is None or now - self._overrun_logged_at >= OVERRUN_LOG_EVERY_S:
             self._overrun_logged_at = now
@@ -126,10 +136,10 @@ class StepPlan:
             lo, hi = (mid, hi) if self.fits(context, mid) else (lo, mid)
         n = lo
         if self.shape.prefill_tokens == 0 and n < min(self.budget.min_tokens, want):
+            # lo is the most that fits and predictions grow with n: the floor does not fit
             n = min(self.budget.min_tokens, want)
-            if not self.fits(context, n):
-                predicted = self.budget.predict(self.shape.with_chunk(context, n))
-                self.budget.floor_overrun(context, n, predicted)
+            predicted = self.budget.predict(self.shape.with_chunk(context, n))
+            self.budget.floor_overrun(context, n, predicted)
         if n > 0:
             self.shape = self.shape.with_chunk(context, n)
         return n

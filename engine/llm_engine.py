@@ -61,6 +61,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.config, self.model_dir, self.max_model_len)
         self.pool = BlockPool(self.runner.num_blocks, self.config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, self.config.block_size, self.config.hash_seed)
+        self.metrics = EngineMetrics()  # this engine's own registry (engine/metrics.py)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 self.config.max_num_batched_tokens,
@@ -76,7 +77,6 @@ class LLMEngine:
         self._pending: dict[str, RequestOutput] = {}  # outputs produced outside step()
         self._held: dict[str, float] = {}  # prefilled request id -> hold time (prefill role)
         self._went_on_from: float | None = None  # end of the last step, if work was left
-        self.metrics = EngineMetrics()  # this engine's own registry (engine/metrics.py)
 
     def _chunk_budget(self) -> ChunkBudget | None:
         """Dynamic chunking's budget when itl_target_ms is set (engine/chunk_budget.py)."""
@@ -86,7 +86,12 @@ class LLMEngine:
             model = find_step_model(self.config.step_profile, self.step_profile_key())
         except (OSError, ValueError) as exc:
             raise InvalidRequestError(f"step_profile: {exc}") from exc
-        return ChunkBudget(model, self.config.itl_target_ms / 1000, self.config.block_size)
+        return ChunkBudget(
+            model,
+            self.config.itl_target_ms / 1000,
+            self.config.block_size,
+            on_floor_overrun=self.metrics.floor_steps.inc,
+        )
 
     def step_profile_key(self) -> str:
         """Name of this engine's shipped step profile: model, dtype, device, CPU threads."""
@@ -318,11 +323,7 @@ class LLMEngine:
         """Schedule one batch, run it, and return what each request gained."""
         step_start = time.perf_counter()
         result = StepResult(outputs=self.take_pending())
-        budget = self.scheduler.budget
-        overruns = budget.floor_overruns if budget is not None else 0
         batch = self.scheduler.schedule()
-        if budget is not None and budget.floor_overruns > overruns:
-            self.metrics.floor_steps.inc(budget.floor_overruns - overruns)
         result.scheduled = dict(batch.num_tokens)
         result.preempted = list(batch.preempted)
         now = time.monotonic()
