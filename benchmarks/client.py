@@ -1,7 +1,8 @@
 """The benchmark's clients: one streamed request per request spec, recorded as a timeline
 (benchmarks/timeline.py). GrpcClient uses only the public baton.v1.Inference API, HttpClient
 only the OpenAI-compatible /v1/completions (streamed, token-id prompts; router/openai_http.py).
-kv_bytes_total reads the KV bytes the prefill workers sent from a /metrics page."""
+scrape_counters reads, from a /metrics page, the counters a run's summary takes the rise of: the
+KV bytes the prefill workers sent and each worker's engine steps and their time."""
 
 from __future__ import annotations
 
@@ -200,13 +201,16 @@ def _error_status(error: dict) -> str:
     return f"HTTP_{code}" if isinstance(code, int) else str(error.get("type") or "STREAM_ERROR")
 
 
-KV_BYTES = "baton:kv_transfer_bytes"
+KV_BYTES = "baton:kv_transfer_bytes_total"
+STEP_SECONDS = "baton:engine_step_duration_seconds_sum"
+STEPS = "baton:engine_step_duration_seconds_count"
 
 
-async def kv_bytes_total(url: str, api_key: str | None = None, timeout: float = 30.0):
-    """baton:kv_transfer_bytes_total summed over workers, from the Prometheus text at `url`
-    (a /metrics page); None (with a warning on stderr) when the page cannot be read, e.g. 404:
-    metrics are not enabled, or 401: a wrong key. None when it has no such family."""
+async def scrape_counters(url: str, api_key: str | None = None, timeout: float = 30.0):
+    """{"kv_bytes": KV bytes sent, summed over workers (None if no worker reports them),
+    "steps": {worker: [steps, seconds]}} from the Prometheus text at `url` (a /metrics page);
+    None (with a warning on stderr) when the page cannot be read, e.g. 404: metrics are not
+    enabled, or 401: a wrong key."""
     from prometheus_client.parser import text_string_to_metric_families
 
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -214,14 +218,30 @@ async def kv_bytes_total(url: str, api_key: str | None = None, timeout: float = 
         async with httpx.AsyncClient(headers=headers, timeout=timeout, trust_env=False) as http:
             reply = await http.get(url)
     except httpx.HTTPError as exc:
-        print(f"no KV bytes: {url}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"no metrics: {url}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
     if reply.status_code != 200:
-        print(f"no KV bytes: {url}: HTTP {reply.status_code}", file=sys.stderr)
+        print(f"no metrics: {url}: HTTP {reply.status_code}", file=sys.stderr)
         return None
-    total = None
+    kv_bytes, steps = None, {}
     for family in text_string_to_metric_families(reply.text):
         for sample in family.samples:
-            if sample.name == KV_BYTES + "_total":
-                total = (total or 0.0) + sample.value
-    return total
+            if sample.name == KV_BYTES:
+                kv_bytes = (kv_bytes or 0.0) + sample.value
+            elif sample.name in (STEPS, STEP_SECONDS):
+                worker = steps.setdefault(sample.labels.get("worker", ""), [0.0, 0.0])
+                worker[sample.name == STEP_SECONDS] += sample.value
+    return {"kv_bytes": kv_bytes, "steps": steps}
+
+
+def counter_rise(before: dict, after: dict) -> dict:
+    """What scrape_counters' figures rose by over a run: {"kv_bytes_moved": int or None,
+    "engine_steps": {worker: {"steps", "busy_s"}}} (a worker absent before counts from 0)."""
+    moved = None
+    if before["kv_bytes"] is not None and after["kv_bytes"] is not None:
+        moved = int(after["kv_bytes"] - before["kv_bytes"])
+    steps = {}
+    for worker, (n, seconds) in sorted(after["steps"].items()):
+        n0, seconds0 = before["steps"].get(worker, (0.0, 0.0))
+        steps[worker] = {"steps": int(n - n0), "busy_s": round(seconds - seconds0, 6)}
+    return {"kv_bytes_moved": moved, "engine_steps": steps}

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import asdict, dataclass, replace
 
 from benchmarks.arrivals import arrival_times
-from benchmarks.client import GrpcClient, HttpClient, kv_bytes_total
+from benchmarks.client import GrpcClient, HttpClient, counter_rise, scrape_counters
 from benchmarks.oracle import OracleCache
 from benchmarks.report import summarize
 from benchmarks.timeline import RequestRecord
@@ -147,7 +147,8 @@ async def bench(
     """One run against the router at `address`: HOST:PORT for door "grpc", a base URL
     (http://HOST:PORT) for door "http"; (summary, records). kv.kv_bytes_moved is the rise of
     baton:kv_transfer_bytes_total at metrics_url (default: the HTTP door's /metrics) over the
-    run, None without a metrics page."""
+    run, and engine_steps each worker's steps and their seconds over it
+    (baton:engine_step_duration_seconds); None and {} without a metrics page."""
     if door == "http":
         client = HttpClient(address, time.perf_counter(), api_key, model)
         metrics_url = metrics_url or f"{client.address}/metrics"
@@ -157,10 +158,10 @@ async def bench(
         raise ValueError(f"unknown door {door!r}: grpc or http")
     try:
         workers = await client.workers()
-        before = await kv_bytes_total(metrics_url, api_key) if metrics_url else None
+        before = await scrape_counters(metrics_url, api_key) if metrics_url else None
         client.start = time.perf_counter()
         records = await run_bench(client, workload, tokens, config, progress)
-        after = await kv_bytes_total(metrics_url, api_key) if before is not None else None
+        after = await scrape_counters(metrics_url, api_key) if before is not None else None
     finally:
         await client.close()
     info = dict(
@@ -173,5 +174,7 @@ async def bench(
     )
     summary = summarize(records, slo, workers, info)
     if before is not None and after is not None:
-        summary["kv"]["kv_bytes_moved"] = int(after - before)
+        rise = counter_rise(before, after)
+        summary["kv"]["kv_bytes_moved"] = rise["kv_bytes_moved"]
+        summary["engine_steps"] = rise["engine_steps"]
     return summary, records

@@ -189,6 +189,10 @@ def summarize(
             # driver fills this in from the cluster's /metrics when it can reach one.
             kv_bytes_moved=None,
         ),
+        # {worker: {"steps", "busy_s"}}: the engines' steps and the seconds they took over the
+        # run; the driver fills it from /metrics (baton:engine_step_duration_seconds), the
+        # simulator from its own steps.
+        engine_steps={},
     )
 
 

@@ -349,6 +349,7 @@ class LLMEngine:
         if not batch.is_empty():  # the whole step, scheduling and outputs too: what ITL sees
             gap = None if self._went_on_from is None else step_start - self._went_on_from
             self.scheduler.observe(batch, end - step_start, gap)
+            self.metrics.stepped(end - step_start)
         # With requests left the caller steps again at once: the time until then is a gap
         # every running decode waits too (the engine loop's dispatch and calls).
         self._went_on_from = end if self.has_unfinished() else None

@@ -14,6 +14,9 @@ Units and scopes (the same as vLLM v1, so that its dashboards map over):
   request_*_time_seconds    per request: queue = arrival -> first scheduled, prefill = first
                             scheduled -> first token, decode = first token -> finished (stop or
                             length); a decode worker records only decode time for remote KV
+  engine_step_duration_seconds  Baton's own: wall time of each engine step that ran a batch
+                            (scheduling, the model, sampling, outputs): its _sum over a run is
+                            the time the engine computed, what a step profile predicts
   itl_target_floor_steps_total  Baton's own: steps (with itl_target_ms) whose one-block floor
                             chunk alone was predicted over the target (a target this hardware
                             cannot hold at that context and load)
@@ -92,6 +95,12 @@ class EngineMetrics:
             "cannot hold there).",
             registry=r,
         )
+        self.step_time = Histogram(
+            f"{PREFIX}engine_step_duration_seconds",
+            "Wall time of one engine step that ran a batch, in seconds.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
         self.queue_time = _histogram("request_queue_time_seconds", "arrival -> first scheduled", r)
         self.prefill_time = _histogram(
             "request_prefill_time_seconds", "first scheduled -> first token", r
@@ -118,6 +127,10 @@ class EngineMetrics:
             self.prompt_tokens.inc(req.num_prompt_tokens)
             if req.scheduled_time is not None:
                 self.prefill_time.observe(max(0.0, now - req.scheduled_time))
+
+    def stepped(self, seconds: float) -> None:
+        """One step that ran a batch took `seconds` (wall time)."""
+        self.step_time.observe(seconds)
 
     def finished(self, req: Request, now: float) -> None:
         """req finished; a normal finish (stop or length) records its decode time."""

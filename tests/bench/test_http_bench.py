@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.client import GrpcClient, HttpClient
+from benchmarks.client import GrpcClient, HttpClient, counter_rise
 from benchmarks.driver import BenchConfig, bench
 from benchmarks.serving import main
 from benchmarks.workloads import PrefixRepetitionWorkload, TokenSpace
@@ -122,6 +122,29 @@ def test_http_door_run_equals_grpc_run(tiny_llama, answers, tmp_path, capsys):
     assert h["cache"] == g["cache"] and h["cache"]["cached_fraction"] > 0.3
     # KV bytes: from /metrics over HTTP; the gRPC door has no metrics page (null)
     assert g["kv"]["kv_bytes_moved"] is None
+    # engine steps: likewise, per worker, from /metrics (every request decoded 2 tokens on d0)
+    assert g["engine_steps"] == {}
+    assert set(h["engine_steps"]) == {"p0", "d0"}
+    assert all(w["steps"] > 0 and w["busy_s"] > 0 for w in h["engine_steps"].values())
+    assert h["engine_steps"]["d0"]["steps"] >= 2
     moved = h["kv"]["kv_bytes_moved"]
     assert moved == stats.bytes_sent == stats.blocks_sent * block_bytes(Path(tiny_llama)) > 0
     assert h["config"]["door"] == "http" and h["load_balance"]["decode"]["requests"] == {"d0": 12}
+
+
+def test_counter_rise_over_a_run_per_worker():
+    before = {"kv_bytes": 100.0, "steps": {"p0": [3.0, 0.5], "d0": [10.0, 1.0]}}
+    after = {"kv_bytes": 612.0, "steps": {"p0": [5.0, 0.75], "d0": [30.0, 4.0], "d1": [2.0, 0.2]}}
+    assert counter_rise(before, after) == {
+        "kv_bytes_moved": 512,
+        "engine_steps": {
+            "d0": {"steps": 20, "busy_s": 3.0},
+            "d1": {"steps": 2, "busy_s": 0.2},  # a worker that joined during the run
+            "p0": {"steps": 2, "busy_s": 0.25},
+        },
+    }
+    # no prefill workers: no KV bytes family at all
+    assert counter_rise({"kv_bytes": None, "steps": {}}, {"kv_bytes": None, "steps": {}}) == {
+        "kv_bytes_moved": None,
+        "engine_steps": {},
+    }

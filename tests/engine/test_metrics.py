@@ -65,6 +65,23 @@ def test_colocated_counters_equal_what_the_requests_report(tiny_llama):
     assert value(engine, "kv_cache_usage_perc") == engine.pool.usage() == 0.0
 
 
+def test_step_time_histogram_counts_every_step_that_ran_a_batch(tiny_llama):
+    import time
+
+    engine = LLMEngine(tiny_llama, num_kv_blocks=128, **OPTS)
+    for i, p in enumerate(random_prompts([40, 7], seed=6)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    ran, start = 0, time.perf_counter()
+    while engine.has_unfinished():
+        ran += bool(engine.step().scheduled)
+    wall = time.perf_counter() - start
+    # 16 + the whole 7-token prompt, 16 + a decode, 8 + a decode, then 4 decode steps (the
+    # 7-token prompt's 5 tokens end one step before the 40-token one's)
+    assert ran == 7
+    assert value(engine, "engine_step_duration_seconds_count") == ran
+    assert 0 < value(engine, "engine_step_duration_seconds_sum") <= wall
+
+
 def test_preemptions_are_counted_and_prompts_are_not_counted_twice(tiny_llama):
     # 12 blocks of 4 tokens: three 12-token prompts decoding 20 tokens each cannot all fit.
     engine = LLMEngine(tiny_llama, num_kv_blocks=12, **OPTS)
