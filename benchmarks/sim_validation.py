@@ -5,13 +5,22 @@ and the prefix-cache hit rate are printed (the simulator's target: within 10%).
 
     python -m benchmarks.sim_validation runs/experiments [--profile P] [--kv-bandwidth-gbps 2]
         [--out runs/sim-validation.md]
+    python -m benchmarks.sim_validation runs/r1 runs/r2 runs/r3    # repeats of the same runs
+
+Given several output directories holding repeats of the same runs (same experiment, run name,
+workload and seed), each figure is compared with the median of its repeats, and the table
+also prints the repeats' range and how far they spread: on a shared machine the real runs
+themselves may differ by more than the target, and a figure that does not repeat within 10%
+cannot be validated within 10%.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.driver import BenchConfig
@@ -30,8 +39,11 @@ METRICS = (  # (label, how to read it from a summary)
 TOLERANCE = 0.10
 
 
-def simulated_summary(run_dir: Path, args: argparse.Namespace) -> tuple[dict, dict]:
-    """(real summary, simulated summary) of one experiment run directory."""
+def simulated_summary(
+    run_dir: Path, args: argparse.Namespace, step_time_scale: float | None = None
+) -> tuple[dict, dict]:
+    """(real summary, simulated summary) of one experiment run directory; every step's time
+    times step_time_scale (default: args.step_time_scale, else 1)."""
     real, _ = read_results(run_dir)
     cfg = real["config"]
     workload = WORKLOADS[cfg["workload_name"]](**cfg["options"])
@@ -45,6 +57,8 @@ def simulated_summary(run_dir: Path, args: argparse.Namespace) -> tuple[dict, di
         block_size=cfg["block_size"],
         hash_seed=cfg["hash_seed"],
     )
+    if step_time_scale is None:
+        step_time_scale = getattr(args, "step_time_scale", 1.0)
     flags = argparse.Namespace(
         manifest=str(run_dir / "manifest.yaml"),
         profile=args.profile,
@@ -53,6 +67,7 @@ def simulated_summary(run_dir: Path, args: argparse.Namespace) -> tuple[dict, di
         local_overhead_ms=args.local_overhead_ms,
         remote_overhead_ms=args.remote_overhead_ms,
         shared_cores=args.shared_cores,
+        step_time_scale=step_time_scale,
         **dict.fromkeys(
             (
                 "prefill",
@@ -69,7 +84,36 @@ def simulated_summary(run_dir: Path, args: argparse.Namespace) -> tuple[dict, di
     )
     cluster, model = cluster_config(flags, config.seed)
     records, run = simulate(workload, TokenSpace(high=args.vocab_size), config, cluster, model)
-    return real, summarize(records, real["goodput"]["slo_ms"], run.cluster.workers())
+    sim = summarize(records, real["goodput"]["slo_ms"], run.cluster.workers())
+    sim["engine_steps"] = run.cluster.engine_steps()
+    return real, sim
+
+
+def busy_s(summary: dict) -> float | None:
+    """Seconds all engines spent in steps over the run; None where the run did not record
+    them (runs before baton:engine_step_duration_seconds, or without a metrics page)."""
+    steps = summary.get("engine_steps")
+    return sum(w["busy_s"] for w in steps.values()) if steps else None
+
+
+def speed_matched_summary(
+    run_dir: Path, args: argparse.Namespace, rounds: int = 3
+) -> tuple[dict, dict, float]:
+    """(real summary, simulated summary, scale): the run simulated with its steps scaled so
+    that the simulated engines compute as many seconds as the run's engines did (a few
+    fixed-point rounds: the schedule, so the steps, changes a little with the scale)."""
+    scale = 1.0
+    real, sim = simulated_summary(run_dir, args, scale)
+    real_busy = busy_s(real)
+    if real_busy is None:
+        raise ValueError(f"{run_dir}: results.json has no engine_steps (re-run the experiment)")
+    for _ in range(rounds):
+        sim_busy = busy_s(sim)
+        if not sim_busy:
+            break
+        scale *= real_busy / sim_busy
+        real, sim = simulated_summary(run_dir, args, scale)
+    return real, sim, scale
 
 
 def error(real: float | None, sim: float | None) -> float | None:
@@ -79,24 +123,74 @@ def error(real: float | None, sim: float | None) -> float | None:
     return (sim - real) / real
 
 
-def validation_table(rows: list[tuple[str, dict, dict]]) -> str:
-    """Markdown: one line per run, real / sim (error) per metric; within-tolerance counts."""
-    head = "| run | " + " | ".join(f"{label} real / sim" for label, _ in METRICS) + " |"
-    lines = [head, "|" + "---|" * (len(METRICS) + 1)]
-    within = total = 0
-    for name, real, sim in rows:
+def spread(values: list[float]) -> float | None:
+    """How far repeats of one figure lie apart: (max - min) / median; None where the median
+    is 0."""
+    mid = statistics.median(values)
+    return None if mid == 0 else (max(values) - min(values)) / mid
+
+
+def validation_table(rows: list[tuple[str, list[dict], dict]]) -> str:
+    """Markdown: one line per run (name, its real summaries - one per repeat -, the simulated
+    one), real / sim (error against the real median) per metric and the seconds the engines
+    computed (not a target: where the speed comes from); counts of figures within the
+    tolerance, and with repeats, of the figures whose repeats agree within it."""
+    head = "| run | " + " | ".join(f"{label} real / sim" for label, _ in METRICS)
+    head += " | engine busy s real / sim |"
+    lines = [head, "|" + "---|" * (len(METRICS) + 2)]
+    within = total = repeated = repeatable = repeatable_within = in_range = 0
+    repeats = max(len(reals) for _, reals, _ in rows)
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    for name, reals, sim in rows:
         cells = []
         for _, get in METRICS:
-            r, s = get(real), get(sim)
+            values = [get(real) for real in reals]
+            r, s = statistics.median(values), get(sim)
             e = error(r, s)
+            cell = fmt(r)
+            if len(values) > 1:
+                cell += f" [{fmt(min(values))}-{fmt(max(values))}]"
+            cell += f" / {fmt(s)}" + ("" if e is None else f" ({e:+.0%})")
             if e is not None:
                 total += 1
                 within += abs(e) <= TOLERANCE
-            fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-            cells.append(f"{fmt(r)} / {fmt(s)}" + ("" if e is None else f" ({e:+.0%})"))
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines.append(f"\n{within} of {total} figures within {TOLERANCE:.0%}.")
+                if len(values) > 1:
+                    repeated += 1
+                    agree = spread(values) <= 2 * TOLERANCE and all(
+                        abs(error(r, v)) <= TOLERANCE for v in values
+                    )
+                    repeatable += agree
+                    repeatable_within += agree and abs(e) <= TOLERANCE
+                    in_range += min(values) * (1 - TOLERANCE) <= s <= max(values) * (1 + TOLERANCE)
+            cells.append(cell)
+        busy = [b for b in map(busy_s, reals) if b is not None]
+        cells.append(f"{fmt(statistics.median(busy) if busy else None)} / {fmt(busy_s(sim))}")
+        lines.append(f"| {name} ({len(reals)}) | " + " | ".join(cells) + " |")
+    if repeats > 1:
+        lines.append(
+            f"\nreal: median [min-max] of the repeats (their count after the run's name); sim's "
+            f"error against the median.\n{within} of {total} figures within {TOLERANCE:.0%} of "
+            f"the real median. Of the {repeated} figures with repeats, {repeatable} repeat within "
+            f"{TOLERANCE:.0%} of their median, and of those {repeatable_within} are simulated "
+            f"within {TOLERANCE:.0%}; {in_range} of the {repeated} simulated figures lie in the "
+            f"repeats' range widened by {TOLERANCE:.0%}."
+        )
+    else:
+        lines.append(f"\n{within} of {total} figures within {TOLERANCE:.0%}.")
     return "\n".join(lines)
+
+
+def repeats_of(roots: list[Path]) -> dict[str, list[Path]]:
+    """{run name: its directories, one per root that holds it}; a run is named by its path
+    under its root (experiment/run, or the run alone when a root is one experiment's)."""
+    found: dict[str, list[Path]] = defaultdict(list)
+    for root in roots:
+        for manifest in sorted(root.rglob("manifest.yaml")):
+            run_dir = manifest.parent
+            rel = run_dir.relative_to(root)
+            parts = rel.parts[-2:] if len(rel.parts) >= 2 else (root.name, *rel.parts)
+            found[": ".join(parts)].append(run_dir)
+    return dict(sorted(found.items()))
 
 
 def add_replay_args(p: argparse.ArgumentParser) -> None:
@@ -109,19 +203,58 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sim_validation")
-    p.add_argument("runs", help="an experiments output directory (or one experiment's)")
+    p.add_argument(
+        "runs",
+        nargs="+",
+        help="an experiments output directory (or one experiment's); several: repeats of the "
+        "same runs, compared by their median",
+    )
     add_replay_args(p)
     add_overhead_args(p, shared_cores=os.cpu_count())
+    p.add_argument(
+        "--speed-from-run",
+        action="store_true",
+        help="simulate each run with its steps scaled to the seconds its engines computed "
+        "(engine_steps in results.json): the machine's speed during that run taken as given, "
+        "the rest (queues, batching, routing, caching) predicted; repeats are not merged",
+    )
     p.add_argument("--out", help="also write the table to this file")
     args = p.parse_args(argv)
-    run_dirs = sorted(m.parent for m in Path(args.runs).rglob("manifest.yaml"))
-    if not run_dirs:
-        print(f"error: no experiment runs (manifest.yaml) under {args.runs}", file=sys.stderr)
+    runs = repeats_of([Path(r) for r in args.runs])
+    if not runs:
+        print(
+            f"error: no experiment runs (manifest.yaml) under {' '.join(args.runs)}",
+            file=sys.stderr,
+        )
         return 2
     rows = []
-    for run_dir in run_dirs:
-        real, sim = simulated_summary(run_dir, args)
-        rows.append((f"{run_dir.parent.name}: {run_dir.name}", real, sim))
+    if args.speed_from_run:
+        try:
+            for name, run_dirs in runs.items():
+                for d in run_dirs:
+                    real, sim, scale = speed_matched_summary(d, args)
+                    rows.append((f"{name} [{d.parents[1].name}] x{scale:.2f}", [real], sim))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return _print_table(rows, args)
+    for name, run_dirs in runs.items():
+        reals, sims = zip(*(simulated_summary(d, args) for d in run_dirs), strict=True)
+        configs = {
+            repr(real["config"].get("options")) + repr(real["config"].get("seed")) for real in reals
+        }
+        if len(configs) > 1:
+            print(
+                f"error: the repeats of {name} ran different workloads or seeds: "
+                + ", ".join(map(str, run_dirs)),
+                file=sys.stderr,
+            )
+            return 2
+        rows.append((name, list(reals), sims[0]))
+    return _print_table(rows, args)
+
+
+def _print_table(rows: list[tuple[str, list[dict], dict]], args: argparse.Namespace) -> int:
     text = validation_table(rows)
     print(text)
     if args.out:

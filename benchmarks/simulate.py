@@ -81,6 +81,13 @@ def add_overhead_args(p: argparse.ArgumentParser, shared_cores: float | None = N
         + ("each worker has its own" if shared_cores is None else f"{shared_cores}, this machine's")
         + "; 0: each its own)",
     )
+    p.add_argument(
+        "--step-time-scale",
+        type=float,
+        default=1.0,
+        help="every step takes the profile's time times this (a machine slower or faster now "
+        "than when it was profiled)",
+    )
     for path, where in (("local", "on its decode worker"), ("remote", "on a prefill worker")):
         p.add_argument(
             f"--{path}-overhead-ms",
@@ -138,6 +145,7 @@ def cluster_config(args: argparse.Namespace, seed: int = 0) -> tuple[ClusterConf
         kv_bandwidth_gbs=args.kv_bandwidth_gbps,
         kv_latency_s=args.kv_latency_ms / 1000.0,
         shared_cores=getattr(args, "shared_cores", None) or None,
+        step_time_scale=getattr(args, "step_time_scale", 1.0),
         local_overhead_s=overhead_ms.get("local", 0.0) / 1000.0,
         remote_overhead_s=overhead_ms.get("remote", 0.0) / 1000.0,
         seed=seed,
@@ -182,6 +190,7 @@ def run_command(args: argparse.Namespace) -> int:
     )
     summary = summarize(records, slo, run.cluster.workers(), info)
     summary["kv"]["kv_bytes_moved"] = run.cluster.bytes_moved
+    summary["engine_steps"] = run.cluster.engine_steps()
     print(table(summary))
     print(
         f"{'simulated in (s)':<28}{wall:.2f} ({run.loop.processed} events, "

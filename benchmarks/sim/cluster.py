@@ -14,7 +14,9 @@ one for the local path and one for the remote one (benchmarks/sim_calibration.py
 request reaches its worker that much later, without occupying any worker meanwhile.
 With shared_cores set (a cluster of CPU workers on one machine, as the experiments run here),
 a step that starts while more workers compute than there are cores takes busy / cores times
-its profiled time: each worker was profiled with a core of its own.
+its profiled time: each worker was profiled with a core of its own. step_time_scale multiplies
+every step (a machine that runs steps slower or faster now than when it was profiled: a real
+run's engine step seconds over the simulated ones, benchmarks/sim_validation.py).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class ClusterConfig:
     local_overhead_s: float = 0.0  # control path of a request prefilled on its decode worker
     remote_overhead_s: float = 0.0  # control path of a request prefilled on a prefill worker
     shared_cores: float | None = None  # cores all workers share (one machine); None: one each
+    step_time_scale: float = 1.0  # every step's profiled time times this
     seed: int = 0  # the random policy's
 
     def __post_init__(self) -> None:
@@ -63,6 +66,8 @@ class ClusterConfig:
             raise ValueError("request overheads must be >= 0 s")
         if self.shared_cores is not None and self.shared_cores <= 0:
             raise ValueError(f"shared cores must be > 0, got {self.shared_cores}")
+        if self.step_time_scale <= 0:
+            raise ValueError(f"step time scale must be > 0, got {self.step_time_scale}")
 
 
 class SimCluster:
@@ -98,13 +103,21 @@ class SimCluster:
         return self.config.worker.block_size
 
     def slowdown(self) -> float:
-        """How much slower a step starting now runs than its profile: busy workers over the
-        shared cores, at least 1 (1 without shared_cores)."""
+        """How much slower a step starting now runs than its profile: step_time_scale times
+        busy workers over the shared cores, at least 1 (1 without shared_cores)."""
         cores = self.config.shared_cores
-        return 1.0 if cores is None else max(1.0, self.busy_workers / cores)
+        shared = 1.0 if cores is None else max(1.0, self.busy_workers / cores)
+        return self.config.step_time_scale * shared
 
     def workers(self) -> dict[str, list[str]]:
         return {"prefill": list(self.prefill), "decode": list(self.decode)}
+
+    def engine_steps(self) -> dict[str, dict]:
+        """{worker: {"steps", "busy_s"}}, as `baton bench` records a real run's."""
+        return {
+            w.worker_id: {"steps": w.steps, "busy_s": w.busy_s}
+            for w in (*self.prefill.values(), *self.decode.values())
+        }
 
     def route(self, r: SimRequest) -> None:
         """The router's choice for one request, then its first move."""

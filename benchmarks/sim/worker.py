@@ -60,6 +60,7 @@ class SimWorker:
         self.running: list[Job] = []
         self.busy = False
         self.steps = 0
+        self.busy_s = 0.0  # simulated seconds of its steps
         self.reserved = 0  # DECODE jobs holding blocks here, waiting for their KV
         self._load: DecodeLoad | None = None
         self._between_steps: list = []  # calls the engine loop runs when the step ends
@@ -197,6 +198,7 @@ class SimWorker:
             seconds = self.model.predict(StepShape(*shape))
         seconds *= self.cluster.slowdown()
         self.steps += 1
+        self.busy_s += seconds
         self.loop.at(self.loop.now + seconds, self._step_done, rows)
 
     def _set_busy(self, busy: bool) -> None:

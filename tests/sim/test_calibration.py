@@ -8,7 +8,6 @@ import json
 import shutil
 
 import pytest
-import yaml
 
 from benchmarks import sim_calibration
 from benchmarks.driver import BenchConfig
@@ -16,10 +15,9 @@ from benchmarks.experiments import Shape
 from benchmarks.sim.cluster import ClusterConfig
 from benchmarks.sim.driver import simulate
 from benchmarks.simulate import DEFAULT_PROFILE, REQUEST_OVERHEAD_KEY
-from benchmarks.simulate import main as simulate_main
 from benchmarks.workloads import RandomWorkload, TokenSpace
-from deploy.manifest import load_manifest
 from engine.step_model import StepModel
+from tests.sim.runs import write_simulated_run
 
 MODEL = StepModel({"const": 0.01, "prefill_tokens": 0.001})
 
@@ -44,22 +42,9 @@ def test_negative_overhead_is_refused():
 
 
 def test_calibration_recovers_the_control_path_of_idle_runs(tmp_path, capsys):
-    from cluster.local import LOCAL_MANIFEST
-
-    base = load_manifest(LOCAL_MANIFEST).model_dump(mode="json")
     for name, shape in (("aggregated", Shape(0, 1)), ("disaggregated", Shape(1, 1))):
-        run_dir = tmp_path / "idle" / name
-        run_dir.mkdir(parents=True)
-        manifest = run_dir / "manifest.yaml"
-        manifest.write_text(yaml.safe_dump(shape.manifest(base, "idle")))
-        argv = ["--manifest", str(manifest), "--workload", "random", "-o", "input_len=256"]
-        argv += ["-o", "output_len=4", "--num-requests", "6", "--max-concurrency", "1"]
-        argv += ["--local-overhead-ms", "250", "--remote-overhead-ms", "600", "--out", str(run_dir)]
-        argv += ["--kv-bandwidth-gbps", "2"]  # the bandwidth sim_calibration assumes
-        assert simulate_main(argv) == 0
-        results = json.loads((run_dir / "results.json").read_text())
-        results["config"]["workload_name"] = "random"  # as benchmarks/experiments.py records it
-        (run_dir / "results.json").write_text(json.dumps(results))
+        overheads = ("--local-overhead-ms", "250", "--remote-overhead-ms", "600")
+        write_simulated_run(tmp_path / "idle" / name, shape, *overheads)
     profile = tmp_path / "profile.json"
     shutil.copy(DEFAULT_PROFILE, profile)
     capsys.readouterr()
@@ -90,3 +75,18 @@ def test_steps_slow_down_while_more_workers_compute_than_shared_cores():
     assert ttfts(2) == pytest.approx([step, step])  # a core each
     # one core: the second worker's step starts while the first computes, at half speed
     assert ttfts(1) == pytest.approx([step, 2 * step])
+
+
+def test_step_time_scale_stretches_every_step_and_the_busy_seconds():
+    workload = RandomWorkload(input_len=64, output_len=3)
+    config = BenchConfig(num_requests=1)
+    step = [0.01 + 0.064, 0.01, 0.01]  # the prefill step, then two decode steps
+    for scale in (1.0, 2.5):
+        cluster = ClusterConfig(prefill=0, decode=1, step_time_scale=scale)
+        (r,), run = simulate(workload, TokenSpace(), config, cluster, MODEL)
+        assert r.ttft == pytest.approx(scale * step[0])
+        assert run.cluster.engine_steps() == {
+            "decode-0": {"steps": 3, "busy_s": pytest.approx(scale * sum(step))}
+        }
+    with pytest.raises(ValueError, match="step time scale"):
+        ClusterConfig(step_time_scale=0)
