@@ -103,3 +103,33 @@ def test_speed_from_run_needs_the_runs_engine_steps(tmp_path, capsys):
     (run_dir / "results.json").write_text(json.dumps(results))
     assert sim_validation.main([str(tmp_path), "--speed-from-run"]) == 2
     assert "has no engine_steps" in capsys.readouterr().err
+
+
+def test_near_median_is_every_value_within_ten_percent_of_the_median():
+    assert sim_validation.near_median([95.0, 100.0, 110.0])
+    assert not sim_validation.near_median([89.0, 100.0, 101.0])
+    assert not sim_validation.near_median([0.0, 0.0])
+
+
+def test_sensitivity_table_counts_figures_that_leave_the_tolerance():
+    # at steps x0.95 / x1 / x1.05: TTFT p50 moves with the speed (within 10% of its median),
+    # TTFT p99 doubles (a queue that builds up), TPOT stays, hit rate 0 has no spread
+    sims = [summary(95, 1000, 20, 0), summary(100, 1500, 20, 0), summary(105, 2000, 20, 0)]
+    text = sim_validation.sensitivity_table([("exp: a", sims)], 0.05)
+    assert text.startswith("| run (steps x0.95 / x1 / x1.05) | TTFT p50 ms range (spread) |")
+    assert "| exp: a | 95.0-105.0 (10%) | 1000.0-2000.0 (67%) | 20.0-20.0 (0%) | - |" in text
+    assert text.endswith(
+        "1 of 3 simulated figures move further than 10% from their median when every step "
+        "runs 5% faster or slower."
+    )
+
+
+def test_sensitivity_simulates_each_run_at_three_speeds(tmp_path, capsys):
+    write_simulated_run(tmp_path / "idle" / "aggregated", Shape(0, 1))
+    assert sim_validation.main([str(tmp_path), "--sensitivity", "0.05"]) == 0
+    out = capsys.readouterr().out
+    # one request at a time: every figure moves with the speed (+-5%), no further
+    assert "| run (steps x0.95 / x1 / x1.05) |" in out
+    assert "0 of 3 simulated figures move further than 10%" in out
+    with pytest.raises(SystemExit):
+        sim_validation.main([str(tmp_path), "--sensitivity", "1.5"])
