@@ -36,6 +36,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../simd_math.h"
+
 #define MAX_G 16
 #define PD_MAX_D 256
 #define PD_CHUNK 8
@@ -43,38 +45,11 @@
 
 #define PD_AVX512_TARGET __attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma,f16c")))
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline float pd_hmax(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
-}
-
-/* e^x for x <= 0 (scores minus their max), 8 lanes: Cody-Waite range reduction and the
- * Cephes expf polynomial, within ~2 ulp of expf; below -87.3 it returns ~1e-38, not 0. */
-static inline __m256 exp_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    __m256 n = _mm256_floor_ps(
-        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 /* The 8 lane sums of 8 vectors, as one vector: out[j] = sum(v[j]). */
@@ -164,7 +139,7 @@ static inline void pd_online_softmax(const __m256 *s, int64_t group, int64_t n, 
             run[g].m = m_new;
         }
         const __m256 pg = _mm256_and_ps(
-            exp_nonpositive(_mm256_sub_ps(sg, _mm256_set1_ps(m_new))), valid);
+            exp_ps(_mm256_sub_ps(sg, _mm256_set1_ps(m_new))), valid);
         run[g].l += hsum(pg);
         _mm256_storeu_ps(p[g], pg);
     }

@@ -35,12 +35,8 @@
 #include <stdlib.h>
 
 #include "gguf_gemm.c"
-#define hsum paged_decode_hsum /* the same helper under another name: one translation unit */
 #include "../attention/paged_decode.c"
-#undef hsum
-#define hsum8 rms_norm_hsum8
 #include "rms_norm.c"
-#undef hsum8
 
 /* One weight matrix W [n, k] in GGUF blocks, with an optional bias [n]. */
 typedef struct {
@@ -232,12 +228,6 @@ static void matrix_for(const ds_matrix *w, const ds_input *in, float *y) {
     }
 }
 
-/* e^x for x <= 88 (8 lanes): paged_decode.c's exp_nonpositive, whose range reduction holds up
- * to ~88.7 (2^127); larger x are clamped to 88. */
-static inline __m256 exp_upto88(__m256 x) {
-    return exp_nonpositive(_mm256_min_ps(x, _mm256_set1_ps(88.0f)));
-}
-
 /* act[i0 .. i0 + count) = silu(gate) * up for the gate/up rows i0 .. i0 + count (count <= 8). */
 static void swiglu_rows(const ds_matrix *w, const ds_input *in, int64_t inter, int64_t i0,
                         int count, float *act) {
@@ -249,7 +239,7 @@ static void swiglu_rows(const ds_matrix *w, const ds_input *in, int64_t inter, i
     }
     if (count == 8) {
         const __m256 g = _mm256_loadu_ps(gate);
-        const __m256 e = exp_upto88(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
         const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
         _mm256_storeu_ps(act + i0, _mm256_mul_ps(silu, _mm256_loadu_ps(up)));
     } else {
@@ -314,7 +304,7 @@ static void attend_head(const float *qv, const float *k_head, const float *v_hea
     __m256 sums = _mm256_setzero_ps();
     int64_t t = 0;
     for (; t + 8 <= len; t += 8) {
-        __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mv));
+        __m256 p = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mv));
         _mm256_storeu_ps(scores + t, p);
         sums = _mm256_add_ps(sums, p);
     }

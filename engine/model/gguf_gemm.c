@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../simd_math.h"
+
 #define QK 32
 #define TILE_M 4 /* rows of x sharing one unpacked block */
 
@@ -23,13 +25,6 @@ static inline float f16_to_f32(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* The 32 quants of one block as four float vectors of 8, in order (Q4_1 unsigned 0..15,

@@ -10,11 +10,17 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+#include "../simd_math.h"
+
+/* y = weight * (v * inv_rms) for one row v of E, inv_rms = 1 / sqrt(mean(v^2) + eps) with the
+ * row's squares summed into the 8 lanes of acc. */
+static inline void rms_scale_row(const float *v, const float *weight, int64_t E, __m256 acc,
+                                 float eps, float *y) {
+    const float inv_rms = 1.0f / sqrtf(hsum(acc) / (float)E + eps);
+    const __m256 k = _mm256_set1_ps(inv_rms);
+    for (int64_t e = 0; e < E; e += 8)
+        _mm256_storeu_ps(y + e, _mm256_mul_ps(_mm256_loadu_ps(weight + e),
+                                              _mm256_mul_ps(_mm256_loadu_ps(v + e), k)));
 }
 
 /* x, y: [M, E] row-major (y may be x); weight: [E]. Returns 0, or -1 for E not a multiple of 8. */
@@ -29,11 +35,7 @@ int baton_rms_norm(const float *x, int64_t M, int64_t E, const float *weight, fl
             const __m256 v = _mm256_loadu_ps(xr + e);
             acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
         }
-        const float inv_rms = 1.0f / sqrtf(hsum8(acc) / (float)E + eps);
-        const __m256 s = _mm256_set1_ps(inv_rms);
-        for (int64_t e = 0; e < E; e += 8)
-            _mm256_storeu_ps(yr + e, _mm256_mul_ps(_mm256_loadu_ps(weight + e),
-                                                   _mm256_mul_ps(_mm256_loadu_ps(xr + e), s)));
+        rms_scale_row(xr, weight, E, acc, eps, yr);
     }
     return 0;
 }
@@ -60,11 +62,7 @@ int baton_add_rms_norm(const float *x, const float *r, int64_t M, int64_t E, con
             _mm256_storeu_ps(sr + e, v);
             acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
         }
-        const float inv_rms = 1.0f / sqrtf(hsum8(acc) / (float)E + eps);
-        const __m256 k = _mm256_set1_ps(inv_rms);
-        for (int64_t e = 0; e < E; e += 8)
-            _mm256_storeu_ps(yr + e, _mm256_mul_ps(_mm256_loadu_ps(weight + e),
-                                                   _mm256_mul_ps(_mm256_loadu_ps(sr + e), k)));
+        rms_scale_row(sr, weight, E, acc, eps, yr);
     }
     return 0;
 }

@@ -225,7 +225,7 @@ def test_models_it_cannot_run_keep_the_unfused_path(engine_pair, monkeypatch):
 
 def test_library_key_covers_included_files(tmp_path):
     names = {p.name for p in source_files(fused_decode.SOURCE)}
-    assert names == {"decode_step.c", "gguf_gemm.c", "paged_decode.c", "rms_norm.c"}
+    assert names == {"decode_step.c", "gguf_gemm.c", "paged_decode.c", "rms_norm.c", "simd_math.h"}
     (tmp_path / "part.c").write_text("int part(void) { return 1; }\n")
     main = tmp_path / "main.c"
     main.write_text('#include "part.c"\nint whole(void) { return part(); }\n')
