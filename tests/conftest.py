@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # The suite is the CPU reference (gloo, fp32, the torch attention path; Triton under its
 # interpreter): on a machine with a GPU it stays on the CPU unless BATON_TEST_GPU=1, since
@@ -52,6 +53,19 @@ def tiny_qwen2(tmp_path_factory) -> str:
     from tests.checkpoints import make_checkpoint
 
     return str(make_checkpoint(tmp_path_factory.mktemp("ckpt"), "qwen2"))
+
+
+@pytest.fixture(scope="session")
+def quantized_llama(tmp_path_factory) -> Path:
+    """A tiny Llama written as a Q4_1/Q8_0 GGUF and converted to HF (blocks kept beside the
+    float32 weights), as SmolLM2's GGUF is: the GGUF-block and int8 tests' checkpoint."""
+    from engine.weights.gguf_convert import convert_gguf_to_hf
+    from tests.engine.test_gguf_blocks import write_quantized_llama_gguf
+
+    root = tmp_path_factory.mktemp("gguf")
+    write_quantized_llama_gguf(root / "tiny.gguf")
+    convert_gguf_to_hf(root / "tiny.gguf", root / "hf")
+    return root / "hf"
 
 
 @pytest.fixture(scope="session")

@@ -50,3 +50,31 @@ def random_inputs(
     cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
     cache.copy_(rand(2, num_blocks, block_size, num_kv_heads, head_dim))
     return q, k, v, cache
+
+
+def random_step(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_blocks: int,
+    gen: torch.Generator,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, ...]:
+    """One whole random step: (q, k, v, cache, metadata), the metadata drawn first."""
+    meta = shuffled_step(query_lens, seq_lens, block_size, num_blocks, gen, device)
+    q, k, v, cache = random_inputs(
+        sum(query_lens),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        dtype,
+        gen,
+        device,
+    )
+    return q, k, v, cache, meta

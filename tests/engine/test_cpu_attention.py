@@ -8,7 +8,9 @@ import torch
 from engine.attention import get_attention_backend
 from engine.attention.cpu_backend import CpuAttentionBackend, load_kernel
 from engine.attention.torch_backend import TorchAttentionBackend
-from tests.engine.paged_inputs import random_inputs, shuffled_step
+from tests.engine.paged_inputs import random_step
+
+CPU = torch.device("cpu")
 
 lib = load_kernel()
 pytestmark = pytest.mark.skipif(lib is None, reason="no x86-64 AVX2/FMA/F16C CPU or C compiler")
@@ -20,21 +22,9 @@ RUNNABLE_ISAS = (
 
 def step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, seed):
     gen = torch.Generator().manual_seed(seed)
-    cpu = torch.device("cpu")
     num_blocks = max(64, sum(-(-n // block_size) for n in seq_lens) + 8)
-    meta = shuffled_step(query_lens, seq_lens, block_size, num_blocks, gen, cpu)
-    q, k, v, cache = random_inputs(
-        sum(query_lens),
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        num_blocks,
-        torch.float32,
-        gen,
-        cpu,
-    )
-    return q, k, v, cache, meta
+    heads = (num_heads, num_kv_heads, head_dim)
+    return random_step(query_lens, seq_lens, *heads, block_size, num_blocks, gen, CPU)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,6 @@ transformers'), and the unfused path wherever a step is not one decode token."""
 from __future__ import annotations
 
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +17,7 @@ from engine.model.fused_decode import ENV, FusedDecoder
 from engine.model.gguf_kernel import ISA_ENV, int8_isas
 from engine.model.gguf_kernel import load_kernel as load_gguf_kernel
 from engine.native import library_path, source_files
-from engine.weights.gguf_convert import convert_gguf_to_hf
-from tests.engine.test_gguf_blocks import VOCAB, write_quantized_llama_gguf
+from tests.engine.test_gguf_blocks import VOCAB
 from tests.engine.test_gguf_isa import RUNNABLE_ISAS
 from tests.helpers import hf_greedy, random_prompts
 
@@ -27,14 +25,6 @@ lib = fused_decode.load_kernel()
 pytestmark = pytest.mark.skipif(lib is None, reason="no x86-64 AVX2/FMA/F16C CPU or C compiler")
 
 OPTS = dict(skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
-
-
-@pytest.fixture(scope="module")
-def quantized_llama(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("fused")
-    write_quantized_llama_gguf(root / "tiny.gguf")
-    convert_gguf_to_hf(root / "tiny.gguf", root / "hf")
-    return root / "hf"
 
 
 @pytest.fixture(scope="module")

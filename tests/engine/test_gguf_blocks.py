@@ -119,14 +119,6 @@ def write_quantized_llama_gguf(path: Path, v_type=Q4_1) -> None:
     w.close()
 
 
-@pytest.fixture(scope="module")
-def quantized_llama(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("gguf-blocks")
-    write_quantized_llama_gguf(root / "tiny.gguf")
-    convert_gguf_to_hf(root / "tiny.gguf", root / "hf")
-    return root / "hf"
-
-
 def test_converted_blocks_hold_exactly_the_float32_weights(quantized_llama):
     dense = load_file(str(quantized_llama / "model.safetensors"))
     from engine.model.gguf_linear import read_blocks

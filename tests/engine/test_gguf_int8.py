@@ -27,9 +27,8 @@ from engine.model.gguf_kernel import (
     quantize_rows_q8,
 )
 from engine.model.gguf_linear import QUANT_MAX_ROWS, GGUFBlockLinear
-from engine.weights.gguf_convert import convert_gguf_to_hf
 from tests.checkpoints import make_checkpoint
-from tests.engine.test_gguf_blocks import VOCAB, write_quantized_llama_gguf
+from tests.engine.test_gguf_blocks import VOCAB
 from tests.helpers import random_prompts
 
 Q4_1, Q8_0 = int(gguf.GGMLQuantizationType.Q4_1), int(gguf.GGMLQuantizationType.Q8_0)
@@ -204,14 +203,6 @@ def test_layer_uses_int8_up_to_the_row_limit_then_the_dense_weight():
         assert not torch.equal(want, gguf_matmul(lib, small, blocks, Q4_1) + dense.bias)
         big = torch.randn(QUANT_MAX_ROWS + 1, 64)
         assert torch.equal(layer(big), dense(big))  # the exact float32 layer
-
-
-@pytest.fixture(scope="module")
-def quantized_llama(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gguf-int8")
-    write_quantized_llama_gguf(root / "tiny.gguf")
-    convert_gguf_to_hf(root / "tiny.gguf", root / "hf")
-    return root / "hf"
 
 
 OPTS = dict(skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)

@@ -35,7 +35,7 @@ from engine.attention.triton_backend import (  # noqa: E402
     TritonAttentionBackend,
     reshape_and_cache,
 )
-from tests.engine.paged_inputs import random_inputs, shuffled_step  # noqa: E402
+from tests.engine.paged_inputs import random_inputs, random_step, shuffled_step  # noqa: E402
 
 # False when triton had been imported (compiled mode) before this module set the variable.
 KERNELS_RUN_HERE = not ON_CPU or not isinstance(triton.language.zeros, JITFunction)
@@ -100,16 +100,9 @@ def test_mixed_step_matches_torch_fp32(
 ) -> None:
     gen = torch.Generator().manual_seed(0)
     num_blocks = 32
-    meta = _step(QUERY_LENS, SEQ_LENS, block_size, num_blocks, gen)
-    q, k, v, cache = _inputs(
-        sum(QUERY_LENS),
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        num_blocks,
-        torch.float32,
-        gen,
+    heads = (num_heads, num_kv_heads, head_dim)
+    q, k, v, cache, meta = random_step(
+        QUERY_LENS, SEQ_LENS, *heads, block_size, num_blocks, gen, DEVICE
     )
     scale = head_dim**-0.5
     ref_cache, tri_cache = cache.clone(), cache.clone()
@@ -141,9 +134,9 @@ def test_mixed_step_matches_torch_fp32(
 def test_low_precision_matches_fp32_reference(dtype: torch.dtype, atol: float) -> None:
     gen = torch.Generator().manual_seed(1)
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 4, 2, 16, 4, 32
-    meta = _step(QUERY_LENS, SEQ_LENS, block_size, num_blocks, gen)
-    q, k, v, cache = _inputs(
-        sum(QUERY_LENS), num_heads, num_kv_heads, head_dim, block_size, num_blocks, dtype, gen
+    heads = (num_heads, num_kv_heads, head_dim)
+    q, k, v, cache, meta = random_step(
+        QUERY_LENS, SEQ_LENS, *heads, block_size, num_blocks, gen, DEVICE, dtype
     )
     scale = head_dim**-0.5
     # Oracle: the same (already rounded) inputs upcast to fp32.
@@ -163,9 +156,9 @@ def test_decode_only_step_matches_torch() -> None:
     gen = torch.Generator().manual_seed(2)
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 4, 2, 16, 8, 24
     seq_lens = [1, 9, 16, 17, 40, 3]
-    meta = _step([1] * len(seq_lens), seq_lens, block_size, num_blocks, gen)
-    q, k, v, cache = _inputs(
-        len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, num_blocks, torch.float32, gen
+    heads = (num_heads, num_kv_heads, head_dim)
+    q, k, v, cache, meta = random_step(
+        [1] * len(seq_lens), seq_lens, *heads, block_size, num_blocks, gen, DEVICE
     )
     ref_cache, tri_cache = cache.clone(), cache.clone()
 
