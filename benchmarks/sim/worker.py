@@ -197,6 +197,8 @@ class SimWorker:
         else:
             seconds = self.model.predict(StepShape(*shape))
         seconds *= self.cluster.slowdown()
+        if plan is not None:  # the engine corrects its model by each step's measured time
+            self.budget.observe(plan.shape, seconds)
         self.steps += 1
         self.busy_s += seconds
         self.loop.at(self.loop.now + seconds, self._step_done, rows)

@@ -90,3 +90,21 @@ def test_step_time_scale_stretches_every_step_and_the_busy_seconds():
         }
     with pytest.raises(ValueError, match="step time scale"):
         ClusterConfig(step_time_scale=0)
+
+
+def test_dynamic_chunking_corrects_its_model_by_the_simulated_steps():
+    # Steps run 2x the profile: as the engine does, the chunk budget learns that from the
+    # steps it ran and shrinks its chunks, so the steps come back to the target.
+    from benchmarks.sim.worker import WorkerConfig
+
+    workload = RandomWorkload(input_len=3000, output_len=1)
+    worker = WorkerConfig(itl_target_ms=100.0, max_num_batched_tokens=4096, chunk_size=4096)
+    cluster = ClusterConfig(prefill=0, decode=1, worker=worker, step_time_scale=2.0)
+    _, run = simulate(workload, TokenSpace(), BenchConfig(num_requests=1), cluster, MODEL)
+    budget = run.cluster.decode["decode-0"].budget
+    assert budget.ratio == pytest.approx(2.0, rel=0.01)
+    steps = run.cluster.engine_steps()["decode-0"]
+    # unscaled, each step would take 90 tokens (0.01 + 0.09 s) and run 0.2 s; corrected, the
+    # chunks halve after the first few steps: ~3000 / 45 steps of ~0.1 s
+    assert 60 <= steps["steps"] <= 72
+    assert steps["busy_s"] / steps["steps"] == pytest.approx(0.1, rel=0.1)
