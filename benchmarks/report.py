@@ -258,6 +258,12 @@ def table(summary: dict) -> str:
         f"{'KV bytes moved':<28}"
         + (f"{moved:,} ({moved / 2**20:.1f} MiB)" if moved is not None else "- (no /metrics)")
     )
+    for worker, steps in summary.get("engine_steps", {}).items():
+        mean_ms = 1000.0 * steps["busy_s"] / steps["steps"] if steps["steps"] else 0.0
+        lines.append(
+            f"{'engine ' + worker:<28}{steps['steps']} steps, {steps['busy_s']:.1f} s "
+            f"(mean {mean_ms:.1f} ms)"
+        )
     return "\n".join(lines)
 
 

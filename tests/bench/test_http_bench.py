@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks.client import GrpcClient, HttpClient, counter_rise
 from benchmarks.driver import BenchConfig, bench
+from benchmarks.report import table
 from benchmarks.serving import main
 from benchmarks.workloads import PrefixRepetitionWorkload, TokenSpace
 from decode_worker.worker import DecodeWorker
@@ -127,6 +128,8 @@ def test_http_door_run_equals_grpc_run(tiny_llama, answers, tmp_path, capsys):
     assert set(h["engine_steps"]) == {"p0", "d0"}
     assert all(w["steps"] > 0 and w["busy_s"] > 0 for w in h["engine_steps"].values())
     assert h["engine_steps"]["d0"]["steps"] >= 2
+    d0 = h["engine_steps"]["d0"]
+    assert f"engine d0                   {d0['steps']} steps, {d0['busy_s']:.1f} s" in table(h)
     moved = h["kv"]["kv_bytes_moved"]
     assert moved == stats.bytes_sent == stats.blocks_sent * block_bytes(Path(tiny_llama)) > 0
     assert h["config"]["door"] == "http" and h["load_balance"]["decode"]["requests"] == {"d0": 12}
