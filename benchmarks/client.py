@@ -202,13 +202,16 @@ def _error_status(error: dict) -> str:
 
 
 KV_BYTES = "baton:kv_transfer_bytes_total"
+KV_SECONDS = "baton:kv_transfer_time_seconds_sum"
+KV_TRANSFERS = "baton:kv_transfer_time_seconds_count"
 STEP_SECONDS = "baton:engine_step_duration_seconds_sum"
 STEPS = "baton:engine_step_duration_seconds_count"
 
 
 async def scrape_counters(url: str, api_key: str | None = None, timeout: float = 30.0):
     """{"kv_bytes": KV bytes sent, summed over workers (None if no worker reports them),
-    "steps": {worker: [steps, seconds]}} from the Prometheus text at `url` (a /metrics page);
+    "kv_time": [transfers, seconds] summed over workers, "steps": {worker: [steps, seconds]}}
+    from the Prometheus text at `url` (a /metrics page);
     None (with a warning on stderr) when the page cannot be read, e.g. 404: metrics are not
     enabled, or 401: a wrong key."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -223,25 +226,35 @@ async def scrape_counters(url: str, api_key: str | None = None, timeout: float =
     if reply.status_code != 200:
         print(f"no metrics: {url}: HTTP {reply.status_code}", file=sys.stderr)
         return None
-    kv_bytes, steps = None, {}
+    kv_bytes, kv_time, steps = None, [0.0, 0.0], {}
     for family in text_string_to_metric_families(reply.text):
         for sample in family.samples:
             if sample.name == KV_BYTES:
                 kv_bytes = (kv_bytes or 0.0) + sample.value
+            elif sample.name in (KV_TRANSFERS, KV_SECONDS):
+                kv_time[sample.name == KV_SECONDS] += sample.value
             elif sample.name in (STEPS, STEP_SECONDS):
                 worker = steps.setdefault(sample.labels.get("worker", ""), [0.0, 0.0])
                 worker[sample.name == STEP_SECONDS] += sample.value
-    return {"kv_bytes": kv_bytes, "steps": steps}
+    return {"kv_bytes": kv_bytes, "kv_time": kv_time, "steps": steps}
 
 
 def counter_rise(before: dict, after: dict) -> dict:
     """What scrape_counters' figures rose by over a run: {"kv_bytes_moved": int or None,
-    "engine_steps": {worker: {"steps", "busy_s"}}} (a worker absent before counts from 0)."""
+    "kv_transfers", "kv_transfer_s" (their summed time: prefill done -> decode side
+    acknowledges), "engine_steps": {worker: {"steps", "busy_s"}}} (a worker absent before
+    counts from 0)."""
     moved = None
     if before["kv_bytes"] is not None and after["kv_bytes"] is not None:
         moved = int(after["kv_bytes"] - before["kv_bytes"])
+    (n0, s0), (n1, s1) = before["kv_time"], after["kv_time"]
     steps = {}
     for worker, (n, seconds) in sorted(after["steps"].items()):
         n0, seconds0 = before["steps"].get(worker, (0.0, 0.0))
         steps[worker] = {"steps": int(n - n0), "busy_s": round(seconds - seconds0, 6)}
-    return {"kv_bytes_moved": moved, "engine_steps": steps}
+    return {
+        "kv_bytes_moved": moved,
+        "kv_transfers": int(n1 - n0),
+        "kv_transfer_s": round(s1 - s0, 6),
+        "engine_steps": steps,
+    }

@@ -176,5 +176,7 @@ async def bench(
     if before is not None and after is not None:
         rise = counter_rise(before, after)
         summary["kv"]["kv_bytes_moved"] = rise["kv_bytes_moved"]
+        summary["kv"]["transfers"] = rise["kv_transfers"]
+        summary["kv"]["transfer_s"] = rise["kv_transfer_s"]
         summary["engine_steps"] = rise["engine_steps"]
     return summary, records

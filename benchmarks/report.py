@@ -188,6 +188,8 @@ def summarize(
             # KV bytes moved are not in the public API (usage has no transfer size): the
             # driver fills this in from the cluster's /metrics when it can reach one.
             kv_bytes_moved=None,
+            transfers=None,  # KV transfers and their summed time (prefill done -> decode side
+            transfer_s=None,  # acknowledges), from /metrics as well
         ),
         # {worker: {"steps", "busy_s"}}: the engines' steps and the seconds they took over the
         # run; the driver fills it from /metrics (baton:engine_step_duration_seconds), the

@@ -130,16 +130,28 @@ def test_http_door_run_equals_grpc_run(tiny_llama, answers, tmp_path, capsys):
     assert h["engine_steps"]["d0"]["steps"] >= 2
     d0 = h["engine_steps"]["d0"]
     assert f"engine d0                   {d0['steps']} steps, {d0['busy_s']:.1f} s" in table(h)
+    assert h["kv"]["transfers"] == 12  # one per request (all prefilled remotely on p0)
+    assert h["kv"]["transfer_s"] > 0
     moved = h["kv"]["kv_bytes_moved"]
     assert moved == stats.bytes_sent == stats.blocks_sent * block_bytes(Path(tiny_llama)) > 0
     assert h["config"]["door"] == "http" and h["load_balance"]["decode"]["requests"] == {"d0": 12}
 
 
 def test_counter_rise_over_a_run_per_worker():
-    before = {"kv_bytes": 100.0, "steps": {"p0": [3.0, 0.5], "d0": [10.0, 1.0]}}
-    after = {"kv_bytes": 612.0, "steps": {"p0": [5.0, 0.75], "d0": [30.0, 4.0], "d1": [2.0, 0.2]}}
+    before = {
+        "kv_bytes": 100.0,
+        "kv_time": [3.0, 0.25],
+        "steps": {"p0": [3.0, 0.5], "d0": [10.0, 1.0]},
+    }
+    after = {
+        "kv_bytes": 612.0,
+        "kv_time": [5.0, 0.5],
+        "steps": {"p0": [5.0, 0.75], "d0": [30.0, 4.0], "d1": [2.0, 0.2]},
+    }
     assert counter_rise(before, after) == {
         "kv_bytes_moved": 512,
+        "kv_transfers": 2,
+        "kv_transfer_s": 0.25,
         "engine_steps": {
             "d0": {"steps": 20, "busy_s": 3.0},
             "d1": {"steps": 2, "busy_s": 0.2},  # a worker that joined during the run
@@ -147,7 +159,10 @@ def test_counter_rise_over_a_run_per_worker():
         },
     }
     # no prefill workers: no KV bytes family at all
-    assert counter_rise({"kv_bytes": None, "steps": {}}, {"kv_bytes": None, "steps": {}}) == {
+    nothing = {"kv_bytes": None, "kv_time": [0.0, 0.0], "steps": {}}
+    assert counter_rise(nothing, nothing) == {
         "kv_bytes_moved": None,
+        "kv_transfers": 0,
+        "kv_transfer_s": 0.0,
         "engine_steps": {},
     }
