@@ -76,6 +76,9 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: dict[str, RequestOutput] = {}  # outputs produced outside step()
         self._held: dict[str, float] = {}  # prefilled request id -> hold time (prefill role)
+        # prefilled request id -> the blocks it holds, fixed until release_held: read by the
+        # prefill worker's sender thread without waiting for a step to end
+        self._held_blocks: dict[str, tuple[int, ...]] = {}
         self._went_on_from: float | None = None  # end of the last step, if work was left
 
     def _chunk_budget(self) -> ChunkBudget | None:
@@ -183,13 +186,17 @@ class LLMEngine:
 
     # ---- disaggregation: the prefill side --------------------------------------------------
     def held_block_ids(self, request_id: str) -> list[int]:
-        """Block ids a prefilled request holds for its transfer."""
-        if request_id not in self._held:
+        """Block ids a prefilled request holds for its transfer. Safe from any thread (one
+        dict lookup of ids fixed when its prefill ended): the sender need not wait for the
+        step in flight, which on a busy prefill worker is a whole prefill step."""
+        ids = self._held_blocks.get(request_id)
+        if ids is None:
             raise KeyError(f"request {request_id!r} holds no blocks")
-        return self.kv.block_ids(request_id)
+        return list(ids)
 
     def release_held(self, request_id: str) -> bool:
         """Free a prefilled request's blocks (they stay in the prefix cache)."""
+        self._held_blocks.pop(request_id, None)
         if self._held.pop(request_id, None) is None:
             return False
         self.kv.free_table(request_id)
@@ -381,6 +388,7 @@ class LLMEngine:
         status = self._stop_status(req, token, stop_str)
         if req.prefill_only:
             status = RequestStatus.FINISHED_PREFILLED
+            self._held_blocks[req.request_id] = tuple(self.kv.block_ids(req.request_id))
             self._held[req.request_id] = now
         if status is None:
             return RequestOutput(

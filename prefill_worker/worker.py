@@ -232,8 +232,8 @@ class PrefillWorker(TransferEndpoint):
                 self.abort(job.request_id, propagate=False)  # the receiver fails it itself
 
     def _send(self, job: _SendJob) -> None:
-        try:
-            held = self.loop.run(self.engine.held_block_ids, job.request_id)
+        try:  # not through the loop: that would wait for the prefill step in flight
+            held = self.engine.held_block_ids(job.request_id)
         except KeyError:
             return  # aborted or expired before its turn
         eng = self.engine

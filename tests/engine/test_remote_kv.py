@@ -90,3 +90,23 @@ def test_reservation_errors_and_failure_free_blocks(tiny_llama):
     decode.check_integrity()
     assert decode.pool.num_free_blocks == 8
     assert decode.kv.table_ids() == []
+
+
+def test_held_block_ids_are_the_table_when_the_prefill_ended_until_released(tiny_llama):
+    # The prefill worker's sender reads them from its own thread while the loop steps other
+    # requests: a snapshot that later steps (allocating, freeing) cannot change.
+    prefill = LLMEngine(tiny_llama, num_kv_blocks=64, **OPTS)
+    prompt, other = random_prompts([21, 30], seed=7)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    prefill.add_request("held", prompt, params, prefill_only=True)
+    while prefill.has_unfinished():
+        prefill.step()
+    held = prefill.held_block_ids("held")
+    assert held == prefill.kv.block_ids("held") and len(held) == 6  # ceil(21 / 4)
+    prefill.add_request("other", other, SamplingParams(max_tokens=3, temperature=0))
+    run_to_completion(prefill)
+    assert prefill.held_block_ids("held") == held
+    assert prefill.release_held("held")
+    with pytest.raises(KeyError, match="holds no blocks"):
+        prefill.held_block_ids("held")
+    prefill.check_integrity()
