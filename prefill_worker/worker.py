@@ -170,9 +170,10 @@ class PrefillWorker(TransferEndpoint):
         """The decode side has the KV: release the held blocks (they stay cached)."""
         self.leases.release(request_id)
         since = self.engine.held_since(request_id)  # when its prefill ended
+        acked = time.monotonic()  # not after the release, which waits for the step in flight
         released = self.loop.run(self.engine.release_held, request_id)
         if released and since is not None:
-            self.transfer_metrics.handed_over(time.monotonic() - since)
+            self.transfer_metrics.handed_over(acked - since)
         return released
 
     def abort(self, request_id: str, propagate: bool = True) -> bool:
