@@ -43,5 +43,8 @@ def test_quick_aggregated_run_prefills_every_prompt_locally(tiny_llama, tmp_path
     # the run simulated again from its manifest.yaml and results.json
     assert sim_validation.main([str(out), "--vocab-size", "512"]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[2].startswith("| short-random: aggregated | ")
-    assert table[2].count(" / ") == 4  # real / sim of each metric
+    assert table[2].startswith("| short-random: aggregated (1) | ")
+    assert table[2].count(" / ") == 5  # real / sim of each metric, and the engines' seconds
+    # the real run recorded its engine's steps from the cluster's /metrics
+    real_busy = table[2].split("|")[-2].split(" / ")[0]
+    assert float(real_busy) > 0
