@@ -247,14 +247,14 @@ def counter_rise(before: dict, after: dict) -> dict:
     moved = None
     if before["kv_bytes"] is not None and after["kv_bytes"] is not None:
         moved = int(after["kv_bytes"] - before["kv_bytes"])
-    (n0, s0), (n1, s1) = before["kv_time"], after["kv_time"]
     steps = {}
     for worker, (n, seconds) in sorted(after["steps"].items()):
-        n0, seconds0 = before["steps"].get(worker, (0.0, 0.0))
-        steps[worker] = {"steps": int(n - n0), "busy_s": round(seconds - seconds0, 6)}
+        n_before, seconds_before = before["steps"].get(worker, (0.0, 0.0))
+        steps[worker] = {"steps": int(n - n_before), "busy_s": round(seconds - seconds_before, 6)}
+    (transfers_before, kv_s_before), (transfers, kv_s) = before["kv_time"], after["kv_time"]
     return {
         "kv_bytes_moved": moved,
-        "kv_transfers": int(n1 - n0),
-        "kv_transfer_s": round(s1 - s0, 6),
+        "kv_transfers": int(transfers - transfers_before),
+        "kv_transfer_s": round(kv_s - kv_s_before, 6),
         "engine_steps": steps,
     }

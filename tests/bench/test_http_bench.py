@@ -140,12 +140,12 @@ def test_http_door_run_equals_grpc_run(tiny_llama, answers, tmp_path, capsys):
 def test_counter_rise_over_a_run_per_worker():
     before = {
         "kv_bytes": 100.0,
-        "kv_time": [3.0, 0.25],
+        "kv_time": [1.0, 0.25],  # a count no worker's step count shares
         "steps": {"p0": [3.0, 0.5], "d0": [10.0, 1.0]},
     }
     after = {
         "kv_bytes": 612.0,
-        "kv_time": [5.0, 0.5],
+        "kv_time": [3.0, 0.5],
         "steps": {"p0": [5.0, 0.75], "d0": [30.0, 4.0], "d1": [2.0, 0.2]},
     }
     assert counter_rise(before, after) == {
