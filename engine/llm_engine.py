@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +28,13 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_model import find_step_model, profile_key
 from engine.tokenizer import eos_token_ids, load_tokenizer
+
+
+class HeldBlocks(NamedTuple):
+    """A prefilled request's blocks, held for its transfer until release_held()."""
+
+    since: float  # monotonic time its prefill ended
+    block_ids: tuple[int, ...]  # fixed while held
 
 
 class LLMEngine:
@@ -75,10 +83,9 @@ class LLMEngine:
         self._seeds: dict[str, int] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: dict[str, RequestOutput] = {}  # outputs produced outside step()
-        self._held: dict[str, float] = {}  # prefilled request id -> hold time (prefill role)
-        # prefilled request id -> the blocks it holds, fixed until release_held: read by the
-        # prefill worker's sender thread without waiting for a step to end
-        self._held_blocks: dict[str, tuple[int, ...]] = {}
+        # prefilled request id -> its hold (prefill role); the prefill worker's sender thread
+        # reads the block ids without waiting for a step to end
+        self._held: dict[str, HeldBlocks] = {}
         self._went_on_from: float | None = None  # end of the last step, if work was left
 
     def _chunk_budget(self) -> ChunkBudget | None:
@@ -189,14 +196,13 @@ class LLMEngine:
         """Block ids a prefilled request holds for its transfer. Safe from any thread (one
         dict lookup of ids fixed when its prefill ended): the sender need not wait for the
         step in flight, which on a busy prefill worker is a whole prefill step."""
-        ids = self._held_blocks.get(request_id)
-        if ids is None:
+        held = self._held.get(request_id)
+        if held is None:
             raise KeyError(f"request {request_id!r} holds no blocks")
-        return list(ids)
+        return list(held.block_ids)
 
     def release_held(self, request_id: str) -> bool:
         """Free a prefilled request's blocks (they stay in the prefix cache)."""
-        self._held_blocks.pop(request_id, None)
         if self._held.pop(request_id, None) is None:
             return False
         self.kv.free_table(request_id)
@@ -205,11 +211,12 @@ class LLMEngine:
     def held_since(self, request_id: str) -> float | None:
         """Monotonic time a prefilled request's blocks were put on hold (its prefill ended),
         or None if it holds none."""
-        return self._held.get(request_id)
+        held = self._held.get(request_id)
+        return None if held is None else held.since
 
     def held_requests(self) -> dict[str, float]:
         """Prefilled request id -> monotonic time its blocks were put on hold."""
-        return dict(self._held)
+        return {rid: held.since for rid, held in self._held.items()}
 
     # ---- disaggregation: the decode side ---------------------------------------------------
     def reserve_remote(
@@ -388,8 +395,7 @@ class LLMEngine:
         status = self._stop_status(req, token, stop_str)
         if req.prefill_only:
             status = RequestStatus.FINISHED_PREFILLED
-            self._held_blocks[req.request_id] = tuple(self.kv.block_ids(req.request_id))
-            self._held[req.request_id] = now
+            self._held[req.request_id] = HeldBlocks(now, tuple(self.kv.block_ids(req.request_id)))
         if status is None:
             return RequestOutput(
                 req.request_id,
