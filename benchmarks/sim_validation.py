@@ -45,6 +45,13 @@ def simulated_summary(
     """(real summary, simulated summary) of one experiment run directory; every step's time
     times step_time_scale (default: args.step_time_scale, else 1)."""
     real, _ = read_results(run_dir)
+    return real, replay(real, run_dir, args, step_time_scale)
+
+
+def replay(
+    real: dict, run_dir: Path, args: argparse.Namespace, step_time_scale: float | None = None
+) -> dict:
+    """The simulated summary of a real run (its summary, and its directory for the manifest)."""
     cfg = real["config"]
     workload = WORKLOADS[cfg["workload_name"]](**cfg["options"])
     config = BenchConfig(
@@ -86,7 +93,7 @@ def simulated_summary(
     records, run = simulate(workload, TokenSpace(high=args.vocab_size), config, cluster, model)
     sim = summarize(records, real["goodput"]["slo_ms"], run.cluster.workers())
     sim["engine_steps"] = run.cluster.engine_steps()
-    return real, sim
+    return sim
 
 
 def busy_s(summary: dict) -> float | None:
@@ -111,7 +118,7 @@ def speed_matched_summary(
     best = (abs(busy_s(sim) - real_busy), sim, scale)
     for _ in range(rounds):
         scale *= real_busy / busy_s(sim)
-        real, sim = simulated_summary(run_dir, args, scale)
+        sim = replay(real, run_dir, args, scale)
         best = min(best, (abs(busy_s(sim) - real_busy), sim, scale), key=lambda b: b[0])
     return real, best[1], best[2]
 
@@ -251,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        return _print_table(rows, args)
+        return _print_table(rows, runs, args)
     for name, run_dirs in runs.items():
         reals, sims = zip(*(simulated_summary(d, args) for d in run_dirs), strict=True)
         configs = {
@@ -265,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         rows.append((name, list(reals), sims[0]))
-    return _print_table(rows, args)
+    return _print_table(rows, runs, args)
 
 
 def sensitivity_table(rows: list[tuple[str, list[dict]]], fraction: float) -> str:
@@ -294,15 +301,19 @@ def sensitivity_table(rows: list[tuple[str, list[dict]]], fraction: float) -> st
     return "\n".join(lines)
 
 
-def _print_table(rows: list[tuple[str, list[dict], dict]], args: argparse.Namespace) -> int:
+def _print_table(
+    rows: list[tuple[str, list[dict], dict]],
+    runs: dict[str, list[Path]],
+    args: argparse.Namespace,
+) -> int:
     text = validation_table(rows)
     if args.sensitivity is not None:
-        runs = repeats_of([Path(r) for r in args.runs])
         base = getattr(args, "step_time_scale", 1.0)
+        speeds = (1 - args.sensitivity, 1.0, 1 + args.sensitivity)
         sims = []
         for name, run_dirs in runs.items():
-            speeds = (1 - args.sensitivity, 1.0, 1 + args.sensitivity)
-            sims.append((name, [simulated_summary(run_dirs[0], args, base * f)[1] for f in speeds]))
+            real, _ = read_results(run_dirs[0])
+            sims.append((name, [replay(real, run_dirs[0], args, base * f) for f in speeds]))
         text += "\n\n" + sensitivity_table(sims, args.sensitivity)
     print(text)
     if args.out:
