@@ -1,6 +1,7 @@
 """Each engine, transfer and router setting has one definition (engine/options.py,
 kvtransfer/options.py, router/policy_names.py); the manifest, EngineConfig, the policy
-registry, `baton serve` and the README's engine options table must agree with it."""
+registry and `baton serve` must agree with it (the generated docs/configuration.md is checked by
+test_config_reference.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from router.policy import POLICIES, make_policy
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
 from tests.deploy.test_manifest import with_change
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE = {f.name: f for f in dataclasses.fields(EngineOptions)}
 TRANSFER = {f.name: f for f in dataclasses.fields(TransferOptions)}
 
@@ -68,7 +69,7 @@ def test_the_manifest_imports_no_torch():
         "import sys, deploy.manifest, engine.options, kvtransfer.options, router.policy_names\n"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=README.parent)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 def test_every_engine_option_is_in_the_manifest_or_named_elsewhere():
@@ -152,22 +153,6 @@ def test_the_engine_cross_field_check_is_the_manifests():
         EngineConfig(chunk_size=4096, max_num_batched_tokens=1024)
     with pytest.raises(ManifestError, match="chunk_size 4096 exceeds"):
         parse_manifest(with_change("spec.prefill.engine", {"chunk_size": 4096}))
-
-
-def test_readme_engine_options_table_agrees():
-    text = README.read_text().split("### Engine options", 1)[1]
-    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", text, flags=re.M))
-    assert set(ENGINE) <= set(rows), sorted(set(ENGINE) - set(rows))
-    for name, f in ENGINE.items():
-        shown = rows[name].strip().strip("`")
-        if f.default is None:
-            continue  # derived at start-up: the table says from what
-        if isinstance(f.default, bool):
-            assert shown == str(f.default).lower(), name
-        elif isinstance(f.default, int | float):
-            assert float(shown) == f.default, name
-        else:
-            assert shown == f.default, name
 
 
 def test_serve_flags_come_from_the_manifest_fields():
