@@ -31,8 +31,6 @@ typedef struct {
     int avx512, int8_isa;
 } ds_input;
 
-#define DS_TILE_M 4 /* activation rows sharing one unpacked weight block (as TILE_M, I8_TILE_M) */
-
 /* Work sharing: guided chunks (half of what is left per grab, down to 32 matrix rows / 32
  * SwiGLU outputs): a thread the OS has descheduled leaves its share to the others instead of
  * holding up the barrier with half of every product (at load ~7 on the 2 shared cores dynamic
@@ -45,9 +43,9 @@ typedef struct {
 #define SWIGLU_SCHEDULE schedule(guided, 4)
 #define HEADS_SCHEDULE schedule(dynamic, 1)
 #endif
+_Static_assert(TILE_M == I8_TILE_M, "one tile height for the float32 and the int8 tiles");
 #define PRAGMA(x) _Pragma(#x)
 #define OMP_FOR(sched) PRAGMA(omp for sched)
-#define ALWAYS_INLINE inline __attribute__((always_inline))
 
 static inline int64_t block_bytes_of(int32_t type) { return type == 3 ? 20 : type == 8 ? 34 : 0; }
 
@@ -76,53 +74,27 @@ static void prepare_input(ds_input *in, const float *x, int64_t R, int64_t K, fl
 }
 
 /* ---- the tiles: y[i * ys + r] = (row n0 + r of W) . (input row i), r < count <= 2,
- * i < TM <= DS_TILE_M; x, xsum (and xq, xd, xs) start at the tile's first input row. TM is a
- * constant where the tiles are inlined (the switches below), so accumulators are registers. */
+ * i < TM <= TILE_M; x, xsum (and xq, xd, xs) start at the tile's first input row. TM is a
+ * constant where the tiles are inlined (a switch on tm), so accumulators are registers. */
 
-/* float32, AVX2: baton_gguf_gemm's loop for each weight row. */
-static ALWAYS_INLINE void tile_avx2(const ds_matrix *w, const float *x, const float *xsum,
-                                    int64_t n0, int count, const int TM, float *y, int64_t ys) {
-    const int64_t bb = block_bytes_of(w->type), nb = w->k / QK, K = w->k;
-    for (int r = 0; r < count; r++) {
-        const uint8_t *row = w->blocks + (n0 + r) * nb * bb;
-        __m256 acc[DS_TILE_M];
-        float offset[DS_TILE_M];
-        for (int i = 0; i < TM; i++) {
-            acc[i] = _mm256_setzero_ps();
-            offset[i] = 0.0f;
-        }
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = row + b * bb;
-            const __m256 d = _mm256_set1_ps(f16_to_f32(blk));
-            __m256 q[4];
-            if (w->type == 3) quants_q4_1(blk + 4, q);
-            else quants_q8_0(blk + 2, q);
-            const float m = w->type == 3 ? f16_to_f32(blk + 2) : 0.0f;
-            for (int i = 0; i < TM; i++) {
-                const float *xb = x + i * K + b * QK;
-                __m256 p = _mm256_mul_ps(_mm256_loadu_ps(xb), q[0]);
-                p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), q[1], p);
-                p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), q[2], p);
-                p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q[3], p);
-                acc[i] = _mm256_fmadd_ps(d, p, acc[i]);
-                if (w->type == 3) offset[i] += m * xsum[i * nb + b];
-            }
-        }
-        for (int i = 0; i < TM; i++) y[i * ys + r] = hsum(acc[i]) + offset[i];
-    }
+/* float32, AVX2: baton_gguf_gemm's tile (gguf_gemm.c: row_tile_avx2) for each weight row. */
+static void rows_avx2(const ds_matrix *w, const float *x, const float *xsum, int64_t n0,
+                      int count, int tm, float *y, int64_t ys) {
+    const int64_t row_bytes = w->k / QK * block_bytes_of(w->type);
+    for (int r = 0; r < count; r++)
+        row_rows_avx2(w->blocks + (n0 + r) * row_bytes, w->type, w->k, x, xsum, tm, y + r, ys);
 }
 
 /* float32, AVX-512, Q4_1: gemv_avx512's loop (two weight rows; a lone last row is computed
  * twice, the copy dropped), for TM input rows. */
-AVX512_TARGET static ALWAYS_INLINE void tile_avx512_q4_1(const ds_matrix *w, const float *x,
-                                                         const float *xsum, int64_t n0,
-                                                         int count, const int TM, float *y,
-                                                         int64_t ys) {
+AVX512_TARGET static inline __attribute__((always_inline)) void
+tile_avx512_q4_1(const ds_matrix *w, const float *x, const float *xsum, int64_t n0, int count,
+                 const int TM, float *y, int64_t ys) {
     const int64_t nb = w->k / QK, K = w->k;
     const uint8_t *row[2] = {w->blocks + n0 * nb * 20,
                              w->blocks + (n0 + (count > 1 ? 1 : 0)) * nb * 20};
-    __m512 acc[2][DS_TILE_M];
-    float offset[2][DS_TILE_M];
+    __m512 acc[2][TILE_M];
+    float offset[2][TILE_M];
     for (int r = 0; r < 2; r++)
         for (int i = 0; i < TM; i++) {
             acc[r][i] = _mm512_setzero_ps();
@@ -148,27 +120,15 @@ AVX512_TARGET static ALWAYS_INLINE void tile_avx512_q4_1(const ds_matrix *w, con
         for (int i = 0; i < TM; i++) y[i * ys + r] = _mm512_reduce_add_ps(acc[r][i]) + offset[r][i];
 }
 
-/* The tiles with TM a constant, by a switch on tm (1 .. DS_TILE_M). */
-#define TM_SWITCH(tm, CALL)                                                                        \
-    switch (tm) {                                                                                  \
-    case 1: CALL(1); break;                                                                        \
-    case 2: CALL(2); break;                                                                        \
-    case 3: CALL(3); break;                                                                        \
-    default: CALL(4); break;                                                                       \
-    }
-
-static void rows_avx2(const ds_matrix *w, const float *x, const float *xsum, int64_t n0,
-                      int count, int tm, float *y, int64_t ys) {
-#define CALL(TM) tile_avx2(w, x, xsum, n0, count, TM, y, ys)
-    TM_SWITCH(tm, CALL)
-#undef CALL
-}
-
+/* tile_avx512_q4_1 with tm (1 .. TILE_M) made a constant. */
 AVX512_TARGET static void rows_avx512_q4_1(const ds_matrix *w, const float *x, const float *xsum,
                                            int64_t n0, int count, int tm, float *y, int64_t ys) {
-#define CALL(TM) tile_avx512_q4_1(w, x, xsum, n0, count, TM, y, ys)
-    TM_SWITCH(tm, CALL)
-#undef CALL
+    switch (tm) {
+    case 1: tile_avx512_q4_1(w, x, xsum, n0, count, 1, y, ys); break;
+    case 2: tile_avx512_q4_1(w, x, xsum, n0, count, 2, y, ys); break;
+    case 3: tile_avx512_q4_1(w, x, xsum, n0, count, 3, y, ys); break;
+    default: tile_avx512_q4_1(w, x, xsum, n0, count, 4, y, ys); break;
+    }
 }
 
 /* int8: gguf_gemm.c's tile of each ISA, W starting at the first weight row, y[i * ys + r]. */
@@ -202,7 +162,7 @@ static void i8_rows(const ds_matrix *w, const ds_input *in, int64_t n0, int coun
 }
 
 /* y[i * ys + r] = rows n0 + r of W times input rows m0 + i (+ bias), r < count <= 2,
- * i < tm <= DS_TILE_M. */
+ * i < tm <= TILE_M. */
 static void matrix_rows(const ds_matrix *w, const ds_input *in, int64_t n0, int count, int64_t m0,
                         int tm, float *y, int64_t ys) {
     const float *x = in->x + m0 * w->k, *xsum = in->xsum + m0 * (w->k / QK);
@@ -221,9 +181,9 @@ static void matrix_for(const ds_matrix *w, const ds_input *in, int64_t R, float 
     OMP_FOR(ROWS_SCHEDULE)
     for (int64_t g = 0; g < pairs; g++) {
         const int64_t n0 = 2 * g;
-        for (int64_t m0 = 0; m0 < R; m0 += DS_TILE_M)
+        for (int64_t m0 = 0; m0 < R; m0 += TILE_M)
             matrix_rows(w, in, n0, N - n0 < 2 ? 1 : 2, m0,
-                        R - m0 < DS_TILE_M ? (int)(R - m0) : DS_TILE_M, y + m0 * N + n0, N);
+                        R - m0 < TILE_M ? (int)(R - m0) : TILE_M, y + m0 * N + n0, N);
     }
 }
 
@@ -236,9 +196,9 @@ static void swiglu_for(const ds_matrix *w, const ds_input *in, int64_t R, int64_
     for (int64_t c = 0; c < (inter + 7) / 8; c++) {
         const int64_t i0 = 8 * c;
         const int count = inter - i0 < 8 ? (int)(inter - i0) : 8;
-        for (int64_t m0 = 0; m0 < R; m0 += DS_TILE_M) {
-            const int tm = R - m0 < DS_TILE_M ? (int)(R - m0) : DS_TILE_M;
-            float gate[DS_TILE_M][8], up[DS_TILE_M][8];
+        for (int64_t m0 = 0; m0 < R; m0 += TILE_M) {
+            const int tm = R - m0 < TILE_M ? (int)(R - m0) : TILE_M;
+            float gate[TILE_M][8], up[TILE_M][8];
             for (int r = 0; r < count; r += 2) {
                 const int pair = count - r < 2 ? 1 : 2;
                 matrix_rows(w, in, i0 + r, pair, m0, tm, gate[0] + r, 8);

@@ -222,13 +222,15 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
     if (check_model(m) != 0 || R < 1 || num_logit_rows < 0 || num_logit_rows > R) return -1;
     int64_t max_len = 0;
     for (int64_t r = 0; r < R; r++) {
+        const int64_t blocks = (seq_lens[r] + m->block_size - 1) / m->block_size;
         if (tokens[r] < 0 || tokens[r] >= m->vocab || seq_lens[r] < 1 ||
-            seq_lens[r] > m->max_positions || (seq_lens[r] + m->block_size - 1) / m->block_size > width)
+            seq_lens[r] > m->max_positions || blocks > width)
             return -1;
         max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
     }
     for (int64_t i = 0; i < num_logit_rows; i++)
-        if (logit_rows[i] < i || logit_rows[i] >= R || (i > 0 && logit_rows[i] <= logit_rows[i - 1]))
+        if (logit_rows[i] < i || logit_rows[i] >= R ||
+            (i > 0 && logit_rows[i] <= logit_rows[i - 1]))
             return -1;
     if (R > 1 && !rows_disjoint(tables, width, seq_lens, R, m->block_size)) return -1;
     const int64_t q_size = H * D, kv_size = KVH * D, qkv_n = q_size + 2 * kv_size;
@@ -247,9 +249,9 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
     float *own_all = act + R * I;
 #pragma omp parallel num_threads(threads)
     {
+        const int64_t nb = R * (max_k / QK);
         float *x = own_all + omp_get_thread_num() * own_size, *xn = x + R * E, *q = xn + R * E,
-              *k = q + D, *xsum = k + D, *xd = xsum + R * (max_k / QK), *xs = xd + R * (max_k / QK);
-        float *scores = xs + R * (max_k / QK);
+              *k = q + D, *xsum = k + D, *xd = xsum + nb, *xs = xd + nb, *scores = xs + nb;
         int8_t *xq = (int8_t *)(scores + max_len); /* R * max_k bytes */
         ds_input in = {.avx512 = m->avx512, .int8_isa = m->int8_isa};
         const int timed = timings != NULL && omp_get_thread_num() == 0;
@@ -284,9 +286,9 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
                 const float *row = qkv + r * qkv_n, *v = row + q_size + kv_size + h * D;
                 rope_rows(row + hq * D, 1, D, rot, q);
                 rope_rows(row + q_size + h * D, 1, D, rot, k);
-                const float *k_head = L->kv_cache + h * m->stride_head;
+                float *k_head = L->kv_cache + h * m->stride_head;
                 if (hq % G == 0) {
-                    float *k_dst = (float *)k_head + table[pos / m->block_size] * m->stride_block +
+                    float *k_dst = k_head + table[pos / m->block_size] * m->stride_block +
                                    (pos % m->block_size) * m->stride_token;
                     memcpy(k_dst, k, sizeof(float) * (size_t)D);
                     memcpy(k_dst + m->stride_kv, v, sizeof(float) * (size_t)D);
