@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if key == "decode_b1_tok_s" and "decode_b1_unfused_tok_s" in ours:
             unfused = ours["decode_b1_unfused_tok_s"]
-            label = "  unfused step (BATON_FUSED_DECODE=0)"
+            label = "  unfused step (fused_decode=False)"
             print(
                 f"{label:44} {theirs[key]:10.2f} {unfused:10.2f} {'-':>10} "
                 f"{unfused / theirs[key]:9.2f}x"
