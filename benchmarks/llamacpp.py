@@ -14,7 +14,7 @@ depends on them. Three workloads, both engines with the same thread count:
   - 32 sequences x (128 prompt -> 64 new), whole run (llama-batched-bench; Baton: one
     generate() of all 32, continuous batching)
 Baton's batch-1 decode is measured twice per round: with its fused decode step (the default)
-and with it off (the unfused path, as BATON_FUSED_DECODE=0 runs it). A third column, "Baton
+and with it off (the unfused path, as fused_decode=False runs it). A third column, "Baton
 int8", is Baton with int8_activations on (activations quantized to int8 per 32 values, integer
 dot products: llama.cpp's own arithmetic for these products); it is measured for batch-1 decode
 only (prefill and the 32-sequence batch have more than 8 rows a step, which stay float32: the
@@ -118,7 +118,7 @@ class BatonSide:
         return (DECODE_TOKENS - 1) / self.runner.decode_s(prompt, DECODE_TOKENS)
 
     def decode_unfused_tok_s(self) -> float | None:
-        """decode_tok_s with the fused decode step off (as BATON_FUSED_DECODE=0); None where
+        """decode_tok_s with the fused decode step off (as fused_decode=False); None where
         the engine has no fused step anyway."""
         fused = self.model_runner.fused
         if fused is None:
@@ -238,7 +238,7 @@ def step_ms(llm: LLM, rounds: int = 8, per_round: int = 20) -> dict[str, float]:
     runner = llm.engine.runner
     model, fused = runner.model, runner.fused
     if fused is None:
-        raise SystemExit("no fused decode step here (BATON_FUSED_DECODE=0, or not CPU float32)")
+        raise SystemExit("no fused decode step here (fused_decode=False, or not CPU float32)")
     blocks = list(range(1, -(-(PROMPT_LEN + 2) // runner.block_size) + 1))
     length = PROMPT_LEN + 2
 
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if key == "decode_b1_tok_s" and "decode_b1_unfused_tok_s" in ours:
             unfused = ours["decode_b1_unfused_tok_s"]
-            label = "  unfused step (BATON_FUSED_DECODE=0)"
+            label = "  unfused step (fused_decode=False)"
             print(
                 f"{label:44} {theirs[key]:10.2f} {unfused:10.2f} {'-':>10} "
                 f"{unfused / theirs[key]:9.2f}x"

@@ -12,6 +12,7 @@ from engine.attention import build_metadata, get_attention_backend
 from engine.attention.kv_layout import allocate_kv_cache
 from engine.config import EngineConfig
 from engine.errors import CapacityError
+from engine.model.fused_decode import MAX_ROWS as MAX_FUSED_ROWS
 from engine.model.fused_decode import FusedDecoder
 from engine.model.loader import load_model
 from engine.sampler import SampleRequest, TokenLogprobs, compute_logprobs, sample
@@ -46,6 +47,7 @@ class ModelRunner:
             max_model_len,
             config.use_gguf_blocks,
             config.int8_activations,
+            config.gguf_isa,
         )
         args = self.model.args
         self.backend = get_attention_backend(config.attention_backend, self.device)
@@ -69,7 +71,7 @@ class ModelRunner:
             self.block_size,
             self.kv_cache_bytes() / 2**30,
         )
-        # Batch-1 decode steps in one C call where the model allows (engine/model/fused_decode.py)
+        # Decode-only steps in one C call where the model allows (engine/model/fused_decode.py)
         self.fused = FusedDecoder.build(self.model, self.kv_caches, self.backend, config)
 
     def block_bytes(self) -> int:
@@ -93,8 +95,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, rows: list[BatchRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Run one step; return sampled tokens (and logprobs) for the rows that sample."""
-        if len(rows) == 1 and rows[0].n == 1 and self.fused is not None:
-            done = self._execute_fused(rows[0])
+        if self.fused is not None and len(rows) <= MAX_FUSED_ROWS and all(r.n == 1 for r in rows):
+            done = self._execute_fused(rows)
             if done is not None:
                 return done
         input_ids: list[int] = []
@@ -126,20 +128,33 @@ class ModelRunner:
         tokens = sample(logits, samples)
         return tokens, compute_logprobs(logits, tokens, samples)
 
-    def _execute_fused(self, row: BatchRow) -> tuple[list[int], list[TokenLogprobs | None]] | None:
-        """A step of one token of one request through the fused C step; None where it does
-        not run (the caller then takes the unfused path; nothing was written)."""
+    def _execute_fused(
+        self, rows: list[BatchRow]
+    ) -> tuple[list[int], list[TokenLogprobs | None]] | None:
+        """A step of one token per row through the fused C step; None where it does not run
+        (the caller then takes the unfused path; nothing was written)."""
         if not self.fused.serves(self.kv_caches):
             return None
-        out = self.fused.step(
-            row.token_ids[row.start], row.block_ids, row.start + 1, row.sample is not None
-        )
+        wanted = [i for i, row in enumerate(rows) if row.sample is not None]
+        if len(rows) == 1:
+            row = rows[0]
+            out = self.fused.step(
+                row.token_ids[row.start], row.block_ids, row.start + 1, bool(wanted)
+            )
+        else:
+            out = self.fused.step_rows(
+                [row.token_ids[row.start] for row in rows],
+                [row.block_ids for row in rows],
+                [row.start + 1 for row in rows],
+                wanted,
+            )
         if out is None:
             return None
-        if row.sample is None:
+        if not wanted:
             return [], []
         hidden, logits = out
         if logits is None:  # the output projection is not in GGUF blocks
-            logits = self.model.compute_logits(hidden)
-        tokens = sample(logits, [row.sample])
-        return tokens, compute_logprobs(logits, tokens, [row.sample])
+            logits = self.model.compute_logits(hidden[wanted])
+        samples = [rows[i].sample for i in wanted]
+        tokens = sample(logits, samples)
+        return tokens, compute_logprobs(logits, tokens, samples)

@@ -15,6 +15,8 @@ from typing import Any
 from engine.errors import InvalidRequestError
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # engine/config.py maps them to torch dtypes
+# gguf_isa values; engine/model/gguf_kernel.py maps each but auto to its kernels
+GGUF_ISA_NAMES = ("auto", "avx2", "avxvnni", "avx512", "avx512vnni")
 RULES = ("ge", "gt", "le", "min_length", "choices")  # metadata keys that validate a value
 _COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 
@@ -121,7 +123,24 @@ class EngineOptions:
         "like llama.cpp's Q8_1, and sum integer dot products (faster batch-1 decode). Only CPU "
         "float32 with a model converted from a GGUF (use_gguf_blocks on); elsewhere an error. "
         "Batches above 8 rows (prefill) stay float32, so tokens can depend on how a prompt "
-        "is split into steps (prefix cache hits, chunking)",
+        "is split into steps (prefix cache hits, chunking); decode-only steps that run fused "
+        "(fused_decode) quantize at any row count",
+    )
+    fused_decode: bool = option(
+        True,
+        "CPU float32 with GGUF blocks: a step whose rows are all decode tokens (1 to 32 "
+        "requests) runs the whole decoder stack and the logits in one C call, each weight "
+        "read once per step (the same arithmetic, per row, whatever the batch); off: the "
+        "per-operation path for every step (A/B runs)",
+    )
+    gguf_isa: str = option(
+        "auto",
+        "instruction set of the GGUF block kernels (A/B runs): auto picks by cpuid (AVX-512 "
+        "for float32 Q4_1 rows of one-row products and of fused decode steps, the fastest int8 "
+        "kernel); avx2 forces AVX2 everywhere; avx512 and avx512vnni force AVX-512 (float32) "
+        "and AVX-512 VNNI (int8); avxvnni forces AVX-VNNI (int8) and AVX2 (float32); one this "
+        "CPU lacks is an error at start",
+        choices=GGUF_ISA_NAMES,
     )
     itl_target_ms: float | None = option(
         None,

@@ -1,44 +1,44 @@
-"""The fused batch-1 decode step (decode_step.c): the whole decoder stack for one decode token,
-and the logits, in one C call.
+"""The fused decode step (decode_step.c): the whole decoder stack for a step of decode tokens
+(one to MAX_ROWS rows, each its own sequence), and their logits, in one C call.
 
-The model runner takes it for a step that is exactly one token of one request (batch-1
-decode) on a model it can run: CPU float32, every layer matrix held as GGUF blocks
-(GGUFBlockLinear), the cpu attention backend. Anything else (several requests, a prefill
-chunk, other devices or dtypes, dense layers) keeps the unfused path. Both compute the same
-float32 operations on the same weights (see decode_step.c), so greedy tokens do not change.
+The model runner takes it for a step whose every row is one token (decode rows) on a model it
+can run: CPU float32, every layer matrix held as GGUF blocks (GGUFBlockLinear), the cpu
+attention backend, the engine option fused_decode on. Anything else (a prefill chunk, more
+than MAX_ROWS rows, other devices or dtypes, dense layers) keeps the unfused path. Both
+compute the same float32 operations on the same weights (see decode_step.c), so greedy tokens
+do not change; and a row's numbers in the fused step do not depend on the other rows.
 
-    BATON_FUSED_DECODE=0   turns it off (the unfused path for every step), e.g. for A/B runs.
-
-Weight pointers, KV cache pointers and strides are gathered once (FusedDecoder.build); per step
-only the token, its block table and the sequence length go to C.
+Weight pointers, KV cache pointers, strides and the kernels' instruction set (the one the
+layers' own kernels use) are gathered once (FusedDecoder.build); per step only the tokens,
+block tables and sequence lengths go to C.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 
 import torch
 
 from engine.attention.kv_layout import head_major
-from engine.model.gguf_kernel import INT8_ISA_IDS, ISA_ENV, _gemv_isa_for, _int8_isa_for
-from engine.model.gguf_kernel import load_kernel as load_gguf_kernel
+from engine.model.gguf_kernel import INT8_ISA_IDS
 from engine.model.gguf_linear import GGUFBlockLinear
 from engine.native import load_kernel_library
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_step.c")
-ENV = "BATON_FUSED_DECODE"  # "0" turns the fused step off
 BLOCK_TYPES = (3, 8)  # GGML Q4_1, Q8_0: what decode_step.c multiplies
+# Most rows a step runs fused with. The C step takes any number; past this the unfused path's
+# dense float32 products (oneDNN) reuse each weight across rows better than the block kernels
+# (python -m benchmarks.decode_batch measures both up to here).
+MAX_ROWS = 32
 # The parts decode_step.c times (its enum, in order), as profile labels.
 PARTS = (
     "norms, residuals, block sums",
     "qkv product",
-    "rope + KV write",
-    "attention",
+    "rope + KV write + attention",
     "attention output product",
     "gate/up product + SwiGLU",
     "down product",
@@ -109,14 +109,10 @@ class Model(ctypes.Structure):
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled step with its signature set, or None where it cannot run here."""
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    return load_kernel_library(
-        SOURCE, baton_decode_step=[ctypes.POINTER(Model), i64, ptr, i64, ptr, ptr, ptr]
-    )
-
-
-def enabled() -> bool:
-    """False where $BATON_FUSED_DECODE is 0 / false / off."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    # model, rows, tokens, tables, table width, lengths, logit rows, their count, hidden,
+    # logits, timings
+    rows = [ctypes.POINTER(Model), i64, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr]
+    return load_kernel_library(SOURCE, baton_decode_rows=rows)
 
 
 def _matrix(layer: object) -> Matrix | None:
@@ -136,6 +132,14 @@ def _matrix(layer: object) -> Matrix | None:
     )
 
 
+def _block_layers(model: torch.nn.Module) -> list[GGUFBlockLinear]:
+    """Every layer matrix of the model, and its output projection where that is in blocks."""
+    matrices = [lin for layer in model.layers for lin in layer.linears()]
+    if isinstance(model.lm_head, GGUFBlockLinear):
+        matrices.append(model.lm_head)
+    return matrices
+
+
 class FusedDecoder:
     """One model's fused decode step. Holds references to every tensor whose address the C
     structure keeps (weights, norms, rope table, caches), so none is freed under it."""
@@ -150,8 +154,7 @@ class FusedDecoder:
         self._caches = caches  # the KV cache tensors the pointers are of, per layer
         self.has_head = bool(model.head.blocks)
         self.hidden_size, self.vocab, self.block_size = model.hidden, model.vocab, model.block_size
-        self._gguf_lib = load_gguf_kernel()
-        self.int8 = False  # the model's products quantize activations to int8 (set by build)
+        self.int8 = bool(model.int8_isa)  # the products quantize activations to int8
         self.timings: ctypes.Array | None = None  # set by profile(): seconds per part
 
     @classmethod
@@ -183,6 +186,10 @@ class FusedDecoder:
         rope = torch.view_as_real(model.rope_tables[0]).contiguous()  # [P, D / 2, 2]
         keep.append(rope)
         head = _matrix(model.lm_head) or Matrix()
+        # the instruction set of the layers' own kernels (one for all: _refusal), so that each
+        # row is computed as a one-row unfused product computes it
+        isa = _block_layers(model)[0].isa
+        int8 = bool(getattr(config, "int8_activations", False))
         c_model = Model(
             a.num_layers,
             a.hidden_size,
@@ -196,25 +203,29 @@ class FusedDecoder:
             a.vocab_size,
             a.rms_norm_eps,
             a.head_dim**-0.5,  # LlamaAttention.scale
-            0,  # avx512: set per step, as gguf_matmul chooses
+            int(not int8 and isa == "avx512"),
             layers,
             model.norm.weight.data_ptr(),
             model.embed_tokens.weight.data_ptr(),
             rope.data_ptr(),
             head,
+            INT8_ISA_IDS[isa] if int8 else 0,
         )
-        logger.info("batch-1 decode steps run fused in C (%s=0 turns it off)", ENV)
-        fused = cls(lib, c_model, layers, keep, list(kv_caches))
-        fused.int8 = bool(getattr(config, "int8_activations", False))
-        return fused
+        logger.info(
+            "decode steps of up to %d rows run fused in C (%s%s; fused_decode=False turns it off)",
+            MAX_ROWS,
+            isa,
+            ", int8 activations" if int8 else "",
+        )
+        return cls(lib, c_model, layers, keep, list(kv_caches))
 
     @staticmethod
     def _refusal(
         model: torch.nn.Module, kv_caches: list[torch.Tensor], backend: object, config
     ) -> str | None:
         """Why this model cannot run fused (None: it can)."""
-        if not enabled():
-            return f"${ENV}=0"
+        if not getattr(config, "fused_decode", True):
+            return "the engine option fused_decode is off"
         if getattr(backend, "name", None) != "cpu":
             return "the attention backend is not cpu"
         weight = model.embed_tokens.weight
@@ -229,11 +240,11 @@ class FusedDecoder:
             if any(_matrix(lin) is None for lin in layer.linears()):
                 return f"layer {i} has a matrix without Q4_1 / Q8_0 blocks"
         int8 = bool(getattr(config, "int8_activations", False))
-        matrices = [lin for layer in model.layers for lin in layer.linears()]
-        if isinstance(model.lm_head, GGUFBlockLinear):
-            matrices.append(model.lm_head)
-        if any(getattr(lin, "int8_activations", False) != int8 for lin in matrices):
+        matrices = _block_layers(model)
+        if any(lin.int8_activations != int8 for lin in matrices):
             return "int8_activations differs between the engine and its layers"
+        if len({lin.isa for lin in matrices}) != 1:
+            return "the layers' kernels use different instruction sets"
         if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
             return "a module has forward hooks (the fused step would skip them)"
         for cache in kv_caches:
@@ -258,27 +269,49 @@ class FusedDecoder:
     def step(
         self, token: int, block_ids: list[int], seq_len: int, logits: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Run the stack for `token` at position seq_len - 1 (its key and value go to that
-        position's slot of block_ids). Returns (final hidden [1, E], logits [1, V] or None
-        where the model's head is not in blocks or logits is False); None where the C step
-        refused (nothing was written: the caller runs the unfused path)."""
-        if len(block_ids) * self.block_size < seq_len:
-            raise ValueError(f"{len(block_ids)} blocks cannot hold {seq_len} tokens")
-        # Q4_1 rows through AVX-512 exactly when the unfused path's gguf_matmul would
-        isa = _gemv_isa_for(self._gguf_lib, os.environ.get(ISA_ENV, ""))
-        self._model.avx512 = int(isa == "avx512")
-        forced = os.environ.get(ISA_ENV, "")
-        self._model.int8_isa = (
-            INT8_ISA_IDS[_int8_isa_for(self._gguf_lib, forced)] if self.int8 else 0
-        )
-        table = (ctypes.c_int64 * len(block_ids))(*block_ids)
-        hidden = torch.empty(1, self.hidden_size, dtype=torch.float32)
-        out = torch.empty(1, self.vocab, dtype=torch.float32) if logits and self.has_head else None
-        rc = self._lib.baton_decode_step(
+        """One row: `token` at position seq_len - 1 (its key and value go to that position's
+        slot of block_ids). Returns (final hidden [1, E], logits [1, V] or None where the
+        model's head is not in blocks or logits is False); None where the C step refused
+        (nothing was written: the caller runs the unfused path)."""
+        return self.step_rows([token], [block_ids], [seq_len], [0] if logits else [])
+
+    def step_rows(
+        self,
+        tokens: list[int],
+        block_tables: list[list[int]],
+        seq_lens: list[int],
+        logit_rows: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """R rows, each its own sequence: tokens[r] at position seq_lens[r] - 1, its key and
+        value to that position's slot of block_tables[r]. Returns (final hidden [R, E], logits
+        [len(logit_rows), V] of the rows logit_rows (increasing), or None where the model's
+        head is not in blocks or logit_rows is empty); None where the C step refused (nothing
+        was written: the caller runs the unfused path)."""
+        rows = len(tokens)
+        if not rows or len(block_tables) != rows or len(seq_lens) != rows:
+            raise ValueError(
+                f"{rows} tokens need as many block tables and lengths "
+                f"(got {len(block_tables)}, {len(seq_lens)})"
+            )
+        for blocks, seq_len in zip(block_tables, seq_lens, strict=True):
+            if len(blocks) * self.block_size < seq_len:
+                raise ValueError(f"{len(blocks)} blocks cannot hold {seq_len} tokens")
+        width = max(len(blocks) for blocks in block_tables)
+        padded = [b for blocks in block_tables for b in (*blocks, *[0] * (width - len(blocks)))]
+        table = torch.tensor(padded, dtype=torch.int64)  # [R, width]
+        ints = torch.tensor([*tokens, *seq_lens, *logit_rows], dtype=torch.int64)
+        heads = len(logit_rows) if self.has_head else 0
+        hidden = torch.empty(rows, self.hidden_size, dtype=torch.float32)
+        out = torch.empty(heads, self.vocab, dtype=torch.float32) if heads else None
+        rc = self._lib.baton_decode_rows(
             ctypes.byref(self._model),
-            token,
-            table,
-            seq_len,
+            rows,
+            ints.data_ptr(),
+            table.data_ptr(),
+            width,
+            ints.data_ptr() + 8 * rows,
+            ints.data_ptr() + 16 * rows,
+            heads,
             hidden.data_ptr(),
             None if out is None else out.data_ptr(),
             self.timings,

@@ -60,12 +60,58 @@ static inline void rebuild_q8_0(const uint8_t *b, __m256 w[4]) {
     for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(w[i], d);
 }
 
-/* y[M, N] = x[M, K] W^T. Per block the dot product is factored: for Q4_1
+/* y[i * ys] = (W row `row`) . (x row i) for i < TM (x [TM, K], xsum [TM, K / 32]): the
+ * arithmetic of every float32 AVX2 product of this file and of the fused decode step, per
+ * output element. Per block the dot product is factored: for Q4_1
  *   sum_j x_j (d q_j + m) = d * sum_j x_j q_j + m * sum_j x_j,
  * with sum_j x_j computed once per row of x and block, shared by all N outputs; for Q8_0
  *   sum_j x_j (q_j d) = d * sum_j x_j q_j.
- * The same products as a dense float32 GEMM over the dequantized weights, summed in another
- * order. Returns 0, or -1 for an unknown block type or K not a multiple of 32. */
+ * TM is a constant where it is inlined (callers switch on it), so acc is registers. */
+static inline __attribute__((always_inline)) void row_tile_avx2(const uint8_t *row, int32_t type,
+                                                                int64_t K, const float *x,
+                                                                const float *xsum, const int TM,
+                                                                float *y, int64_t ys) {
+    const int64_t block_bytes = type == 3 ? 20 : 34, nb = K / QK;
+    __m256 acc[TILE_M];
+    float offset[TILE_M];
+    for (int i = 0; i < TM; i++) {
+        acc[i] = _mm256_setzero_ps();
+        offset[i] = 0.0f;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * block_bytes;
+        const __m256 d = _mm256_set1_ps(f16_to_f32(blk));
+        __m256 q[4];
+        if (type == 3) quants_q4_1(blk + 4, q);
+        else quants_q8_0(blk + 2, q);
+        const float m = type == 3 ? f16_to_f32(blk + 2) : 0.0f;
+        for (int i = 0; i < TM; i++) {
+            const float *xb = x + i * K + b * QK;
+            __m256 p = _mm256_mul_ps(_mm256_loadu_ps(xb), q[0]);
+            p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), q[1], p);
+            p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), q[2], p);
+            p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q[3], p);
+            acc[i] = _mm256_fmadd_ps(d, p, acc[i]);
+            if (type == 3) offset[i] += m * xsum[i * nb + b];
+        }
+    }
+    for (int i = 0; i < TM; i++) y[i * ys] = hsum(acc[i]) + offset[i];
+}
+
+/* row_tile_avx2 with tm (1 .. TILE_M) made a constant. */
+static void row_rows_avx2(const uint8_t *row, int32_t type, int64_t K, const float *x,
+                          const float *xsum, int tm, float *y, int64_t ys) {
+    switch (tm) {
+    case 1: row_tile_avx2(row, type, K, x, xsum, 1, y, ys); break;
+    case 2: row_tile_avx2(row, type, K, x, xsum, 2, y, ys); break;
+    case 3: row_tile_avx2(row, type, K, x, xsum, 3, y, ys); break;
+    default: row_tile_avx2(row, type, K, x, xsum, 4, y, ys); break;
+    }
+}
+
+/* y[M, N] = x[M, K] W^T (row_tile_avx2 per weight row and TILE_M rows of x): the same products
+ * as a dense float32 GEMM over the dequantized weights, summed in another order. Returns 0, or
+ * -1 for an unknown block type or K not a multiple of 32. */
 int baton_gguf_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                     int32_t type, float *xsum, float *y) {
     const int64_t block_bytes = type == 3 ? 20 : type == 8 ? 34 : 0; /* GGML type ids */
@@ -80,36 +126,10 @@ int baton_gguf_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
             xsum[i] = hsum(s);
         }
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = w + n * nb * block_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
-            const int64_t tm = M - m0 < TILE_M ? M - m0 : TILE_M;
-            __m256 acc[TILE_M];
-            float offset[TILE_M];
-            for (int i = 0; i < TILE_M; i++) {
-                acc[i] = _mm256_setzero_ps();
-                offset[i] = 0.0f;
-            }
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = row + b * block_bytes;
-                const __m256 d = _mm256_set1_ps(f16_to_f32(blk));
-                __m256 q[4];
-                if (type == 3) quants_q4_1(blk + 4, q);
-                else quants_q8_0(blk + 2, q);
-                const float m = type == 3 ? f16_to_f32(blk + 2) : 0.0f;
-                for (int64_t i = 0; i < tm; i++) {
-                    const float *xb = x + (m0 + i) * K + b * QK;
-                    __m256 p = _mm256_mul_ps(_mm256_loadu_ps(xb), q[0]);
-                    p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), q[1], p);
-                    p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), q[2], p);
-                    p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q[3], p);
-                    acc[i] = _mm256_fmadd_ps(d, p, acc[i]);
-                    if (type == 3) offset[i] += m * xsum[(m0 + i) * nb + b];
-                }
-            }
-            for (int64_t i = 0; i < tm; i++) y[(m0 + i) * N + n] = hsum(acc[i]) + offset[i];
-        }
-    }
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m0 = 0; m0 < M; m0 += TILE_M)
+            row_rows_avx2(w + n * nb * block_bytes, type, K, x + m0 * K, xsum + m0 * nb,
+                          M - m0 < TILE_M ? (int)(M - m0) : TILE_M, y + m0 * N + n, N);
     return 0;
 }
 

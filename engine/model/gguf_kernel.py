@@ -3,26 +3,27 @@ float32 tensors.
 
 Exact path (the default): two instruction sets, picked at run time: every product has an
 AVX2 + FMA kernel; a single row (batch-1 decode) of a Q4_1 matrix takes the AVX-512 kernel
-where the CPU has AVX-512 F/BW/VL (cpuid, checked in C) unless $BATON_GGUF_ISA=avx2 forces the
-AVX2 one. Both compute the same float32 products of the same weights; only the summation order
-differs.
+where the CPU has AVX-512 F/BW/VL (cpuid, checked in C) unless the engine option gguf_isa
+forces the AVX2 one. Both compute the same float32 products of the same weights; only the
+summation order differs.
 
 int8 activations (opt-in, gguf_matmul_int8): x is quantized to int8 per 32 values and each
 block's dot product is an integer sum (llama.cpp's arithmetic, see gguf_gemm.c). Three
 instruction sets: AVX2 (maddubs), AVX-VNNI (ymm vpdpbusd), AVX-512 VNNI (zmm vpdpbusd); the
-best the CPU has unless $BATON_GGUF_ISA forces one (int8_isa).
+best the CPU has unless gguf_isa forces one (int8_isa).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 
+from engine.errors import InvalidRequestError
 from engine.native import load_kernel_library
+from engine.options import GGUF_ISA_NAMES
 from engine.weights.gguf_convert import KEPT_BLOCK_TYPES
 
 SOURCE = Path(__file__).with_name("gguf_gemm.c")
@@ -30,8 +31,8 @@ QK = 32  # weights per block
 Q4_1 = 3  # GGML type id. Only Q4_1 rows take the AVX-512 kernel: measured on this project's
 # EPYC (2 threads, SmolLM2 shapes) it is 1.2-1.3x faster than AVX2 for Q4_1, but 2x slower for
 # the 49,152-row Q8_0 output projection, which AVX2 already reads at ~26 GB/s.
-ISA_ENV = "BATON_GGUF_ISA"  # forces a kernel: see ISA_CHOICES
-# $BATON_GGUF_ISA values -> (float32 single-row kernel, int8 kernel). "avx2" forces AVX2 for both.
+# gguf_isa values other than "auto" (EngineOptions) -> (float32 single-row kernel, int8 kernel).
+# "avx2" forces AVX2 for both.
 ISA_CHOICES = {
     "avx2": ("avx2", "avx2"),
     "avxvnni": ("avx2", "avxvnni"),
@@ -57,13 +58,11 @@ def load_kernel() -> ctypes.CDLL | None:
     )
 
 
-def _forced_isa() -> str:
-    forced = os.environ.get(ISA_ENV, "").strip().lower()
-    if forced not in ("", *ISA_CHOICES):
-        raise ValueError(
-            f"${ISA_ENV}={forced!r}: choose {', '.join(ISA_CHOICES)} (or leave it unset)"
-        )
-    return forced
+def _forced_isa(choice: str) -> str:
+    """The ISA_CHOICES key a gguf_isa value forces ("" for auto); an error names the option."""
+    if choice not in GGUF_ISA_NAMES:
+        raise InvalidRequestError(f"gguf_isa={choice!r}: choose {', '.join(GGUF_ISA_NAMES)}")
+    return "" if choice == "auto" else choice
 
 
 INT8_PREFERENCE = ("avxvnni", "avx512vnni", "avx2")  # fastest first: measured, see gguf_gemm.c
@@ -75,40 +74,38 @@ def int8_isas(lib: ctypes.CDLL) -> list[str]:
     return [name for name, i in INT8_ISA_IDS.items() if bits & (1 << i)]
 
 
-def int8_isa(lib: ctypes.CDLL) -> str:
-    """The instruction set of the int8 kernels here: the first of INT8_PREFERENCE this CPU has
-    (ymm AVX-VNNI measured fastest, then AVX-512 VNNI, AVX2), or the one $BATON_GGUF_ISA forces
-    (an error where the CPU lacks it)."""
-    forced = _forced_isa()
+def int8_isa(lib: ctypes.CDLL, choice: str = "auto") -> str:
+    """The instruction set of the int8 kernels here for the gguf_isa option `choice`: auto,
+    the first of INT8_PREFERENCE this CPU has (ymm AVX-VNNI measured fastest, then AVX-512
+    VNNI, AVX2); else the one it forces (InvalidRequestError where the CPU lacks it)."""
+    forced = _forced_isa(choice)
     have = int8_isas(lib)
     if forced:
         want = ISA_CHOICES[forced][1]
         if want not in have:
-            raise RuntimeError(f"${ISA_ENV}={forced} but this CPU lacks {want} (it has {have})")
+            raise InvalidRequestError(
+                f"gguf_isa={forced} but this CPU lacks {want} (it has {have})"
+            )
         return want
     return next(isa for isa in INT8_PREFERENCE if isa in have)
 
 
-def gemv_isa(lib: ctypes.CDLL) -> str:
-    """The instruction set single-row float32 products use here: "avx512" or "avx2"."""
-    forced = _forced_isa()
+def gemv_isa(lib: ctypes.CDLL, choice: str = "auto") -> str:
+    """The instruction set single-row float32 products use here for the gguf_isa option
+    `choice`: "avx512" or "avx2" (InvalidRequestError where it forces AVX-512 on a CPU
+    without it)."""
+    forced = _forced_isa(choice)
     forced = ISA_CHOICES[forced][0] if forced else ""
     has_avx512 = bool(lib.baton_cpu_has_avx512())
     if forced == "avx512" and not has_avx512:
-        raise RuntimeError(f"${ISA_ENV}=avx512 but this CPU lacks AVX-512 F/BW/VL")
+        raise InvalidRequestError(f"gguf_isa={choice} but this CPU lacks AVX-512 F/BW/VL")
     return "avx2" if forced == "avx2" or not has_avx512 else "avx512"
 
 
 @functools.cache
-def _int8_isa_for(lib: ctypes.CDLL, forced: str) -> str:
-    """int8_isa, once per library and value of $BATON_GGUF_ISA (the key: `forced`)."""
-    return int8_isa(lib)
-
-
-@functools.cache
-def _gemv_isa_for(lib: ctypes.CDLL, forced: str) -> str:
-    """gemv_isa, once per library and value of $BATON_GGUF_ISA (the key: `forced`)."""
-    return gemv_isa(lib)
+def _auto_isas(lib: ctypes.CDLL) -> tuple[str, str]:
+    """(gemv_isa, int8_isa) with gguf_isa auto, once per library."""
+    return gemv_isa(lib), int8_isa(lib)
 
 
 def check_blocks(blocks: torch.Tensor, n: int, k: int, block_type: int) -> None:
@@ -141,7 +138,7 @@ def gguf_matmul(
     y = torch.empty(m, n, dtype=torch.float32)
     xsum = torch.empty(m * (k // QK), dtype=torch.float32)  # scratch: one sum per x block
     if isa is None:
-        isa = _gemv_isa_for(lib, os.environ.get(ISA_ENV, ""))
+        isa = _auto_isas(lib)[0]
     if m == 1 and isa == "avx512" and block_type == Q4_1:
         rc = lib.baton_gguf_gemv_avx512(
             x.data_ptr(), k, blocks.data_ptr(), n, block_type, xsum.data_ptr(), y.data_ptr()
@@ -185,7 +182,7 @@ def gguf_matmul_int8(
     y = torch.empty(m, n, dtype=torch.float32)
     scratch = torch.empty(m * (k + 8 * (k // QK)), dtype=torch.uint8)
     if isa is None:
-        isa = _int8_isa_for(lib, os.environ.get(ISA_ENV, ""))
+        isa = _auto_isas(lib)[1]
     rc = lib.baton_gguf_gemm_q8_f32(
         x.data_ptr(),
         m,

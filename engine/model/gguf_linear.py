@@ -25,7 +25,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.model.gguf_kernel import check_blocks, gguf_matmul, gguf_matmul_int8, load_kernel
+from engine.model.gguf_kernel import (
+    check_blocks,
+    gemv_isa,
+    gguf_matmul,
+    gguf_matmul_int8,
+    int8_isa,
+    load_kernel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +52,10 @@ class GGUFBlockLinear(nn.Module):
         in_features: int,
         lib: ctypes.CDLL,
         int8_activations: bool = False,
+        isa: str | None = None,
     ) -> None:
+        """isa: the instruction set of its kernel (gguf_kernel.gemv_isa's or, with
+        int8_activations, int8_isa's answer); None: theirs for gguf_isa auto."""
         super().__init__()
         check_blocks(blocks, blocks.shape[0], in_features, block_type)
         self.dense = dense  # PackedLinear or nn.Linear holding the same float32 weight
@@ -54,6 +64,7 @@ class GGUFBlockLinear(nn.Module):
         self.bias = getattr(dense, "bias", None)
         self._lib = lib
         self.int8_activations = int8_activations
+        self.isa = isa or (int8_isa(lib) if int8_activations else gemv_isa(lib))
 
     @property
     def weight(self) -> torch.Tensor:
@@ -62,7 +73,7 @@ class GGUFBlockLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= QUANT_MAX_ROWS and x.dtype == torch.float32:
             matmul = gguf_matmul_int8 if self.int8_activations else gguf_matmul
-            y = matmul(self._lib, x, self.blocks, self.block_type)
+            y = matmul(self._lib, x, self.blocks, self.block_type, self.isa)
             return y if self.bias is None else y.add_(self.bias)
         return self.dense(x)
 
@@ -87,16 +98,22 @@ def _head(model: nn.Module) -> nn.Module:
 
 
 def attach_gguf_blocks(
-    model: nn.Module, blocks_file: Path, target: Callable, int8_activations: bool = False
+    model: nn.Module,
+    blocks_file: Path,
+    target: Callable,
+    int8_activations: bool = False,
+    gguf_isa: str = "auto",
 ) -> int:
     """Wrap every linear of `model` whose whole weight the blocks file holds (fused q/k/v and
     gate/up: every part, all of one type) in a GGUFBlockLinear (with int8 activations if
-    asked). `target` maps an HF name to (our parameter name, shard index or None) like the
-    float32 loader does. Returns how many layers were wrapped; 0 where the kernel cannot run
-    here."""
+    asked), its kernels on the instruction set the gguf_isa option picks (InvalidRequestError
+    where this CPU lacks it). `target` maps an HF name to (our parameter name, shard index or
+    None) like the float32 loader does. Returns how many layers were wrapped; 0 where the
+    kernel cannot run here."""
     lib = load_kernel()
     if lib is None:
         return 0
+    isa = int8_isa(lib, gguf_isa) if int8_activations else gemv_isa(lib, gguf_isa)
     parts: dict[str, dict[int | None, tuple[torch.Tensor, int]]] = {}
     for name, (blocks, block_type) in read_blocks(blocks_file).items():
         where = target(model, name)
@@ -129,13 +146,15 @@ def attach_gguf_blocks(
             weight.shape[1],
             lib,
             int8_activations,
+            isa,
         )
         parent_name, _, attr = owner_name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, wrapped_layer)
         wrapped += 1
     logger.info(
-        "%d linear layers multiply small batches from GGUF blocks%s",
+        "%d linear layers multiply small batches from GGUF blocks (%s%s)",
         wrapped,
-        " with int8 activations" if int8_activations else "",
+        isa,
+        ", int8 activations" if int8_activations else "",
     )
     return wrapped

@@ -115,11 +115,13 @@ def load_model(
     max_positions: int,
     use_gguf_blocks: bool = True,
     int8_activations: bool = False,
+    gguf_isa: str = "auto",
 ) -> tuple[LlamaForCausalLM, dict]:
     """Model with weights from model_dir's safetensors, on device, in dtype, in eval mode.
     On CPU in float32, a directory converted from a GGUF also multiplies small batches from
-    the GGUF blocks (unless use_gguf_blocks is False), with int8 activations if asked
-    (InvalidRequestError where that cannot run: another device or dtype, no blocks, no kernel)."""
+    the GGUF blocks (unless use_gguf_blocks is False) on the instruction set gguf_isa picks,
+    with int8 activations if asked (InvalidRequestError where that cannot run: another device
+    or dtype, no blocks, no kernel, an instruction set this CPU lacks)."""
     model_dir = Path(model_dir)
     blocks = model_dir / BLOCKS_FILE
     if int8_activations:
@@ -179,7 +181,7 @@ def load_model(
     if device.type == "cpu":
         model.pack_for_cpu()
         if use_gguf_blocks and dtype == torch.float32 and blocks.is_file():
-            wrapped = attach_gguf_blocks(model, blocks, _target, int8_activations)
+            wrapped = attach_gguf_blocks(model, blocks, _target, int8_activations, gguf_isa)
             if int8_activations and not wrapped:
                 raise InvalidRequestError(
                     "int8_activations: the GGUF block kernels do not run on this machine "

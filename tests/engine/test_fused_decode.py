@@ -1,9 +1,11 @@
-"""The fused batch-1 decode step (engine/model/decode_step.c): the same hidden states, logits
+"""The fused decode step (engine/model/decode_step.c) at one row: the same hidden states, logits
 and KV cache contents as the unfused path step by step, the same greedy tokens (and
-transformers'), and the unfused path wherever a step is not one decode token."""
+transformers'), and the unfused path wherever a step is not all decode tokens or the model
+cannot run it. Several rows: test_fused_decode_rows.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -13,8 +15,8 @@ from engine import LLM, SamplingParams
 from engine.attention import build_metadata
 from engine.attention.kv_layout import allocate_kv_cache
 from engine.model import fused_decode
-from engine.model.fused_decode import ENV, FusedDecoder
-from engine.model.gguf_kernel import ISA_ENV, int8_isas
+from engine.model.fused_decode import FusedDecoder
+from engine.model.gguf_kernel import int8_isas
 from engine.model.gguf_kernel import load_kernel as load_gguf_kernel
 from engine.native import library_path, source_files
 from tests.engine.test_gguf_blocks import VOCAB
@@ -31,24 +33,23 @@ OPTS = dict(skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
 def engine_pair(quantized_llama):
     """(fused on, fused off) engines on the same checkpoint."""
     fused = LLM(str(quantized_llama), **OPTS)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(ENV, "0")
-        unfused = LLM(str(quantized_llama), **OPTS)
+    unfused = LLM(str(quantized_llama), fused_decode=False, **OPTS)
     assert fused.engine.runner.fused is not None
     assert unfused.engine.runner.fused is None
     return fused, unfused
 
 
-def spy_steps(runner, monkeypatch) -> list[int]:
-    """Records the sequence length of every fused step the runner takes."""
-    calls: list[int] = []
-    original = runner.fused.step
+def spy_steps(runner, monkeypatch) -> list[int | tuple[int, ...]]:
+    """Records every fused step the runner takes: the sequence length of a one-row step, the
+    tuple of its rows' sequence lengths for a step of several rows."""
+    calls: list[int | tuple[int, ...]] = []
+    original = runner.fused.step_rows
 
-    def step(token, block_ids, seq_len, logits=True):
-        calls.append(seq_len)
-        return original(token, block_ids, seq_len, logits)
+    def step_rows(tokens, block_tables, seq_lens, logit_rows):
+        calls.append(seq_lens[0] if len(seq_lens) == 1 else tuple(seq_lens))
+        return original(tokens, block_tables, seq_lens, logit_rows)
 
-    monkeypatch.setattr(runner.fused, "step", step)
+    monkeypatch.setattr(runner.fused, "step_rows", step_rows)
     return calls
 
 
@@ -95,12 +96,11 @@ def compare_steps(runner, g: torch.Generator, tolerance: float):
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("isa", RUNNABLE_ISAS)
-def test_each_step_equals_the_unfused_path(quantized_llama, isa, threads, monkeypatch):
+def test_each_step_equals_the_unfused_path(quantized_llama, isa, threads):
     """Token by token over 14 positions (blocks of 4: three block boundaries, blocks out of
     order): final hidden state, logits and every layer's cache equal the unfused path's, on
     one thread and on two (rows and heads shared out, private copies of the small vectors)."""
-    monkeypatch.setenv(ISA_ENV, isa)
-    llm = LLM(str(quantized_llama), **OPTS)
+    llm = LLM(str(quantized_llama), gguf_isa=isa, **OPTS)
     runner = llm.engine.runner
     model = runner.model
     g = torch.Generator().manual_seed(5)
@@ -123,19 +123,17 @@ INT8_ISAS = int8_isas(load_gguf_kernel()) if load_gguf_kernel() is not None else
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("isa", INT8_ISAS)
-def test_int8_steps_equal_the_unfused_int8_path(quantized_llama, isa, threads, monkeypatch):
+def test_int8_steps_equal_the_unfused_int8_path(quantized_llama, isa, threads):
     """With int8_activations every product's input is quantized to int8 blocks inside the C
     step as the unfused int8 layers do it: logits and caches equal theirs, and greedy tokens."""
-    monkeypatch.setenv(ISA_ENV, isa)
-    llm = LLM(str(quantized_llama), int8_activations=True, **OPTS)
+    int8 = dict(int8_activations=True, gguf_isa=isa, **OPTS)
+    llm = LLM(str(quantized_llama), **int8)
     runner = llm.engine.runner
     assert runner.fused is not None and runner.fused.int8
     # the same integer dot products; AVX-512 VNNI sums the unfused row in zmm lanes, the fused
     # one in ymm lanes (another float order), and silu's exp (last bit)
     compare_steps(runner, torch.Generator().manual_seed(6), tolerance=1e-4)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(ENV, "0")
-        unfused = LLM(str(quantized_llama), int8_activations=True, **OPTS)
+    unfused = LLM(str(quantized_llama), fused_decode=False, **int8)
     prompts = random_prompts([5, 9], seed=11, vocab=VOCAB)
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     ours = [o.token_ids for o in llm.generate(prompts, greedy)]
@@ -162,18 +160,20 @@ def test_greedy_tokens_equal_unfused_and_transformers(
         assert fused.generate([prompt], params)[0].token_ids == ours
 
 
-def test_steps_of_several_requests_or_a_prefill_take_the_unfused_path(engine_pair, monkeypatch):
+def test_decode_steps_of_several_requests_run_fused_and_prefills_do_not(engine_pair, monkeypatch):
     fused, unfused = engine_pair
     calls = spy_steps(fused.engine.runner, monkeypatch)
     prompts = random_prompts([6, 6], seed=42, vocab=VOCAB)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     ours = [o.token_ids for o in fused.generate(prompts, params)]
-    assert calls == []  # the two requests always share their steps
+    # the prefill step of both prompts is unfused; each later step decodes both in one C call
+    assert calls == [(7, 7), (8, 8), (9, 9), (10, 10)]
     assert ours == [o.token_ids for o in unfused.generate(prompts, params)]
-    # a longer request finishes alone: its last steps are batch-1 decode steps again
+    # a longer request finishes alone: its last steps are one-row steps
     params_each = [params, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)]
+    calls.clear()
     ours = [o.token_ids for o in fused.generate(prompts, params_each)]
-    assert calls == [11, 12, 13]  # 6 prompt tokens + 8 new: tokens 6, 7, 8 come alone
+    assert calls == [(7, 7), (8, 8), (9, 9), (10, 10), 11, 12, 13]
     assert ours == [o.token_ids for o in unfused.generate(prompts, params_each)]
 
 
@@ -194,13 +194,16 @@ def test_models_it_cannot_run_keep_the_unfused_path(engine_pair, monkeypatch):
     runner = engine_pair[0].engine.runner
     args = (runner.model, runner.kv_caches, runner.backend)
     assert FusedDecoder.build(*args, runner.config) is not None
-    monkeypatch.setenv(ENV, "0")
-    assert FusedDecoder.build(*args, runner.config) is None
-    monkeypatch.delenv(ENV)
+    off = dataclasses.replace(runner.config, fused_decode=False)
+    assert FusedDecoder.build(*args, off) is None
     int8 = types.SimpleNamespace(int8_activations=True)
     assert FusedDecoder.build(*args, int8) is None  # the engine says int8, its layers do not
     monkeypatch.setattr(runner.model.layers[0].mlp.down_proj, "int8_activations", True, False)
     assert FusedDecoder.build(*args, runner.config) is None  # a layer with int8 products
+    monkeypatch.undo()
+    other = "avx512" if runner.model.layers[0].mlp.down_proj.isa == "avx2" else "avx2"
+    monkeypatch.setattr(runner.model.layers[1].self_attn.o_proj, "isa", other)
+    assert FusedDecoder.build(*args, runner.config) is None  # kernels on two ISAs
     monkeypatch.undo()
     torch_backend = types.SimpleNamespace(name="torch")
     assert FusedDecoder.build(runner.model, runner.kv_caches, torch_backend, None) is None
@@ -215,7 +218,14 @@ def test_models_it_cannot_run_keep_the_unfused_path(engine_pair, monkeypatch):
 
 def test_library_key_covers_included_files(tmp_path):
     names = {p.name for p in source_files(fused_decode.SOURCE)}
-    assert names == {"decode_step.c", "gguf_gemm.c", "paged_decode.c", "rms_norm.c", "simd_math.h"}
+    assert names == {
+        "decode_step.c",
+        "decode_matrix.c",
+        "gguf_gemm.c",
+        "paged_decode.c",
+        "rms_norm.c",
+        "simd_math.h",
+    }
     (tmp_path / "part.c").write_text("int part(void) { return 1; }\n")
     main = tmp_path / "main.c"
     main.write_text('#include "part.c"\nint whole(void) { return part(); }\n')

@@ -17,7 +17,6 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.model import gguf_kernel
 from engine.model.gguf_kernel import (
-    ISA_ENV,
     gguf_matmul,
     gguf_matmul_int8,
     gguf_matmul_q8,
@@ -145,25 +144,25 @@ def test_error_against_float32_is_within_the_rounding_bound(qtype):
         assert err.max() < 0.02 * exact.abs().max(), isa  # in numbers: the measured scale
 
 
-def test_isa_choice_and_forcing(monkeypatch):
-    monkeypatch.delenv(ISA_ENV, raising=False)
+def test_isa_choice_and_forcing():
     assert int8_isa(lib) == next(i for i in gguf_kernel.INT8_PREFERENCE if i in RUNNABLE)
-    monkeypatch.setenv(ISA_ENV, "avx2")
-    assert int8_isa(lib) == "avx2"
-    assert gguf_kernel.gemv_isa(lib) == "avx2"  # the float32 kernel too
-    for forced, want in (("avxvnni", "avxvnni"), ("avx512vnni", "avx512vnni")):
-        monkeypatch.setenv(ISA_ENV, forced)
+    assert int8_isa(lib, "avx2") == "avx2"
+    assert gguf_kernel.gemv_isa(lib, "avx2") == "avx2"  # the float32 kernel too
+    for forced, want in (
+        ("avxvnni", "avxvnni"),
+        ("avx512vnni", "avx512vnni"),
+        ("avx512", "avx512vnni"),
+    ):
         if want in RUNNABLE:
-            assert int8_isa(lib) == want
+            assert int8_isa(lib, forced) == want
         else:
-            with pytest.raises(RuntimeError, match=f"lacks {want}"):
-                int8_isa(lib)
-    monkeypatch.setenv(ISA_ENV, "sse9")
-    with pytest.raises(ValueError, match="choose avx2, avxvnni, avx512, avx512vnni"):
-        int8_isa(lib)
+            with pytest.raises(InvalidRequestError, match=f"lacks {want}"):
+                int8_isa(lib, forced)
+    with pytest.raises(InvalidRequestError, match="choose auto, avx2, avxvnni, avx512, avx512vnni"):
+        int8_isa(lib, "sse9")
 
 
-def test_an_avx2_only_cpu_gets_the_avx2_kernel_and_refusals(monkeypatch):
+def test_an_avx2_only_cpu_gets_the_avx2_kernel_and_refusals():
     """What a CPU with AVX2 only sees: the probe lists avx2 alone, the choice is AVX2, forcing a
     VNNI kernel is an error, and the C entry refuses (-2) an ISA the CPU lacks."""
 
@@ -175,12 +174,10 @@ def test_an_avx2_only_cpu_gets_the_avx2_kernel_and_refusals(monkeypatch):
         def baton_cpu_int8_isas():
             return 1 << gguf_kernel.INT8_ISA_IDS["avx2"]
 
-    monkeypatch.delenv(ISA_ENV, raising=False)
     fake = Avx2Only()
     assert int8_isas(fake) == ["avx2"] and int8_isa(fake) == "avx2"
-    monkeypatch.setenv(ISA_ENV, "avx512vnni")
-    with pytest.raises(RuntimeError, match="lacks avx512vnni"):
-        int8_isa(fake)
+    with pytest.raises(InvalidRequestError, match="gguf_isa=avx512vnni but this CPU lacks"):
+        int8_isa(fake, "avx512vnni")
     y = torch.empty(1, 1)
     x = torch.zeros(1, 32, dtype=torch.int8)
     dx = torch.zeros(1, 1)
@@ -245,3 +242,9 @@ def test_refused_where_it_cannot_run(tmp_path):
     plain = make_checkpoint(tmp_path / "plain")  # a float checkpoint: no GGUF blocks
     with pytest.raises(InvalidRequestError, match="not converted from a GGUF"):
         LLM(str(plain), int8_activations=True, **OPTS)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_the_engine_option_picks_the_int8_kernel(quantized_llama, isa):
+    llm = LLM(str(quantized_llama), int8_activations=True, gguf_isa=isa, **OPTS)
+    assert {layer.isa for layer in block_layers(llm)} == {isa}

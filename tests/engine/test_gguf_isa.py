@@ -1,6 +1,6 @@
 """The single-row GGUF kernels per instruction set: each path this CPU can run agrees with a
 float64 torch reference over the exactly dequantized weights, and the run-time choice falls
-back to AVX2 where AVX-512 is missing or $BATON_GGUF_ISA=avx2 asks for it."""
+back to AVX2 where AVX-512 is missing or the engine option gguf_isa=avx2 asks for it."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
-from engine.model import gguf_kernel
-from engine.model.gguf_kernel import ISA_ENV, gemv_isa, gguf_matmul, load_kernel
+from engine import LLM
+from engine.errors import InvalidRequestError
+from engine.model import gguf_kernel, gguf_linear
+from engine.model.gguf_kernel import ISA_CHOICES, gemv_isa, gguf_matmul, load_kernel
+from engine.model.gguf_linear import GGUFBlockLinear
+from engine.options import GGUF_ISA_NAMES
 
 Q4_1, Q8_0 = int(gguf.GGMLQuantizationType.Q4_1), int(gguf.GGMLQuantizationType.Q8_0)
 
@@ -60,44 +64,63 @@ def test_the_two_paths_agree_to_rounding(qtype):
         torch.testing.assert_close(y, paths[0], rtol=1e-4, atol=1e-4)
 
 
-def test_detection_matches_cpuinfo_and_env_forces_avx2(monkeypatch):
-    monkeypatch.delenv(ISA_ENV, raising=False)
+def test_detection_matches_cpuinfo_and_the_option_forces_avx2():
     assert bool(lib.baton_cpu_has_avx512()) == HAS_AVX512
-    assert gemv_isa(lib) == ("avx512" if HAS_AVX512 else "avx2")
-    monkeypatch.setenv(ISA_ENV, "avx2")
-    assert gemv_isa(lib) == "avx2"
-    monkeypatch.setenv(ISA_ENV, "sse9")
-    with pytest.raises(ValueError, match="choose avx2, avxvnni, avx512, avx512vnni"):
-        gemv_isa(lib)
-    monkeypatch.setenv(ISA_ENV, "avx512")
+    assert gemv_isa(lib) == gemv_isa(lib, "auto") == ("avx512" if HAS_AVX512 else "avx2")
+    assert gemv_isa(lib, "avx2") == "avx2"
+    assert gemv_isa(lib, "avxvnni") == "avx2"  # an int8 choice: float32 rows stay AVX2
+    with pytest.raises(InvalidRequestError, match="choose auto, avx2, avxvnni, avx512, avx512vnni"):
+        gemv_isa(lib, "sse9")
     if HAS_AVX512:
-        assert gemv_isa(lib) == "avx512"
+        assert gemv_isa(lib, "avx512") == gemv_isa(lib, "avx512vnni") == "avx512"
     else:
-        with pytest.raises(RuntimeError, match="lacks AVX-512"):
-            gemv_isa(lib)
+        with pytest.raises(InvalidRequestError, match="gguf_isa=avx512 but this CPU lacks"):
+            gemv_isa(lib, "avx512")
+    assert tuple(ISA_CHOICES) == GGUF_ISA_NAMES[1:]  # every option value but auto has kernels
 
 
-def test_a_cpu_without_avx512_falls_back_to_avx2(monkeypatch):
+@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
+def test_the_engine_option_reaches_every_block_layer(quantized_llama, isa):
+    llm = LLM(str(quantized_llama), gguf_isa=isa, skip_tokenizer_init=True, num_kv_blocks=16)
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, GGUFBlockLinear)]  # lm_head too
+    assert len(layers) == 1 + 4 * len(model.layers) and {m.isa for m in layers} == {isa}
+
+
+def test_an_isa_the_cpu_lacks_is_refused_at_start(quantized_llama, monkeypatch):
+    opts = dict(skip_tokenizer_init=True, num_kv_blocks=16)
+    with pytest.raises(InvalidRequestError, match="gguf_isa='sse9' is invalid: choose auto"):
+        LLM(str(quantized_llama), gguf_isa="sse9", **opts)
+    monkeypatch.setattr(gguf_linear, "load_kernel", NoAvx512)  # the loader sees such a CPU
+    with pytest.raises(InvalidRequestError, match="gguf_isa=avx512 but this CPU lacks"):
+        LLM(str(quantized_llama), gguf_isa="avx512", **opts)
+    model = LLM(str(quantized_llama), **opts).engine.runner.model  # auto: AVX2 there
+    assert model.layers[0].mlp.down_proj.isa == "avx2"
+
+
+class NoAvx512:
+    """The real library, with the CPU probe answering as an AVX2-only machine would."""
+
+    def __getattr__(self, name):
+        return getattr(lib, name)
+
+    @staticmethod
+    def baton_cpu_has_avx512():
+        return 0
+
+    @staticmethod
+    def baton_gguf_gemv_avx512(*args):
+        return -2  # what the C entry point returns on such a CPU
+
+
+def test_a_cpu_without_avx512_falls_back_to_avx2():
     """What a CPU without AVX-512 sees: the probe says no, the choice is AVX2, and asking for
     the AVX-512 kernel anyway still returns the right numbers (the C kernel refuses, -2)."""
 
-    class NoAvx512:
-        """The real library, with the CPU probe answering as an AVX2-only machine would."""
-
-        def __getattr__(self, name):
-            return getattr(lib, name)
-
-        @staticmethod
-        def baton_cpu_has_avx512():
-            return 0
-
-        @staticmethod
-        def baton_gguf_gemv_avx512(*args):
-            return -2  # what the C entry point returns on such a CPU
-
-    monkeypatch.delenv(ISA_ENV, raising=False)
     fake = NoAvx512()
     assert gemv_isa(fake) == "avx2"
+    with pytest.raises(InvalidRequestError, match="gguf_isa=avx512 but this CPU lacks"):
+        gemv_isa(fake, "avx512")
     blocks, weight = quantized(5, 64, Q4_1, seed=9)
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(9))
     y = gguf_matmul(fake, x, blocks, Q4_1, isa="avx512")

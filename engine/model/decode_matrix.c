@@ -1,0 +1,221 @@
+/* The matrix products of the fused decode step (decode_step.c): y [R, N] = x [R, K] W^T for the
+ * step's R activation rows, W read straight from its GGUF blocks, every weight row once per
+ * step (a pair of weight rows stays in L1 while all R activation rows pass it).
+ *
+ * Each output element is computed exactly as the one-row kernels compute it for one row of x,
+ * whatever R and whichever tile it falls in (the tiles only share the unpacked weights and the
+ * x loads): so a row's result never depends on the other rows of the step.
+ *   - float32, AVX2: baton_gguf_gemm's arithmetic per (weight row, activation row);
+ *   - float32, AVX-512 (Q4_1 only, where the caller asks for it): gemv_avx512's arithmetic;
+ *   - int8 activations: gguf_gemm.c's ymm integer-dot tiles of the chosen ISA (the AVX-512 VNNI
+ *     choice takes the 256-bit VNNI tile, as the one-row fused step always has);
+ * a bias is added after the row sum (torch's y.add_(bias)).
+ * Included by decode_step.c after gguf_gemm.c.
+ */
+
+/* One weight matrix W [n, k] in GGUF blocks, with an optional bias [n]. */
+typedef struct {
+    const uint8_t *blocks; /* [n, k / 32 * block bytes] */
+    const float *bias;     /* [n] or NULL */
+    int64_t n, k;
+    int32_t type; /* GGML type id: 3 Q4_1, 8 Q8_0 */
+} ds_matrix;
+
+/* The input rows of a product, as every kernel wants them: x [R, K] (row stride K), their
+ * block sums [R, K / 32] and with int8 their quantized blocks (q [R, K], scales d and
+ * d * sum(q) [R, K / 32]). */
+typedef struct {
+    const float *x, *xsum;
+    const int8_t *xq;
+    const float *xd, *xs;
+    int avx512, int8_isa;
+} ds_input;
+
+/* Work sharing: guided chunks (half of what is left per grab, down to 32 matrix rows / 32
+ * SwiGLU outputs): a thread the OS has descheduled leaves its share to the others instead of
+ * holding up the barrier with half of every product (at load ~7 on the 2 shared cores dynamic
+ * chunks took 133 vs 159 ms per one-row step with static halves), while on a quiet machine
+ * guided costs what static does (7.76 vs 7.70 ms per step at 2 threads; dynamic chunks of 32
+ * rows: 9.02 ms). Which thread computes a row never changes its value. -DROWS_SCHEDULE=...
+ * (with SWIGLU_SCHEDULE and decode_step.c's HEADS_SCHEDULE) at build time overrides them. */
+#ifndef ROWS_SCHEDULE
+#define ROWS_SCHEDULE schedule(guided, 16)
+#define SWIGLU_SCHEDULE schedule(guided, 4)
+#define HEADS_SCHEDULE schedule(dynamic, 1)
+#endif
+_Static_assert(TILE_M == I8_TILE_M, "one tile height for the float32 and the int8 tiles");
+#define PRAGMA(x) _Pragma(#x)
+#define OMP_FOR(sched) PRAGMA(omp for sched)
+
+static inline int64_t block_bytes_of(int32_t type) { return type == 3 ? 20 : type == 8 ? 34 : 0; }
+
+/* Block sums of x [K] (sum of each block of 32), the formula of gguf_gemm.c. Rows of a
+ * [R, K] matrix are consecutive blocks, so one call with K = R K sums them all. */
+static void block_sums(const float *x, int64_t K, float *xsum) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                 _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+        xsum[b] = hsum(s);
+    }
+}
+
+/* in = the R rows of x [R, K] ready for a product: block sums, and the int8 blocks where the
+ * step uses them (per block of 32, so all rows in one call). */
+static void prepare_input(ds_input *in, const float *x, int64_t R, int64_t K, float *xsum,
+                          int8_t *xq, float *xd, float *xs) {
+    block_sums(x, R * K, xsum);
+    if (in->int8_isa) baton_quantize_row_q8(x, R * K, xq, xd, xs);
+    in->x = x;
+    in->xsum = xsum;
+    in->xq = xq;
+    in->xd = xd;
+    in->xs = xs;
+}
+
+/* ---- the tiles: y[i * ys + r] = (row n0 + r of W) . (input row i), r < count <= 2,
+ * i < TM <= TILE_M; x, xsum (and xq, xd, xs) start at the tile's first input row. TM is a
+ * constant where the tiles are inlined (a switch on tm), so accumulators are registers. */
+
+/* float32, AVX2: baton_gguf_gemm's tile (gguf_gemm.c: row_tile_avx2) for each weight row. */
+static void rows_avx2(const ds_matrix *w, const float *x, const float *xsum, int64_t n0,
+                      int count, int tm, float *y, int64_t ys) {
+    const int64_t row_bytes = w->k / QK * block_bytes_of(w->type);
+    for (int r = 0; r < count; r++)
+        row_rows_avx2(w->blocks + (n0 + r) * row_bytes, w->type, w->k, x, xsum, tm, y + r, ys);
+}
+
+/* float32, AVX-512, Q4_1: gemv_avx512's loop (two weight rows; a lone last row is computed
+ * twice, the copy dropped), for TM input rows. */
+AVX512_TARGET static inline __attribute__((always_inline)) void
+tile_avx512_q4_1(const ds_matrix *w, const float *x, const float *xsum, int64_t n0, int count,
+                 const int TM, float *y, int64_t ys) {
+    const int64_t nb = w->k / QK, K = w->k;
+    const uint8_t *row[2] = {w->blocks + n0 * nb * 20,
+                             w->blocks + (n0 + (count > 1 ? 1 : 0)) * nb * 20};
+    __m512 acc[2][TILE_M];
+    float offset[2][TILE_M];
+    for (int r = 0; r < 2; r++)
+        for (int i = 0; i < TM; i++) {
+            acc[r][i] = _mm512_setzero_ps();
+            offset[r][i] = 0.0f;
+        }
+    for (int64_t b = 0; b < nb; b++) {
+        for (int r = 0; r < 2; r++) {
+            const uint8_t *blk = row[r] + b * 20;
+            __m512 q_lo, q_hi;
+            quants16_q4_1(blk + 4, &q_lo, &q_hi);
+            const float m = f16_to_f32(blk + 2);
+            const __m512 d = _mm512_set1_ps(f16_to_f32(blk));
+            for (int i = 0; i < TM; i++) {
+                const float *xb = x + i * K + b * QK;
+                offset[r][i] += m * xsum[i * nb + b];
+                const __m512 p = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), q_hi,
+                                                 _mm512_mul_ps(_mm512_loadu_ps(xb), q_lo));
+                acc[r][i] = _mm512_fmadd_ps(d, p, acc[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < count; r++)
+        for (int i = 0; i < TM; i++) y[i * ys + r] = _mm512_reduce_add_ps(acc[r][i]) + offset[r][i];
+}
+
+/* tile_avx512_q4_1 with tm (1 .. TILE_M) made a constant. */
+AVX512_TARGET static void rows_avx512_q4_1(const ds_matrix *w, const float *x, const float *xsum,
+                                           int64_t n0, int count, int tm, float *y, int64_t ys) {
+    switch (tm) {
+    case 1: tile_avx512_q4_1(w, x, xsum, n0, count, 1, y, ys); break;
+    case 2: tile_avx512_q4_1(w, x, xsum, n0, count, 2, y, ys); break;
+    case 3: tile_avx512_q4_1(w, x, xsum, n0, count, 3, y, ys); break;
+    default: tile_avx512_q4_1(w, x, xsum, n0, count, 4, y, ys); break;
+    }
+}
+
+/* int8: gguf_gemm.c's tile of each ISA, W starting at the first weight row, y[i * ys + r]. */
+#define DEFINE_I8_ROWS(NAME, TARGET, TILE)                                                         \
+    TARGET static void NAME(const int8_t *xq, const float *xd, const float *xs, int64_t K,        \
+                            const uint8_t *w, int count, int32_t type, int tm, float *y,          \
+                            int64_t ys) {                                                         \
+        switch (tm) {                                                                              \
+        case 1: TILE(xq, xd, xs, K, w, 0, count, type, 0, 1, ys, y); break;                        \
+        case 2: TILE(xq, xd, xs, K, w, 0, count, type, 0, 2, ys, y); break;                        \
+        case 3: TILE(xq, xd, xs, K, w, 0, count, type, 0, 3, ys, y); break;                        \
+        default: TILE(xq, xd, xs, K, w, 0, count, type, 0, 4, ys, y); break;                       \
+        }                                                                                          \
+    }
+DEFINE_I8_ROWS(i8_rows_avx2, NO_TARGET, gemm_q8_avx2_tile)
+DEFINE_I8_ROWS(i8_rows_avxvnni, AVXVNNI_TARGET, gemm_q8_avxvnni_tile)
+DEFINE_I8_ROWS(i8_rows_vnni256, AVX512VNNI_TARGET, gemm_q8_vnni256_tile)
+
+static void i8_rows(const ds_matrix *w, const ds_input *in, int64_t n0, int count, int64_t m0,
+                    int tm, float *y, int64_t ys) {
+    const int64_t nb = w->k / QK;
+    const uint8_t *rows = w->blocks + n0 * nb * block_bytes_of(w->type);
+    const int8_t *xq = in->xq + m0 * w->k;
+    const float *xd = in->xd + m0 * nb, *xs = in->xs + m0 * nb;
+    if (in->int8_isa == BATON_I8_AVXVNNI)
+        i8_rows_avxvnni(xq, xd, xs, w->k, rows, count, w->type, tm, y, ys);
+    else if (in->int8_isa == BATON_I8_AVX512VNNI)
+        i8_rows_vnni256(xq, xd, xs, w->k, rows, count, w->type, tm, y, ys);
+    else
+        i8_rows_avx2(xq, xd, xs, w->k, rows, count, w->type, tm, y, ys);
+}
+
+/* y[i * ys + r] = rows n0 + r of W times input rows m0 + i (+ bias), r < count <= 2,
+ * i < tm <= TILE_M. */
+static void matrix_rows(const ds_matrix *w, const ds_input *in, int64_t n0, int count, int64_t m0,
+                        int tm, float *y, int64_t ys) {
+    const float *x = in->x + m0 * w->k, *xsum = in->xsum + m0 * (w->k / QK);
+    if (in->int8_isa) i8_rows(w, in, n0, count, m0, tm, y, ys);
+    else if (in->avx512 && w->type == 3) rows_avx512_q4_1(w, x, xsum, n0, count, tm, y, ys);
+    else rows_avx2(w, x, xsum, n0, count, tm, y, ys);
+    if (w->bias != NULL)
+        for (int i = 0; i < tm; i++)
+            for (int r = 0; r < count; r++) y[i * ys + r] = y[i * ys + r] + w->bias[n0 + r];
+}
+
+/* y [R, N] = x W^T, pairs of weight rows shared out among the team, each pair times all R
+ * input rows (call from every thread; ends with a barrier). */
+static void matrix_for(const ds_matrix *w, const ds_input *in, int64_t R, float *y) {
+    const int64_t pairs = (w->n + 1) / 2, N = w->n;
+    OMP_FOR(ROWS_SCHEDULE)
+    for (int64_t g = 0; g < pairs; g++) {
+        const int64_t n0 = 2 * g;
+        for (int64_t m0 = 0; m0 < R; m0 += TILE_M)
+            matrix_rows(w, in, n0, N - n0 < 2 ? 1 : 2, m0,
+                        R - m0 < TILE_M ? (int)(R - m0) : TILE_M, y + m0 * N + n0, N);
+    }
+}
+
+/* act [R, I] = silu(gate) * up, the gate/up rows (gate rows, then up rows of W [2 I, E]) shared
+ * out 8 outputs at a time, each times all R input rows (every thread; ends with a barrier).
+ * silu(g) = g / (1 + e^-g): exp_ps on 8 outputs, expf on a shorter last chunk. */
+static void swiglu_for(const ds_matrix *w, const ds_input *in, int64_t R, int64_t inter,
+                       float *act) {
+    OMP_FOR(SWIGLU_SCHEDULE)
+    for (int64_t c = 0; c < (inter + 7) / 8; c++) {
+        const int64_t i0 = 8 * c;
+        const int count = inter - i0 < 8 ? (int)(inter - i0) : 8;
+        for (int64_t m0 = 0; m0 < R; m0 += TILE_M) {
+            const int tm = R - m0 < TILE_M ? (int)(R - m0) : TILE_M;
+            float gate[TILE_M][8], up[TILE_M][8];
+            for (int r = 0; r < count; r += 2) {
+                const int pair = count - r < 2 ? 1 : 2;
+                matrix_rows(w, in, i0 + r, pair, m0, tm, gate[0] + r, 8);
+                matrix_rows(w, in, inter + i0 + r, pair, m0, tm, up[0] + r, 8);
+            }
+            for (int i = 0; i < tm; i++) {
+                float *out = act + (m0 + i) * inter + i0;
+                if (count == 8) {
+                    const __m256 g = _mm256_loadu_ps(gate[i]);
+                    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
+                    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+                    _mm256_storeu_ps(out, _mm256_mul_ps(silu, _mm256_loadu_ps(up[i])));
+                } else {
+                    for (int r = 0; r < count; r++)
+                        out[r] = gate[i][r] / (1.0f + expf(-gate[i][r])) * up[i][r];
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,302 @@
+"""The fused decode step over several rows (decode_step.c): for rows with different context
+lengths, blocks out of order and prefix blocks shared between rows, the same hidden states,
+logits and KV cache contents as the unfused path; each row bit for bit what the step computes
+for it alone; greedy tokens of concurrent requests equal the unfused engine's and
+transformers'; and the unfused path where rows cannot share a step."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention import build_metadata
+from engine.attention.kv_layout import allocate_kv_cache
+from engine.model import fused_decode
+from engine.model.fused_decode import MAX_ROWS, FusedDecoder
+from tests.engine.test_fused_decode import (
+    INT8_ISAS,
+    OPTS,
+    spy_steps,
+    threads,  # noqa: F401 - the fixture, by name
+)
+from tests.engine.test_gguf_blocks import VOCAB
+from tests.engine.test_gguf_isa import RUNNABLE_ISAS
+from tests.helpers import hf_greedy, random_prompts
+
+pytestmark = pytest.mark.skipif(
+    fused_decode.load_kernel() is None, reason="no x86-64 AVX2/FMA/F16C CPU or C compiler"
+)
+
+BLOCK, NUM_BLOCKS, STEPS = 4, 160, 5
+PREFIX = 8  # tokens (two full blocks) that every third row shares, blocks and all
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One sequence of a test step: its tokens, its block table, and how many of the tokens
+    are in the cache before the first decode step (the rest are decoded one per step)."""
+
+    tokens: list[int]
+    blocks: list[int]
+    context: int
+    shared: bool  # starts with the shared prefix, in the shared blocks
+
+
+def make_rows(count: int, seed: int) -> tuple[list[Row], list[int]]:
+    """`count` rows with context lengths 0 to 20 (row 0: none, its first token decodes at
+    position 0), blocks drawn out of order, and rows 1, 4, 7, ... starting with the same
+    PREFIX tokens in the same two blocks. Returns (rows, the shared prefix's tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    prefix_blocks = [free.pop(), free.pop()]
+    prefix = torch.randint(0, VOCAB, (PREFIX,), generator=g).tolist()
+    rows = []
+    for r in range(count):
+        shared = r % 3 == 1
+        context = 0 if r == 0 else int(torch.randint(1, 21, (1,), generator=g))
+        if shared:
+            context = PREFIX + int(torch.randint(0, 9, (1,), generator=g))
+        tokens = torch.randint(0, VOCAB, (context + STEPS,), generator=g).tolist()
+        blocks = list(prefix_blocks) if shared else []
+        if shared:
+            tokens[:PREFIX] = prefix
+        blocks += [free.pop() for _ in range(-(-len(tokens) // BLOCK) - len(blocks))]
+        rows.append(Row(tokens, blocks, context, shared))
+    return rows, prefix
+
+
+def caches(runner) -> list[torch.Tensor]:
+    a = runner.model.args
+    return [
+        allocate_kv_cache(NUM_BLOCKS, BLOCK, a.num_kv_heads, a.head_dim, torch.float32)
+        for _ in range(a.num_layers)
+    ]
+
+
+def prefill(runner, rows: list[Row], prefix: list[int]) -> list[torch.Tensor]:
+    """Fresh caches holding every row's context, written by the unfused model: the shared
+    prefix once, then each row's own part of its context (chunked-prefill style: the shared
+    rows' queries start after the prefix, whose blocks they read)."""
+    kv = caches(runner)
+    shared = [row for row in rows if row.shared]
+    steps = [([prefix], [0], [shared[0].blocks[:2]])] if shared else []
+    chunks = [(row, PREFIX if row.shared else 0) for row in rows]
+    chunks = [(row, start) for row, start in chunks if row.context > start]
+    steps.append(
+        (
+            [row.tokens[start : row.context] for row, start in chunks],
+            [start for _, start in chunks],
+            [row.blocks for row, _ in chunks],
+        )
+    )
+    with torch.inference_mode():
+        for tokens, starts, tables in steps:
+            meta = build_metadata(
+                [len(t) for t in tokens],
+                [s + len(t) for s, t in zip(starts, tokens, strict=True)],
+                tables,
+                BLOCK,
+                CPU,
+            )
+            ids = torch.tensor([t for ts in tokens for t in ts])
+            pos = torch.tensor(
+                [s + i for s, ts in zip(starts, tokens, strict=True) for i in range(len(ts))]
+            )
+            runner.model(ids, pos, kv, meta, runner.backend)
+    return kv
+
+
+def copy_of(kv: list[torch.Tensor], runner) -> list[torch.Tensor]:
+    """Caches laid out as allocate_kv_cache lays them out, holding kv's values."""
+    out = caches(runner)
+    for dst, src in zip(out, kv, strict=True):
+        dst.copy_(src)
+    return out
+
+
+def decode_inputs(rows: list[Row], step: int) -> tuple[list[int], list[list[int]], list[int]]:
+    """(tokens, block tables, sequence lengths) of decode step `step` (0-based)."""
+    return (
+        [row.tokens[row.context + step] for row in rows],
+        [row.blocks for row in rows],
+        [row.context + step + 1 for row in rows],
+    )
+
+
+@functools.cache
+def runner_for(path: str, isa: str, int8: bool):
+    """An engine's runner on the quantized checkpoint, norm weights other than ones (so that
+    each one's place matters), with the given kernels."""
+    llm = LLM(path, gguf_isa=isa, int8_activations=int8, **OPTS)
+    model = llm.engine.runner.model
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.input_layernorm.weight.uniform_(0.5, 1.5, generator=g)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5, generator=g)
+        model.norm.weight.uniform_(0.5, 1.5, generator=g)
+    return llm.engine.runner
+
+
+def assert_rows_equal_unfused(
+    runner, count: int, seed: int, tolerance: float, batched_tolerance: float
+) -> None:
+    """STEPS decode steps of `count` rows, fused over fresh caches against the runner's
+    unfused model over its own, two ways: one unfused step of all rows (hidden states, logits
+    and every layer's cache within batched_tolerance) and one unfused step per row (the
+    products of one row: the arithmetic the fused step uses for every row; within
+    `tolerance`)."""
+    rows, prefix = make_rows(count, seed)
+    batched_kv = prefill(runner, rows, prefix)
+    alone_kv, fused_kv = copy_of(batched_kv, runner), copy_of(batched_kv, runner)
+    fused = FusedDecoder.build(runner.model, fused_kv, runner.backend, runner.config)
+    model = runner.model
+
+    def unfused(tokens: list[int], tables, lens: list[int], kv) -> torch.Tensor:
+        meta = build_metadata([1] * len(tokens), lens, tables, BLOCK, CPU)
+        pos = torch.tensor(lens) - 1
+        return model(torch.tensor(tokens), pos, kv, meta, runner.backend)
+
+    with torch.inference_mode():
+        for step in range(STEPS):
+            tokens, tables, lens = decode_inputs(rows, step)
+            hidden, logits = fused.step_rows(tokens, tables, lens, list(range(count)))
+            batched = unfused(tokens, tables, lens, batched_kv)
+            each = zip(tokens, tables, lens, strict=True)
+            alone = torch.cat([unfused([t], [b], [n], alone_kv) for t, b, n in each])
+            for ref, ref_kv, tol in (
+                (batched, batched_kv, batched_tolerance),
+                (alone, alone_kv, tolerance),
+            ):
+                close = dict(rtol=tol, atol=tol)
+                torch.testing.assert_close(hidden, ref, **close)
+                torch.testing.assert_close(logits, model.compute_logits(ref), **close)
+                for ref_cache, ours in zip(ref_kv, fused_kv, strict=True):
+                    torch.testing.assert_close(ours, ref_cache, **close)
+    assert fused_kv[-1].abs().sum() > 0
+
+
+@pytest.mark.usefixtures("threads")
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
+@pytest.mark.parametrize("count", [2, 3, 8, 17])
+def test_rows_equal_the_unfused_path(quantized_llama, isa, count):
+    """Against one row at a time: the one-row tests' tolerance (the same products; silu's exp
+    differs in the last bit). Against the unfused step of all rows: that too where both
+    multiply on AVX2 (the unfused path: AVX2 block kernel up to 8 rows, dense float32 above);
+    with AVX-512 the fused rows sum 16 lanes wide and the unfused several-row products 8 wide
+    (another order, ~1e-5 after two layers)."""
+    runner = runner_for(str(quantized_llama), isa, False)
+    batched = 1e-5 if isa == "avx2" else 3e-5
+    assert_rows_equal_unfused(runner, count, seed=count, tolerance=1e-5, batched_tolerance=batched)
+
+
+@pytest.mark.parametrize("isa", INT8_ISAS)
+@pytest.mark.parametrize("count", [2, 3, 8])
+def test_int8_rows_equal_the_unfused_int8_path(quantized_llama, isa, count):
+    # up to 8 rows the unfused layers quantize too (above: dense float32, not comparable);
+    # tolerance as for one int8 row (AVX-512 VNNI: zmm vs ymm summation)
+    runner = runner_for(str(quantized_llama), isa, True)
+    assert runner.fused is not None and runner.fused.int8
+    assert_rows_equal_unfused(
+        runner, count, seed=20 + count, tolerance=1e-4, batched_tolerance=1e-4
+    )
+
+
+@pytest.mark.usefixtures("threads")
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize(
+    "isa,int8", [(isa, False) for isa in RUNNABLE_ISAS] + [(isa, True) for isa in INT8_ISAS]
+)
+def test_each_row_is_what_it_is_alone(quantized_llama, isa, int8):
+    """17 rows in one step against each row alone (R = 1) over a copy of the same cache:
+    hidden state, logits and cache equal bit for bit, whatever tile and thread a row meets."""
+    runner = runner_for(str(quantized_llama), isa, int8)
+    rows, prefix = make_rows(17, seed=30)
+    together = prefill(runner, rows, prefix)
+    alone = copy_of(together, runner)
+    both = [
+        FusedDecoder.build(runner.model, kv, runner.backend, runner.config)
+        for kv in (together, alone)
+    ]
+    some = [0, 2, 3, 9, 16]  # logits of only these rows: the others' are not computed
+    for step in range(STEPS):
+        tokens, tables, lens = decode_inputs(rows, step)
+        hidden, logits = both[0].step_rows(tokens, tables, lens, some)
+        assert logits.shape == (len(some), VOCAB)
+        for r in range(17):
+            one_hidden, one_logits = both[1].step(tokens[r], tables[r], lens[r])
+            assert torch.equal(hidden[r : r + 1], one_hidden)
+            if r in some:
+                assert torch.equal(logits[some.index(r) : some.index(r) + 1], one_logits)
+        assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
+
+
+def test_rows_that_cannot_share_a_step_are_refused(quantized_llama):
+    runner = runner_for(str(quantized_llama), RUNNABLE_ISAS[0], False)
+    rows, prefix = make_rows(3, seed=40)
+    kv = prefill(runner, rows, prefix)
+    before = [c.clone() for c in kv]
+    fused = FusedDecoder.build(runner.model, kv, runner.backend, runner.config)
+    tokens, tables, lens = decode_inputs(rows, 0)
+    # row 2 reads the block row 0 writes its new token into: not a step the scheduler makes
+    reads_others_slot = [tables[0], tables[1], [tables[0][0], *tables[2][1:]]]
+    assert lens[2] > BLOCK  # so row 2 reads its first block
+    assert fused.step_rows(tokens, reads_others_slot, lens, [0, 1, 2]) is None
+    assert fused.step_rows(tokens, [tables[0]] * 3, [lens[0]] * 3, [0]) is None  # one slot
+    assert fused.step_rows(tokens, tables, lens, [1, 0]) is None  # logit rows out of order
+    assert fused.step_rows([VOCAB, *tokens[1:]], tables, lens, []) is None  # no such token
+    assert all(torch.equal(a, b) for a, b in zip(before, kv, strict=True))
+    with pytest.raises(ValueError, match="cannot hold"):
+        fused.step_rows(tokens, [tables[0], [], tables[2]], lens, [])
+    with pytest.raises(ValueError, match="as many block tables"):
+        fused.step_rows(tokens, tables[:2], lens, [])
+
+
+def test_greedy_tokens_of_concurrent_requests_equal_unfused_and_transformers(
+    quantized_llama, hf_models, monkeypatch
+):
+    """Five requests (two sharing a cached prefix) decode together: every step after the
+    prefill runs fused with all running rows, and the tokens are those of the unfused engine
+    and of transformers. With chunk_size 1 every step is one token per row, prompts included:
+    rows that do not sample yet share fused steps with rows that do."""
+    shared = random_prompts([9], seed=50, vocab=VOCAB)[0]
+    prompts = random_prompts([5, 3, 17, 1], seed=51, vocab=VOCAB)
+    prompts = [shared + prompts[0], *prompts[1:], shared + prompts[1]]
+    lengths = [12, 7, 12, 9, 12]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    hf = hf_models(str(quantized_llama))
+    want = [hf_greedy(hf, p, n) for p, n in zip(prompts, lengths, strict=True)]
+    unfused = LLM(str(quantized_llama), fused_decode=False, **OPTS)
+    assert [o.token_ids for o in unfused.generate(prompts, params)] == want
+    for chunking in ({}, {"chunk_size": 1, "max_num_batched_tokens": 8}):
+        fused = LLM(str(quantized_llama), **OPTS, **chunking)
+        fused.generate([shared + [1]], params[0])  # the shared prefix's blocks now cached
+        calls = spy_steps(fused.engine.runner, monkeypatch)
+        outs = fused.generate(prompts, params)
+        assert [o.token_ids for o in outs] == want
+        assert [o.num_cached_tokens for o in outs] == [8, 0, 0, 0, 8]  # the prefix's 2 blocks
+        sizes = [1 if isinstance(c, int) else len(c) for c in calls]
+        if not chunking:  # one prefill step, then every step decodes all running rows fused
+            assert sizes == [5] * 6 + [4] * 2 + [3] * 3
+        else:  # every step is fused, prompt tokens too: each computed token is a fused row
+            computed = sum(len(p) - 8 * (i in (0, 4)) for i, p in enumerate(prompts))
+            assert max(sizes) == 5 and sum(sizes) == computed + sum(lengths) - len(prompts)
+        fused.engine.check_integrity()
+
+
+def test_more_rows_than_max_rows_take_the_unfused_path(quantized_llama, monkeypatch):
+    prompts = random_prompts([3] * (MAX_ROWS + 1), seed=60, vocab=VOCAB)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    opts = dict(OPTS, num_kv_blocks=2 * (MAX_ROWS + 1))
+    fused = LLM(str(quantized_llama), **opts)
+    calls = spy_steps(fused.engine.runner, monkeypatch)
+    ours = [o.token_ids for o in fused.generate(prompts, params)]
+    assert calls == []  # every decode step has MAX_ROWS + 1 rows
+    unfused = LLM(str(quantized_llama), fused_decode=False, **opts)
+    assert ours == [o.token_ids for o in unfused.generate(prompts, params)]
