@@ -17,6 +17,14 @@ ACTOR_CONCURRENCY = 64  # control calls (a long prefill included) run side by si
 WORKER_ENV = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 
+def with_node_address(transfer: dict) -> dict:
+    """`transfer` with `advertise_host: auto` replaced by this node's IP as Ray knows it, so
+    that a peer on another node reaches this worker's pair stores (loopback would not)."""
+    if transfer.get("advertise_host", "auto") != "auto":
+        return transfer
+    return {**transfer, "advertise_host": ray.util.get_node_ip_address()}
+
+
 def worker_class(role: str):
     """The Ray actor class of a role (a threaded actor: control calls run concurrently)."""
     # Deferred: the worker packages load only in a process that starts a worker; `baton
@@ -33,7 +41,7 @@ def worker_class(role: str):
             from engine.gc_freeze import freeze_startup_objects
 
             torch.set_num_threads(threads)
-            super().__init__(worker_id, engine, transfer)
+            super().__init__(worker_id, engine, with_node_address(transfer))
             self.incarnation = uuid.uuid4().hex  # changes when Ray restarts the actor
             freeze_startup_objects()  # the loaded worker: no longer scanned by gc
 

@@ -22,6 +22,7 @@ from kvtransfer.worker_api import KVEvent, Role, WorkerInfo, WorkerStats
 from kvtransfer.worker_client import as_worker
 
 logger = logging.getLogger(__name__)
+LOOPBACK = "127.0.0.1"  # where "auto" advertises outside Ray (the Ray actor passes the node IP)
 NOTIFY_THREADS = 4  # a peer that does not answer holds one for at most its RPC timeout
 
 
@@ -39,7 +40,10 @@ class TransferEndpoint:
         self.engine = LLMEngine(**(engine_options or {}))
         self.loop = EngineLoop(self.engine).start()
         self.registry = GroupRegistry(
-            self.engine.runner.device, self.options.backend, timeout=self.options.timeout_seconds
+            self.engine.runner.device,
+            self.options.backend,
+            host=LOOPBACK if self.options.advertise_host == "auto" else self.options.advertise_host,
+            timeout=self.options.timeout_seconds,
         )
         self.transfer = KVTransfer(self.registry)
         self.transfer_metrics = TransferMetrics()  # bytes, blocks, failures, hand-over time

@@ -24,6 +24,12 @@ class TransferOptions:
     )
     lease_seconds: float = option(30.0, "lease on reserved and held blocks", gt=0)
     timeout_seconds: float = option(10.0, "bound on every transfer wait", gt=0)
+    advertise_host: str = option(
+        "auto",
+        "address the worker's peers reach its pair stores and gloo sockets at "
+        "(auto: the node's IP under Ray, else 127.0.0.1)",
+        min_length=1,
+    )
 
     def __post_init__(self) -> None:
         check_options(self, TransferOptionsError)

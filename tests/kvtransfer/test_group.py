@@ -28,6 +28,7 @@ from kvtransfer import (
     UnknownPeer,
     resolve_backend,
 )
+from kvtransfer.backends import route_to
 from kvtransfer.pair import BoundedCaller, StoreHung
 from tests.kvtransfer.peer import make_cache, make_descriptor
 
@@ -60,8 +61,8 @@ class Background:
 class Pair:
     """A host registry ("P", sends) and a joined registry ("D", receives) in this process."""
 
-    def __init__(self, **transfer_kwargs: Any) -> None:
-        self.host = GroupRegistry("cpu", timeout=TIMEOUT)
+    def __init__(self, host_address: str = "127.0.0.1", **transfer_kwargs: Any) -> None:
+        self.host = GroupRegistry("cpu", host=host_address, timeout=TIMEOUT)
         self.join = GroupRegistry("cpu", timeout=TIMEOUT)
         self.join.join("P", self.host.host("D"))
         self.tx = KVTransfer(self.host, **transfer_kwargs)
@@ -187,6 +188,32 @@ def test_join_of_a_dead_address_fails_fast():
 
 
 # ---- transfers --------------------------------------------------------------------------------
+def outward_address() -> str | None:
+    """This machine's address on its default route (not loopback), or None without one."""
+    try:
+        address = route_to("192.0.2.1", 9)  # UDP connect: picks the interface, sends nothing
+    except OSError:
+        return None
+    return None if address.startswith("127.") else address
+
+
+def test_pair_on_a_non_loopback_address_moves_exact_blocks():
+    """Workers on different nodes advertise their node's address: the store and the gloo
+    sockets must work over it, not only over loopback."""
+    address = outward_address()
+    if address is None:
+        pytest.skip("no non-loopback interface")
+    pair = Pair(host_address=address)
+    try:
+        desc = make_descriptor("r1", [15, 2, 9], [0, 11, 4], layers=(0, 3))
+        got, _, _ = pair.roundtrip(desc)
+        assert got == desc
+        pair.assert_moved(desc)
+        assert pair.host.host("D2")["host"] == address
+    finally:
+        pair.close()
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -321,3 +348,15 @@ def test_host_removal_releases_the_store(pair):
     with pytest.raises(PeerLost, match="the store of peer 'P' is unreachable"):
         pair.rx.recv("P", pair.dst, wait=1.0)
     assert time.perf_counter() - start < 1.0
+
+
+def test_a_ray_worker_advertises_its_node_address():
+    ray = pytest.importorskip("ray")
+    from cluster.worker_actor import with_node_address
+
+    assert with_node_address({"timeout_seconds": 5.0}) == {
+        "timeout_seconds": 5.0,
+        "advertise_host": ray.util.get_node_ip_address(),
+    }
+    chosen = {"advertise_host": "10.1.2.3"}
+    assert with_node_address(chosen) is chosen
