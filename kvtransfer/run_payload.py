@@ -26,7 +26,7 @@ from kvtransfer.announcement import Announcement
 from kvtransfer.descriptor import TransferDescriptor
 from kvtransfer.packing import is_head_major, run_region, run_slices, runs, wire_order
 from kvtransfer.pair import PeerGroup
-from kvtransfer.wire import TAG, blocking, staging, wait
+from kvtransfer.wire import Channel, blocking, staging, wait
 
 MAX_RUNS = 8  # default cap on runs for the zero-copy mode (0 disables it)
 # Default floor on the average run-mode message: below it, the fixed cost per message exceeds
@@ -59,23 +59,18 @@ def fits(
 
 
 def send(
-    pg: Any,
-    group: PeerGroup,
-    kv_cache: Sequence[torch.Tensor],
-    desc: TransferDescriptor,
-    timeout: float,
-    *,
-    pipeline: bool,
+    ch: Channel, kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor
 ) -> tuple[int, int]:
     """Zero-copy: each (layer, k/v, head, run) region of the cache is one message."""
-    limit = window(group) if pipeline else 1
+    group, timeout = ch.group, ch.timeout
+    limit = window(group) if ch.pipeline else 1
     inflight: deque[Any] = deque()  # send works, message order
     payload = count = 0
     with blocking(group, f"sending request {desc.request_id}", timeout, store=False):
         for wire in run_slices(kv_cache, desc, runs(*wire_order(desc)), 0):
             if len(inflight) >= limit:
                 wait(inflight.popleft(), timeout)
-            inflight.append(pg.send([wire], 1 - group.rank, TAG))
+            inflight.append(ch.send(wire))
             payload += wire.numel()
             count += 1
         while inflight:
@@ -84,23 +79,17 @@ def send(
 
 
 def recv(
-    pg: Any,
-    group: PeerGroup,
-    kv_cache: Sequence[torch.Tensor],
-    frame: Announcement,
-    timeout: float,
-    *,
-    drain: bool,
-    pipeline: bool,
+    ch: Channel, kv_cache: Sequence[torch.Tensor], frame: Announcement, *, drain: bool
 ) -> tuple[int, int]:
     """Receive a "runs" payload: straight into a head-major cache, else (or when draining)
     into SCRATCH_WINDOW scratch chunks of one staging slot, copying each into the cache."""
+    group, timeout = ch.group, ch.timeout
     desc = frame.descriptor
     messages = list(run_messages(desc))
     block_size, _, head_dim = desc.block_shape
     block_bytes = block_size * head_dim * desc.torch_dtype.itemsize  # one head, K or V
     direct = not drain and is_head_major(kv_cache, desc.layers)
-    limit = (window(group) if direct else SCRATCH_WINDOW) if pipeline else 1
+    limit = (window(group) if direct else SCRATCH_WINDOW) if ch.pipeline else 1
     chunk = max(n for _, _, _, (_, _, n) in messages) * block_bytes if messages else 0
     scratch = None if direct else staging(group).raw(0, limit * chunk)
     # Direct: the cache's own regions, taken in message order as receives are posted.
@@ -115,7 +104,7 @@ def recv(
             _, _, _, (_, _, n) = messages[i]
             offset = (i % limit) * chunk
             buf = scratch[offset : offset + n * block_bytes]
-        posted.append((buf, pg.recv([buf], 1 - group.rank, TAG)))
+        posted.append((buf, ch.recv(buf)))
 
     with blocking(group, f"receiving request {desc.request_id}", timeout, store=False):
         for i in range(min(limit, len(messages))):

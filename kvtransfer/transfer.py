@@ -37,7 +37,7 @@ from kvtransfer.group import GroupRegistry
 from kvtransfer.packing import DEFAULT_MESSAGE_BYTES, check_cache, layers_per_message
 from kvtransfer.pair import PeerGroup
 from kvtransfer.run_payload import MAX_RUNS, MIN_RUN_BYTES
-from kvtransfer.wire import blocking
+from kvtransfer.wire import Channel, blocking
 
 ANNOUNCE_SLICE_S = 0.25  # longest single blocking wait for an announcement
 
@@ -125,14 +125,11 @@ class KVTransfer:
                     group.announce(frame)
                 with blocking(group, "building the group", timeout, store=False):
                     pg = group.connect(epoch)
+                ch = Channel(pg, group, timeout, self.pipeline)
                 if mode == MODE_RUNS:
-                    num_messages, payload = run_payload.send(
-                        pg, group, kv_cache, desc, timeout, pipeline=self.pipeline
-                    )
+                    num_messages, payload = run_payload.send(ch, kv_cache, desc)
                 else:
-                    num_messages, payload = packed_payload.send(
-                        pg, group, kv_cache, desc, lpm, timeout, pipeline=self.pipeline
-                    )
+                    num_messages, payload = packed_payload.send(ch, kv_cache, desc, lpm)
             except BaseException:
                 group.fail(epoch)
                 raise
@@ -196,16 +193,9 @@ class KVTransfer:
                 refusal = _refusal(kv_cache, desc, accept)
                 with blocking(group, "building the group", timeout, store=False):
                     pg = group.connect(frame.epoch)
+                ch = Channel(pg, group, timeout, self.pipeline)
                 recv_payload = run_payload.recv if mode == MODE_RUNS else packed_payload.recv
-                num_messages, payload = recv_payload(
-                    pg,
-                    group,
-                    kv_cache,
-                    frame,
-                    timeout,
-                    drain=refusal is not None,
-                    pipeline=self.pipeline,
-                )
+                num_messages, payload = recv_payload(ch, kv_cache, frame, drain=refusal is not None)
             except BaseException:
                 group.fail(frame.epoch)
                 raise

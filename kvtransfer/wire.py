@@ -1,6 +1,6 @@
-"""What both payload modes of a transfer share: the message tag, one blocking step whose
-failure becomes a TransferError subclass, the wait for one posted send or receive, and the
-pair's staging buffers.
+"""What both payload modes of a transfer share: the channel to the peer, one blocking step
+whose failure becomes a TransferError subclass, the wait for one posted send or receive, and
+the pair's staging buffers.
 
 Deadlines: `timeout` bounds each blocking step (a store call, the group rendezvous, each
 message), so a dead or hung peer fails a transfer within about `timeout` of its last progress.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -19,6 +20,25 @@ from kvtransfer.packing import Staging
 from kvtransfer.pair import PeerGroup
 
 TAG = 0  # NCCL ignores tags: the protocol relies on per-pair message order only
+
+
+@dataclass(frozen=True, slots=True)
+class Channel:
+    """One transfer's way to its peer: the pair's backend group of the transfer's epoch (`pg`),
+    the pair itself, the deadline of each blocking step, and whether messages overlap."""
+
+    pg: Any
+    group: PeerGroup
+    timeout: float
+    pipeline: bool
+
+    def send(self, tensor: Any) -> Any:
+        """Post a send of `tensor` to the peer; returns its work (wait() for it in order)."""
+        return self.pg.send([tensor], 1 - self.group.rank, TAG)
+
+    def recv(self, tensor: Any) -> Any:
+        """Post a receive into `tensor` from the peer; returns its work."""
+        return self.pg.recv([tensor], 1 - self.group.rank, TAG)
 
 
 @contextmanager
