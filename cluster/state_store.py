@@ -2,7 +2,7 @@
 document in Ray's internal key-value store (held by the GCS, so it outlives the controller's
 process, not the Ray cluster).
 
-The document (cluster/controller.py: Controller._snapshot writes it):
+The document (cluster/state.py: ClusterState.snapshot writes it, ClusterState.restore reads it):
     {"manifest", "generation", "restarts", "next_index": {role: int},
      "workers": [{"worker_id", "template": WorkerTemplate fields, "incarnation", "draining",
                   "node_id"}],

@@ -6,7 +6,7 @@ KV cache layout (fixed by the engine): one tensor per layer, [2, num_blocks, bs,
 index_select per layer straight into the message buffer and unpacking one index_copy_.
 Within a message, blocks are in `wire_order`.
 
-Zero-copy alternative (kvtransfer.transfer's "runs" mode): when the moving blocks form a few
+Zero-copy alternative (the "runs" mode, kvtransfer.run_payload): when the moving blocks form a few
 `runs` (stretches where src and dst ids both ascend by one) and a cache `is_head_major`, each
 (layer, k/v, kv head, run) region, storage[kv, head, s0:s0 + n], is already contiguous
 (n * bs * d values) and travels as its own message, straight from and into the cache

@@ -6,7 +6,7 @@ aborted and the pair's epoch in the store moves from e to e + 1 (compare-and-set
 together advance it once); the next transfer builds a fresh group under the new epoch's prefix.
 A fresh prefix matters: gloo's rendezvous keys of a failed attempt point at dead sockets.
 
-Deadlines: backend operations are bounded by work.wait(timeout) (kvtransfer.transfer). Store
+Deadlines: backend operations are bounded by work.wait(timeout) (kvtransfer.wire). Store
 calls are bounded here: a TCPStore client call blocks forever when the store's host process
 hangs, so on the joined side every store call and group construction runs on the pair's one
 long-lived caller thread (`BoundedCaller`), and the caller stops waiting after the deadline.

@@ -17,29 +17,6 @@ import torch  # noqa: E402
 # Tests run on 2 shared cores: keep torch to one thread unless told otherwise.
 torch.set_num_threads(int(os.environ.get("BATON_TEST_THREADS", "1")))
 
-# Modules that start a local Ray cluster: `pytest -m "not ray"` is the fast inner loop.
-RAY_MODULES = (
-    "tests/cluster/test_chaos.py",
-    "tests/cluster/test_grpc_on_ray.py",
-    "tests/cluster/test_http_on_ray.py",
-    "tests/cluster/test_controller_restart.py",
-    "tests/cluster/test_local_cluster.py",
-    "tests/cluster/test_multinode.py",
-    "tests/cluster/test_ray_cluster.py",
-    "tests/cluster/test_router_restart.py",
-    "tests/cluster/test_serve_cli.py",
-    "tests/deploy/test_deploy_on_ray.py",
-    "tests/deploy/test_replace_at_capacity.py",
-    "tests/bench/test_experiments_on_ray.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        path = item.path.as_posix()
-        if any(f"/{m}" in path or path.endswith(m) for m in RAY_MODULES):
-            item.add_marker(pytest.mark.ray)
-
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from benchmarks import sim_validation
 from benchmarks.experiments import main
 from tests.cluster.manifests import tiny_manifest
+
+pytestmark = pytest.mark.ray
 
 
 def test_quick_aggregated_run_prefills_every_prompt_locally(tiny_llama, tmp_path, capsys):

@@ -38,6 +38,8 @@ from router.proto import inference_pb2_grpc as pb_grpc
 from tests.cluster.manifests import tiny_manifest
 from tests.helpers import random_prompts
 
+pytestmark = pytest.mark.ray
+
 ray = pytest.importorskip("ray")
 
 # The default schedule: SIGKILL prefill-0, freeze decode-0, freeze decode-1, SIGKILL the

@@ -26,6 +26,8 @@ from tests.cluster.manifests import tiny_manifest
 from tests.deploy.streams import MAX_TOKENS, RequestStream, stream_prompt
 from tests.helpers import baton_deploy as baton
 
+pytestmark = pytest.mark.ray
+
 ray = pytest.importorskip("ray")
 from ray.util.placement_group import placement_group  # noqa: E402
 

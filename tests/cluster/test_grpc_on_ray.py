@@ -17,6 +17,8 @@ from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
 from tests.helpers import random_prompts
 
+pytestmark = pytest.mark.ray
+
 ray = pytest.importorskip("ray")
 EXTRA = {"skip_tokenizer_init": True, "num_kv_blocks": 512, "max_model_len": 400}
 

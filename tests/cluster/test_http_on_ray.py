@@ -14,6 +14,8 @@ from engine import LLM, SamplingParams
 from tests.cluster.manifests import tiny_manifest
 from tests.helpers import random_prompts
 
+pytestmark = pytest.mark.ray
+
 openai = pytest.importorskip("openai")
 MAX_TOKENS = 6
 ENGINE = {"block_size": 4, "num_kv_blocks": 256, "chunk_size": 16}

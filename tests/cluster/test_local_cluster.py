@@ -11,6 +11,8 @@ from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
 from tests.helpers import random_prompts
 
+pytestmark = pytest.mark.ray
+
 pytest.importorskip("ray")
 
 

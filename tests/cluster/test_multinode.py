@@ -27,6 +27,8 @@ from tests.deploy.streams import MAX_TOKENS, RequestStream, stream_prompt
 from tests.helpers import baton_deploy as baton
 from tests.helpers import random_prompts
 
+pytestmark = pytest.mark.ray
+
 ray = pytest.importorskip("ray")
 NODE_MEMORY = 100 * 1024 * 1024  # each raylet's object store (KV never goes through it)
 LONG_TOKENS = 500  # long enough to be running on node B when it is removed

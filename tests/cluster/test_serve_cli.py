@@ -20,6 +20,8 @@ from router.proto import inference_pb2_grpc as pb_grpc
 from tests.cluster.manifests import tiny_manifest
 from tests.helpers import random_prompts
 
+pytestmark = pytest.mark.ray
+
 pytest.importorskip("ray")
 
 

@@ -23,6 +23,8 @@ from tests.deploy.streams import MAX_TOKENS, RequestStream, stream_prompt
 from tests.helpers import baton_deploy as baton
 from tests.helpers import random_prompts
 
+pytestmark = pytest.mark.ray
+
 ray = pytest.importorskip("ray")
 LONG_TOKENS = 1500  # long enough to be running when the scale-down starts draining
 

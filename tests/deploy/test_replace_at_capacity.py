@@ -16,6 +16,8 @@ from engine import LLM, SamplingParams
 from tests.cluster.manifests import tiny_manifest
 from tests.deploy.streams import MAX_TOKENS, RequestStream, stream_prompt
 
+pytestmark = pytest.mark.ray
+
 ray = pytest.importorskip("ray")
 
 

@@ -10,7 +10,8 @@ from engine.block_hash import hash_prompt_blocks, root_hash
 from engine.block_pool import BlockPool, KVEvent
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from tests.engine.pool_probes import free_order
+from tests.engine.requests import make_request
 
 SEED = "kv-test-seed"
 BS = 4
@@ -21,10 +22,6 @@ def make(num_blocks: int, enable_caching: bool = True) -> tuple[BlockPool, KVCac
     return pool, KVCacheManager(pool, BS, SEED)
 
 
-def make_request(rid: str, tokens: list[int], salt: str | None = None) -> Request:
-    return Request(rid, tokens, SamplingParams(max_tokens=4), arrival_time=0.0, cache_salt=salt)
-
-
 def run_prefill(kv: KVCacheManager, req: Request) -> None:
     """Admit req with its prefix hits and compute all of its tokens in one go."""
     hits = kv.get_computed_blocks(req)
@@ -32,12 +29,6 @@ def run_prefill(kv: KVCacheManager, req: Request) -> None:
     assert kv.allocate_slots(req, req.num_tokens - req.num_computed_tokens, hits)
     req.num_computed_tokens = req.num_tokens
     kv.cache_blocks(req, req.num_computed_tokens)
-
-
-def free_order(pool: BlockPool) -> list[int]:
-    """Block ids in the order allocation would take them (probed on a copy of the pool)."""
-    probe = copy.deepcopy(pool)
-    return [b.block_id for b in probe.allocate(probe.num_free_blocks)]
 
 
 def snapshot(pool: BlockPool, kv: KVCacheManager, rids: list[str]) -> tuple:

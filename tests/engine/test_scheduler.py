@@ -10,9 +10,9 @@ from collections import Counter
 
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.request import RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tests.engine.requests import make_request
 
 OUTPUT_TOKEN = 90_000  # the i-th generated token (from 0) is OUTPUT_TOKEN + i
 
@@ -28,10 +28,6 @@ def make_scheduler(
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, block_size, "scheduler-test")
     return Scheduler(SchedulerConfig(budget, chunk, max_seqs), kv)
-
-
-def make_request(rid: str, tokens, max_tokens: int = 100) -> Request:
-    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), arrival_time=0.0)
 
 
 def step(sched: Scheduler) -> tuple[SchedulerOutput, list[str]]:

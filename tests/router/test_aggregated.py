@@ -13,16 +13,10 @@ import pytest
 
 from decode_worker.worker import DecodeWorker
 from engine import LLM, SamplingParams
-from kvtransfer.worker_api import (
-    PrefillResult,
-    PromptRequest,
-    Reservation,
-    Role,
-    TokenOutput,
-    WorkerStats,
-)
+from kvtransfer.worker_api import PromptRequest
 from router.router import Router
 from tests.helpers import generate_in_thread, random_prompts, wait_until
+from tests.router.fake_workers import FakeDecode, FakePrefill
 
 PARAMS = {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
 
@@ -95,54 +89,6 @@ def test_every_request_prefills_locally_and_a_shared_prefix_lands_where_it_is_ca
 
 
 # ---- switching modes, over fake workers --------------------------------------------------
-class FakePrefill:
-    def __init__(self) -> None:
-        self.prefilled: list[str] = []
-
-    def kv_events(self) -> list:
-        return []
-
-    def prefill(self, request, *args) -> PrefillResult:
-        self.prefilled.append(request.request_id)
-        return PrefillResult("prefilled", first_token=7, seed=1, num_cached_tokens=0)
-
-    def abort(self, request_id, propagate=True) -> None:
-        pass
-
-
-class FakeDecode:
-    """Streams one token per request once its release event is set; records which requests
-    it prefilled itself (local) and which it reserved blocks for (a transfer)."""
-
-    def __init__(self) -> None:
-        self.release: dict[str, threading.Event] = {}
-        self.local: list[str] = []
-        self.reserved: list[str] = []
-
-    def kv_events(self) -> list:
-        return []
-
-    def stats(self) -> WorkerStats:
-        return WorkerStats("d0", Role.DECODE, free_blocks=100, num_blocks=100)
-
-    def reserve(self, request, *args) -> Reservation:
-        self.reserved.append(request.request_id)
-        self.release.setdefault(request.request_id, threading.Event())
-        return Reservation(num_hit_blocks=0, dst_block_ids=(0,), num_blocks=2)
-
-    def local_generate(self, request) -> None:
-        self.local.append(request.request_id)
-        self.release.setdefault(request.request_id, threading.Event())
-
-    def poll(self, request_id, wait) -> list[TokenOutput]:
-        if not self.release[request_id].wait(wait):
-            return []
-        return [TokenOutput(request_id, (7,), "", True, "length", num_cached_tokens=0)]
-
-    def abort(self, request_id, propagate=True) -> None:
-        pass
-
-
 def run(router: Router, request_id: str, out: dict) -> threading.Thread:
     return generate_in_thread(router, request_id, [1, 2, 3, 4, 5], PARAMS, out)
 

@@ -11,57 +11,12 @@ import time
 import pytest
 
 from engine.errors import InvalidRequestError, NoFreeBlocksError
-from kvtransfer.worker_api import PrefillResult, Reservation, Role, TokenOutput, WorkerStats
 from router.policy import NoWorkerAvailable
 from router.router import Router
 from tests.helpers import generate_in_thread, wait_until
+from tests.router.fake_workers import FakeDecode, FakePrefill, FullDecode
 
 PARAMS = {"max_tokens": 2, "temperature": 0.0, "seed": 1}
-
-
-class FakePrefill:
-    def __init__(self, events_fail: bool = False) -> None:
-        self.events_fail = events_fail
-        self.prefilled: list[str] = []
-
-    def kv_events(self) -> list:
-        if self.events_fail:
-            raise ConnectionError("worker is restarting")
-        return []
-
-    def prefill(self, request, *args) -> PrefillResult:
-        self.prefilled.append(request.request_id)
-        return PrefillResult("prefilled", first_token=7, seed=1, num_cached_tokens=0)
-
-    def abort(self, request_id, propagate=True) -> None:
-        pass
-
-
-class FakeDecode:
-    """Streams one token per request once the request's release event is set."""
-
-    def __init__(self) -> None:
-        self.release: dict[str, threading.Event] = {}
-
-    def kv_events(self) -> list:
-        return []
-
-    def stats(self) -> WorkerStats:
-        return WorkerStats(
-            "d0", Role.DECODE, free_blocks=100, num_blocks=100, num_requests=len(self.release)
-        )
-
-    def reserve(self, request, *args) -> Reservation:
-        self.release.setdefault(request.request_id, threading.Event())
-        return Reservation(num_hit_blocks=0, dst_block_ids=(0,), num_blocks=2)
-
-    def poll(self, request_id, wait) -> list[TokenOutput]:
-        if not self.release[request_id].wait(wait):
-            return []
-        return [TokenOutput(request_id, (7,), "", True, "length", num_cached_tokens=0)]
-
-    def abort(self, request_id, propagate=True) -> None:
-        pass
 
 
 def run(router: Router, request_id: str, out: dict) -> threading.Thread:
@@ -144,27 +99,6 @@ def test_new_block_size_drops_the_index_entries_hashed_the_old_way():
     assert router.index.num_blocks("p0") == 2  # same hashing: kept
     router.set_workers(dict(router.prefill), dict(router.decode), block_size=8, hash_seed="t")
     assert (router.index.num_blocks("p0"), router.block_size) == (0, 8)
-
-
-class FullDecode(FakeDecode):
-    """A decode worker whose KV cache is full until `room` is set; `stale` reservations are
-    refused even though its stats claim room (blocks taken in between)."""
-
-    def __init__(self, num_blocks: int = 100, stale: int = 0) -> None:
-        super().__init__()
-        self.room = threading.Event()
-        self.num_blocks, self.stale = num_blocks, stale
-        self.refused = 0
-
-    def stats(self) -> WorkerStats:
-        free = self.num_blocks if self.room.is_set() else 0
-        return WorkerStats("d0", Role.DECODE, free_blocks=free, num_blocks=self.num_blocks)
-
-    def reserve(self, request, *args) -> Reservation:
-        if not self.room.is_set() or self.refused < self.stale:
-            self.refused += 1
-            raise NoFreeBlocksError("not enough free KV blocks for 5 tokens (0 free)")
-        return super().reserve(request, *args)
 
 
 def test_request_waits_for_free_decode_blocks_instead_of_failing():

@@ -1,0 +1,152 @@
+"""The router actor's life as the controller drives it: start it, restart it when what its
+servers were started with changes, set what changes in place, tell it which workers take new
+requests, stop it.
+
+The router's settings are the dict cluster/templates.py: router_options builds from the
+manifest; this module is the only part of the controller that reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from cluster import timeouts as T
+from cluster.ray_helpers import HEAD_NODE_RESOURCE, NAMESPACE, short_error
+from cluster.router_actor import ROUTER_NAME, RouterActor
+from cluster.state import ClusterState, RouterRecord
+from cluster.templates import ROLES, router_options
+from deploy.manifest import Manifest, parse_manifest
+
+logger = logging.getLogger(__name__)
+
+# What the router's servers were started with: a change restarts the router actor (policy,
+# conditional disaggregation, waits and migration limit change in place).
+ROUTER_SERVER_OPTIONS = (
+    "model",
+    "skip_tokenizer",
+    "host",
+    "port",
+    "http_port",
+    "served_model_names",
+    "api_key_env",
+    "api_key_file",
+    "tls",
+    "max_pending_requests",
+)
+
+
+def router_key(options: dict) -> tuple:
+    """The router options its servers were started with, in ROUTER_SERVER_OPTIONS order."""
+    return tuple(options.get(k) for k in ROUTER_SERVER_OPTIONS)
+
+
+def addresses(options: dict, ports: dict) -> tuple[str, str | None]:
+    """(gRPC host:port, OpenAI HTTP scheme://host:port or None when not served) of a router
+    started with `options` that bound `ports` ({"grpc", "http"})."""
+    grpc_address = f"{options['host']}:{ports['grpc']}"
+    scheme = "https" if options.get("tls") else "http"
+    http_address = (
+        f"{scheme}://{options['host']}:{ports['http']}" if ports["http"] is not None else None
+    )
+    return grpc_address, http_address
+
+
+def configure_router(state: ClusterState, options: dict) -> None:
+    """Set what the router changes in place: policy, conditional disaggregation, the
+    wait for workers, aggregated mode and the migration limit."""
+    ray.get(
+        state.router.handle.configure.remote(
+            options["policy"],
+            options["local_prefill_tokens"],
+            options["wait_for_workers_s"],
+            options["aggregated"],
+            options.get("migration_limit"),
+        ),
+        timeout=T.ROUTER_CONFIGURE_S,
+    )
+
+
+def ensure_router(state: ClusterState, options: dict) -> str | None:
+    """Start the router actor, or restart it when what its server was started with
+    changed; a new policy is set in place. Returns "start", "restart" or None."""
+    key = router_key(options)
+    if state.router is not None and key == state.router.key:
+        try:
+            configure_router(state, options)
+            return None
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            state.log(f"the router does not answer ({short_error(exc)}); starting a new one")
+            key = None  # restart it below
+    verb = "restart" if state.router is not None else "start"
+    if state.router is not None:
+        if key is not None:
+            state.log(
+                f"restarting the router ({state.router.address} -> "
+                f"{options['host']}:{options['port']})"
+            )
+        stop_router(state)
+    me = ray.get_runtime_context().current_actor
+    # On the head node: the address clients (and a KubeRay Service) reach is stable.
+    handle = RouterActor.options(
+        name=ROUTER_NAME,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        resources={HEAD_NODE_RESOURCE: 0.001},
+    ).remote(me, options)
+    state.router = RouterRecord(handle)
+    ports = ray.get(handle.start.remote(), timeout=T.ROUTER_START_S)
+    address, http_address = addresses(options, ports)
+    state.router = RouterRecord(handle, router_key(options), address, http_address, ports)
+    state.log(
+        f"router serving gRPC on {address}"
+        + (f", OpenAI HTTP on {http_address}" if http_address else "")
+    )
+    return verb
+
+
+def publish(state: ClusterState, m: Manifest) -> None:
+    """Tell the router which workers take new requests; returns once it holds."""
+    if state.router is None:
+        return
+    pools = {role: {w.worker_id: w.handle for w in state.active(role)} for role in ROLES}
+    pool_engine = m.spec.engine_for("prefill")
+    max_model_len = None
+    for decode in state.active("decode"):  # any that answers: one may be restarting
+        try:
+            info = ray.get(decode.handle.info.remote(), timeout=T.WORKER_INFO_S)
+        except Exception as exc:  # noqa: BLE001 - dead or restarting: ask the next one
+            logger.warning("info of %s: %s", decode.worker_id, short_error(exc))
+            continue
+        max_model_len = info.max_model_len
+        break
+    ray.get(
+        state.router.handle.set_workers.remote(
+            pools["prefill"],
+            pools["decode"],
+            pool_engine.block_size,
+            pool_engine.hash_seed,
+            max_model_len,
+        ),
+        timeout=T.PUBLISH_S,
+    )
+
+
+def republish(state: ClusterState) -> None:
+    """A router Ray restarted came back empty: set its settings and publish the workers of
+    the applied manifest again."""
+    state.log(f"the router was restarted; serving again on {state.router.address}")
+    m = parse_manifest(state.manifest)
+    configure_router(state, router_options(m))
+    publish(state, m)
+
+
+def stop_router(state: ClusterState) -> None:
+    """Stop the router's servers (open streams get a few seconds) and kill the actor."""
+    try:
+        ray.get(state.router.handle.stop.remote(), timeout=T.ROUTER_STOP_S)
+    except Exception as exc:  # noqa: BLE001 - killed below either way
+        logger.warning("stopping the router: %s", exc)
+    ray.kill(state.router.handle)
+    state.router = None
