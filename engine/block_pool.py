@@ -37,6 +37,7 @@ class KVEvent:
     kind: str  # "stored" | "removed"
     block_hashes: tuple[BlockHash, ...]
     parent_hash: BlockHash | None = None
+    medium: str = "device"  # where the blocks are: "device", or a KV tier's ("host", "disk")
 
 
 @dataclass(slots=True)
