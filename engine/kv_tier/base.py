@@ -63,6 +63,7 @@ class KVTier(ABC):
     asynchronously. Thread-safe; close() when done."""
 
     medium: ClassVar[str]  # what KV events from this tier name as their medium
+    persistent: ClassVar[bool]  # whether what it holds outlives the process
 
     def __init__(
         self,
@@ -111,6 +112,10 @@ class KVTier(ABC):
             return False
         return True
 
+    def has_write_room(self) -> bool:
+        """Whether offer() would queue a block now rather than drop it."""
+        return self._writer.has_room()
+
     def lookup(
         self, block_hashes: Sequence[BlockHash], hash_keys: Sequence[HashKey] | None = None
     ) -> int:
@@ -145,6 +150,15 @@ class KVTier(ABC):
             self._unpin(hashes)
             load.finish(0, 0.0)
         return load
+
+    def cancel_load(self, load: TierLoad) -> None:
+        """Stop a load and return once it writes its destination blocks no more (a load not
+        started yet is dropped; a running one stops after its current block)."""
+        load.cancel()
+        if self._loader.discard(load):
+            self._unpin(load.block_hashes)
+            load.finish(0, time.perf_counter() - load.started)
+        load.wait()
 
     def held_hashes(self) -> list[BlockHash]:
         """Every held block hash, least recently used first."""

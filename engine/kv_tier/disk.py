@@ -59,6 +59,7 @@ class DiskTier(KVTier):
     """A tier in a local directory of block files."""
 
     medium = "disk"
+    persistent = True
 
     def __init__(
         self,

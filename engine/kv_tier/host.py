@@ -18,6 +18,7 @@ class HostTier(KVTier):
     """A tier in host memory: block hash -> host tensor."""
 
     medium = "host"
+    persistent = False
 
     def __init__(
         self,

@@ -49,6 +49,16 @@ class IOThread(Generic[T]):
             self._cond.notify_all()
             return True
 
+    def discard(self, item: T) -> bool:
+        """Take a queued item back before it runs; False if it is running, done or unknown."""
+        with self._cond:
+            for i, queued in enumerate(self._queue):
+                if queued is item:
+                    del self._queue[i]
+                    self._cond.notify_all()
+                    return True
+            return False
+
     def pending(self) -> int:
         """Items queued or running."""
         with self._cond:

@@ -22,26 +22,22 @@ BLOCK_BYTES = IDENTITY.block_bytes  # 2 * 2 * 4 * 2 * 8 * 4 = 1024
 H = [2**63 + 0x1000 * (i + 1) for i in range(16)]
 
 
-def paged_cache(num_blocks: int = 8, seed: int = 0) -> list[torch.Tensor]:
-    """Per-layer caches [2, num_blocks, BS, KVH, D] (head-major storage) of random values."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(IDENTITY.num_layers):
-        layer = allocate_kv_cache(
-            num_blocks, IDENTITY.block_size, IDENTITY.num_kv_heads, IDENTITY.head_dim, torch.float32
-        )
-        layer.copy_(torch.randn(layer.shape, generator=g))
-        out.append(layer)
-    return out
-
-
 def empty_cache(num_blocks: int = 8) -> list[torch.Tensor]:
+    """Zeroed per-layer caches [2, num_blocks, BS, KVH, D] (head-major storage)."""
+    i = IDENTITY
     return [
-        allocate_kv_cache(
-            num_blocks, IDENTITY.block_size, IDENTITY.num_kv_heads, IDENTITY.head_dim, torch.float32
-        )
-        for _ in range(IDENTITY.num_layers)
+        allocate_kv_cache(num_blocks, i.block_size, i.num_kv_heads, i.head_dim, torch.float32)
+        for _ in range(i.num_layers)
     ]
+
+
+def paged_cache(num_blocks: int = 8, seed: int = 0) -> list[torch.Tensor]:
+    """Per-layer caches of random values."""
+    g = torch.Generator().manual_seed(seed)
+    out = empty_cache(num_blocks)
+    for layer in out:
+        layer.copy_(torch.randn(layer.shape, generator=g))
+    return out
 
 
 def block_of(kv: list[torch.Tensor], block_id: int) -> torch.Tensor:

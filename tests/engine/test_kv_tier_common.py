@@ -256,3 +256,22 @@ def test_close_finishes_queued_writes(make_tier):
     assert tier.stats().blocks_written == 1
     assert not tier.offer(H[1], block_views(kv, 1))  # closed
     assert tier.load_async([H[0]], BlockDestination(empty_cache(), [0])).num_blocks == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_cache_round_trip_orders_copies_with_the_compute_stream(make_tier):
+    # Copy out, then overwrite the block at once on the compute stream (its reuse), then load
+    # other blocks' KV into it: each copy must see the stream's order.
+    tier = make_tier(4)
+    kv = [t.cuda() for t in paged_cache(seed=6)]
+    before = [block_of(kv, i).cpu() for i in range(3)]
+    assert tier.offer(H[0], block_views(kv, 0))
+    assert tier.offer(H[1], block_views(kv, 1))
+    for layer in kv:
+        layer[:, 0].fill_(3.0)  # block 0 reused right after its offer
+    assert tier.flush(timeout=30)
+    assert load(tier, [H[1], H[0]], kv, [0, 2]) == 2  # block 0 now gets H1's KV
+    torch.cuda.synchronize()
+    assert same_bytes(block_of(kv, 0).cpu(), before[1])
+    assert same_bytes(block_of(kv, 2).cpu(), before[0])
