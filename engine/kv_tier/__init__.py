@@ -11,6 +11,9 @@ instead of recomputing them.
     load.py         TierLoad: the handle of an asynchronous load
     device_copy.py  copies between the paged device cache and host block tensors
     spec.py         TierIdentity (what makes stored KV valid), TierStats
+    fingerprint.py  the model fingerprint stored KV is stamped with
+    connector.py    TierConnector: the engine's side (eviction hook, lookup, loads)
+    metrics.py      TierCollector: TierStats as Prometheus families
 Backends are chosen by name from TIERS.
 """
 

@@ -142,6 +142,11 @@ def open_engine_tier(config: EngineConfig, model_dir: Path, runner: ModelRunner)
         args.num_kv_heads,
         args.head_dim,
     )
+    if config.kv_tier_bytes < identity.block_bytes:
+        raise InvalidRequestError(
+            f"kv_tier_bytes={config.kv_tier_bytes} is smaller than one KV block "
+            f"({identity.block_bytes} bytes)"
+        )
     try:
         return open_tier(config.kv_tier, identity, config.kv_tier_bytes, config.kv_tier_path)
     except (TierLockedError, OSError) as exc:

@@ -207,6 +207,14 @@ def test_abort_of_a_loading_request_frees_its_blocks(tiny_llama):
     engine.close()
 
 
+def test_a_tier_smaller_than_a_block_is_refused(tiny_llama):
+    # tiny Llama, block_size 4: 2 layers * 2 * 4 tokens * 2 KV heads * 16 dims * 4 bytes
+    with pytest.raises(
+        InvalidRequestError, match=r"kv_tier_bytes=100 is smaller than one KV block \(2048 bytes\)"
+    ):
+        LLMEngine(tiny_llama, **OPTS, kv_tier="host", kv_tier_bytes=100)
+
+
 def test_kv_tier_options_are_checked_in_the_engine_and_the_manifest():
     from engine.config import EngineConfig
 
