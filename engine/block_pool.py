@@ -12,6 +12,7 @@ finished request is evicted before its (more shareable) head.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
@@ -37,6 +38,7 @@ class KVEvent:
     kind: str  # "stored" | "removed"
     block_hashes: tuple[BlockHash, ...]
     parent_hash: BlockHash | None = None
+    medium: str = "device"  # where the blocks are: "device", or a KV tier's ("host", "disk")
 
 
 @dataclass(slots=True)
@@ -52,11 +54,19 @@ class BlockPoolStats:
 class BlockPool:
     """Owns all KV blocks; knows nothing about requests."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        on_evict: Callable[[KVBlock], None] | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        # Called with a cached block that allocation is about to reuse, hash still set and KV
+        # still intact (a KV tier copies it out here: engine/kv_tier/connector.py).
+        self.on_evict = on_evict
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
@@ -86,6 +96,11 @@ class BlockPool:
     def cached_hashes(self) -> set[BlockHash]:
         return set(self._cached)
 
+    def cached_blocks(self) -> list[KVBlock]:
+        """Every block carrying a hash: evictable ones in eviction order, then those in use."""
+        free = [b for b in self._free.values() if b.block_hash is not None]
+        return free + [b for b in self._cached.values() if b.ref_cnt > 0]
+
     # ---- mutations -----------------------------------------------------------------------
     def touch(self, blocks: list[KVBlock]) -> None:
         """Take one more reference on each block (a prefix hit), pulling it off the free queue."""
@@ -101,6 +116,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
+            if self.on_evict is not None and block.block_hash is not None:
+                self.on_evict(block)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

@@ -41,6 +41,10 @@ class KVCacheManager:
             )
         )
 
+    def hash_key(self, request: Request, i: int) -> HashKey:
+        """What block i's hash stands for (parent, tokens, extra keys); hashes must be current."""
+        return self._hash_key(request, i)
+
     def _hash_key(self, request: Request, i: int) -> HashKey:
         parent = request.block_hashes[i - 1] if i > 0 else self._root
         tokens = tuple(request.token_ids[i * self.block_size : (i + 1) * self.block_size])

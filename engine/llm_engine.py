@@ -19,6 +19,8 @@ from engine.errors import (
     PromptTooLongError,
 )
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_tier.connector import TierConnector, open_engine_tier
+from engine.kv_tier.metrics import TierCollector
 from engine.metrics import EngineMetrics
 from engine.model_runner import BatchRow, ModelRunner
 from engine.outputs import RequestOutput, StepResult
@@ -28,6 +30,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_model import find_step_model, profile_key
 from engine.tokenizer import eos_token_ids, load_tokenizer
+
+TIER_IDLE_WAIT_S = 0.01  # a step with nothing to run waits this long for a KV tier load
 
 
 class HeldBlocks(NamedTuple):
@@ -67,9 +71,18 @@ class LLMEngine:
         self.tokenizer = None if self.config.skip_tokenizer_init else load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, hf_config, self.tokenizer)
         self.runner = ModelRunner(self.config, self.model_dir, self.max_model_len)
-        self.pool = BlockPool(self.runner.num_blocks, self.config.enable_prefix_caching)
+        # A KV tier below the cache (engine/kv_tier), or None: evicted blocks are offered to it
+        self.kv_tier = open_engine_tier(self.config, self.model_dir, self.runner)
+        tier = TierConnector(self.kv_tier, self.runner.kv_caches) if self.kv_tier else None
+        self.pool = BlockPool(
+            self.runner.num_blocks,
+            self.config.enable_prefix_caching,
+            on_evict=tier.on_evict if tier else None,
+        )
         self.kv = KVCacheManager(self.pool, self.config.block_size, self.config.hash_seed)
         self.metrics = EngineMetrics()  # this engine's own registry (engine/metrics.py)
+        if self.kv_tier is not None:
+            self.metrics.registry.register(TierCollector(self.kv_tier))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 self.config.max_num_batched_tokens,
@@ -78,6 +91,7 @@ class LLMEngine:
             ),
             self.kv,
             self._chunk_budget(),
+            tier,
         )
         self._rng = random.Random(self.config.seed)
         self._seeds: dict[str, int] = {}
@@ -330,7 +344,22 @@ class LLMEngine:
                 )
 
     def take_kv_events(self) -> list[KVEvent]:
-        return self.pool.take_events()
+        """KV events since the last call: the device cache's, then the KV tier's (each
+        medium's in order; a block can be stored in the tier after leaving the device)."""
+        events = self.pool.take_events()
+        if self.scheduler.tier is not None:
+            events.extend(self.scheduler.tier.take_events())
+        return events
+
+    def close(self) -> None:
+        """Release what outlives the steps: the KV tier (a persistent one first gets every
+        block the device caches, so a restart finds them; then its queued writes finish, its
+        threads stop and a disk tier's directory is unlocked). A no-op without a tier."""
+        if self.kv_tier is None:
+            return
+        if self.kv_tier.persistent:
+            self.scheduler.tier.persist(self.pool)
+        self.kv_tier.close()
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -357,7 +386,9 @@ class LLMEngine:
                 out = self._append_token(req, token, lp, now)
                 earlier = result.outputs.get(req.request_id)
                 result.outputs[req.request_id] = earlier.merged(out) if earlier else out
-        result.kv_events = self.pool.take_events()
+        elif self.scheduler.tier is not None:
+            self.scheduler.tier.wait_any(TIER_IDLE_WAIT_S)  # only loads left: do not spin
+        result.kv_events = self.take_kv_events()
         self.record_state(len(batch.preempted))
         end = time.perf_counter()
         if not batch.is_empty():  # the whole step, scheduling and outputs too: what ITL sees

@@ -17,6 +17,7 @@ from engine.errors import InvalidRequestError
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # engine/config.py maps them to torch dtypes
 # gguf_isa values; engine/model/gguf_kernel.py maps each but auto to its kernels
 GGUF_ISA_NAMES = ("auto", "avx2", "avxvnni", "avx512", "avx512vnni")
+KV_TIER_NAMES = ("none", "host", "disk")  # "none" and engine/kv_tier's TIERS
 RULES = ("ge", "gt", "le", "min_length", "choices")  # metadata keys that validate a value
 _COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 
@@ -101,6 +102,22 @@ class EngineOptions:
         "seed of the block hash chain (router and workers must agree)",
         min_length=1,
     )
+    kv_tier: str = option(
+        "none",
+        "a KV tier below the KV cache: blocks evicted from it are kept in host memory (host) "
+        "or in kv_tier_path (disk), and a prefix hit loads them back instead of recomputing "
+        "them",
+        choices=KV_TIER_NAMES,
+    )
+    kv_tier_bytes: int = option(
+        4 * 2**30, "capacity of the KV tier in bytes (disk: block files, headers included)", ge=1
+    )
+    kv_tier_path: str | None = option(
+        None,
+        "directory of the disk KV tier, one per engine (locked while open; kept across "
+        "restarts, re-indexed on start-up)",
+        min_length=1,
+    )
     skip_tokenizer_init: bool = option(
         False, "load no tokenizer: clients send prompt_token_ids and get token ids back"
     )
@@ -174,6 +191,12 @@ class EngineOptions:
                 raise InvalidRequestError(
                     f"int8_activations needs CPU float32 with GGUF blocks, but {problem}"
                 )
+        if self.kv_tier == "disk" and self.kv_tier_path is None:
+            raise InvalidRequestError("kv_tier_path is required when kv_tier is disk")
+        if self.kv_tier != "none" and not self.enable_prefix_caching:
+            raise InvalidRequestError(
+                f"kv_tier={self.kv_tier!r} needs enable_prefix_caching (tiers key blocks by hash)"
+            )
         if self.chunk_size > self.max_num_batched_tokens:
             raise InvalidRequestError(
                 f"chunk_size {self.chunk_size} exceeds max_num_batched_tokens "

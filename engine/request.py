@@ -14,13 +14,14 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = 0
     WAITING_FOR_REMOTE_KV = 1
-    PREEMPTED = 2
-    RUNNING = 3
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH = 5
-    FINISHED_ABORTED = 6
-    FINISHED_ERROR = 7
-    FINISHED_PREFILLED = 8  # prefill role: prompt done, first token sampled, KV held for transfer
+    WAITING_FOR_TIER_KV = 2  # its prefix blocks are loading from the KV tier (engine/kv_tier)
+    PREEMPTED = 3
+    RUNNING = 4
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
+    FINISHED_PREFILLED = 9  # prefill role: prompt done, first token sampled, KV held for transfer
 
     @property
     def finished(self) -> bool:

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.chunk_budget import ChunkBudget, StepPlan
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.kv_tier.connector import TierConnector
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +51,16 @@ class Scheduler:
     """Decides, step by step, which requests run and how many tokens each gets."""
 
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, budget: ChunkBudget | None = None
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        budget: ChunkBudget | None = None,
+        tier: TierConnector | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.budget = budget
+        self.tier = tier  # a KV tier below the cache: prefix hits past the device's load from it
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the last one is the newest
         self.requests: dict[str, Request] = {}
@@ -77,17 +86,24 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_TIER_KV:
+            self.tier.cancel(request)  # returns once the load writes its blocks no more
         request.status = status
         if free_blocks:
             self.kv.free(request)
         self.requests.pop(request.request_id, None)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or self._num_loading() > 0
+
+    def _num_loading(self) -> int:
+        return self.tier.num_loading if self.tier is not None else 0
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(plan=self.budget.plan() if self.budget else None)
+        if self.tier is not None:
+            self._finish_tier_loads()
         budget = self.config.max_num_batched_tokens
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
@@ -147,9 +163,16 @@ class Scheduler:
         out.preempted.append(req.request_id)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) + self._num_loading() < self.config.max_num_seqs
+        ):
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req)
+            n_tier = self.tier.num_hits(self.kv, req, len(hits)) if self.tier else 0
+            if n_tier and self._start_tier_load(req, hits, n_tier):
+                continue  # loading; too few free blocks for its tier hits: computed as without
             req.num_computed_tokens = len(hits) * self.kv.block_size
             n = self._chunk(req, budget, out.plan)
             if n <= 0 or not self.kv.allocate_slots(req, n, hits):
@@ -163,6 +186,31 @@ class Scheduler:
             out.requests.append(req)
             out.num_tokens[req.request_id] = n
             budget -= n
+
+    # ---- a KV tier below the cache (engine/kv_tier/connector.py) ----------------------------
+    def _start_tier_load(self, req: Request, hits: list, n_tier: int) -> bool:
+        """Take blocks for the device hits and the n_tier tier blocks after them and start
+        loading the latter; req waits (WAITING_FOR_TIER_KV) until they are in place. False
+        (nothing changed) when the blocks are not free."""
+        req.num_computed_tokens = len(hits) * self.kv.block_size
+        if not self.kv.allocate_slots(req, n_tier * self.kv.block_size, hits):
+            req.num_computed_tokens = 0
+            return False
+        self.waiting.popleft()
+        req.status = RequestStatus.WAITING_FOR_TIER_KV
+        self.tier.start(self.kv, req, len(hits), n_tier)
+        return True
+
+    def _finish_tier_loads(self) -> None:
+        """Requests whose tier blocks are in place join the running batch, their loaded
+        blocks cached like computed ones (a block that failed to load is computed instead)."""
+        for req, n_loaded in self.tier.finished():
+            req.num_computed_tokens += n_loaded * self.kv.block_size
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = req.num_computed_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
 
     def update_after_step(self, out: SchedulerOutput) -> list[Request]:
         """Advance num_computed_tokens, cache newly full blocks; return rows that sample."""

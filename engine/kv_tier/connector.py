@@ -1,0 +1,153 @@
+"""TierConnector: the engine's side of a KV tier.
+
+  BlockPool   on_evict(block): a cached block is about to be reused, its KV goes to the tier
+  Scheduler   num_hits(): tier blocks continuing a request's device prefix hits;
+              start(): load them into the request's freshly allocated blocks; the request
+              waits (WAITING_FOR_TIER_KV) while other requests keep stepping;
+              finished(): loads that are done, with how many leading blocks arrived
+              (the scheduler then caches those blocks and advances num_computed_tokens)
+The block pool stays the owner of block ids: the connector only names destination ids that
+the request's table already holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.block_pool import BlockPool, HashKey, KVBlock, KVEvent
+from engine.errors import InvalidRequestError
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_tier import TierIdentity, TierLockedError, open_tier
+from engine.kv_tier.base import KVTier
+from engine.kv_tier.device_copy import BlockDestination, block_views
+from engine.kv_tier.fingerprint import model_fingerprint
+from engine.kv_tier.load import TierLoad
+from engine.request import Request
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+
+
+class TierConnector:
+    """Offers evicted blocks to a tier and loads tier hits back for the scheduler."""
+
+    def __init__(self, tier: KVTier, kv_caches: Sequence[torch.Tensor]) -> None:
+        self.tier = tier
+        self.kv_caches = kv_caches  # per layer [2, num_blocks, BS, KVH, D]
+        self._loads: dict[str, tuple[Request, TierLoad]] = {}  # in start order
+
+    def on_evict(self, block: KVBlock) -> bool:
+        """BlockPool hook, called before a cached block is reused: copy its KV to the tier
+        (True when queued)."""
+        key = block.hash_key
+        views = block_views(self.kv_caches, block.block_id)
+        return self.tier.offer(block.block_hash, views, key[0] if key else None, key)
+
+    def persist(self, pool: BlockPool, timeout: float = 60.0) -> int:
+        """Offer every block the device caches (next to be evicted first) and wait until
+        they are written; for a tier that outlives the process (disk) before it closes.
+        Returns the blocks offered (held ones are skipped)."""
+        offered = 0
+        for block in pool.cached_blocks():
+            if not self.tier.has_write_room():
+                self.tier.flush(timeout)
+            offered += self.on_evict(block)
+        self.tier.flush(timeout)
+        return offered
+
+    def num_hits(self, kv: KVCacheManager, req: Request, num_device: int) -> int:
+        """Blocks the tier holds right after req's num_device device hits (stopping where the
+        last prompt token's block starts: that token is always computed)."""
+        limit = (req.num_tokens - 1) // kv.block_size
+        n = min(limit, len(req.block_hashes)) - num_device
+        if n <= 0:
+            return 0
+        hashes = req.block_hashes[num_device : num_device + n]
+        return self.tier.lookup(hashes, _Keys(kv, req, num_device, n))
+
+    def start(self, kv: KVCacheManager, req: Request, num_device: int, n: int) -> None:
+        """Load req's blocks [num_device, num_device + n) from the tier into its table's."""
+        ids = kv.block_ids(req.request_id)[num_device : num_device + n]
+        hashes = req.block_hashes[num_device : num_device + n]
+        load = self.tier.load_async(
+            hashes, BlockDestination(self.kv_caches, ids), _Keys(kv, req, num_device, n)
+        )
+        self._loads[req.request_id] = (req, load)
+
+    def finished(self) -> list[tuple[Request, int]]:
+        """Requests whose load is done (in start order), each with its leading blocks loaded."""
+        done = [(rid, req, load) for rid, (req, load) in self._loads.items() if load.done()]
+        for rid, _, _ in done:
+            del self._loads[rid]
+        return [(req, load.num_loaded) for _, req, load in done]
+
+    def cancel(self, req: Request) -> None:
+        """Stop req's load; returns once its destination blocks may be freed."""
+        entry = self._loads.pop(req.request_id, None)
+        if entry is not None:
+            self.tier.cancel_load(entry[1])
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loads)
+
+    def wait_any(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for the oldest load (when nothing else can run)."""
+        if self._loads:
+            next(iter(self._loads.values()))[1].wait(timeout)
+
+    def take_events(self) -> list[KVEvent]:
+        return self.tier.take_events()
+
+
+class _Keys(Sequence):
+    """The hash keys of req's blocks [start, start + n), computed on access (a lookup reads
+    them only up to its first miss)."""
+
+    def __init__(self, kv: KVCacheManager, req: Request, start: int, n: int) -> None:
+        self._kv, self._req, self._start, self._n = kv, req, start, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> HashKey:
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        return self._kv.hash_key(self._req, self._start + i)
+
+
+def open_engine_tier(config: EngineConfig, model_dir: Path, runner: ModelRunner) -> KVTier | None:
+    """The tier an engine's options ask for (None for kv_tier="none"), stamped with the
+    identity of this engine's KV: model, arithmetic, hash seed and block geometry."""
+    if config.kv_tier == "none":
+        return None
+    dtype = str(runner.dtype).removeprefix("torch.")
+    args = runner.model.args
+    identity = TierIdentity(
+        model_fingerprint(
+            model_dir,
+            dtype=dtype,
+            use_gguf_blocks=config.use_gguf_blocks,
+            int8_activations=config.int8_activations,
+        ),
+        config.hash_seed,
+        config.block_size,
+        dtype,
+        args.num_layers,
+        args.num_kv_heads,
+        args.head_dim,
+    )
+    if config.kv_tier_bytes < identity.block_bytes:
+        raise InvalidRequestError(
+            f"kv_tier_bytes={config.kv_tier_bytes} is smaller than one KV block "
+            f"({identity.block_bytes} bytes)"
+        )
+    try:
+        return open_tier(config.kv_tier, identity, config.kv_tier_bytes, config.kv_tier_path)
+    except (TierLockedError, OSError) as exc:
+        raise InvalidRequestError(f"kv_tier_path={config.kv_tier_path!r}: {exc}") from exc
