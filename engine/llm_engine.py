@@ -152,6 +152,13 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not (0 <= int(t) < vocab)]
         if bad:
             raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        params.validate_vocab(vocab)
+        if params.n > min(self.config.max_n, self.config.max_num_seqs):
+            raise InvalidRequestError(
+                f"sampling.n={params.n} is invalid: this engine allows at most "
+                f"{min(self.config.max_n, self.config.max_num_seqs)} choices per request "
+                "(engine options max_n, max_num_seqs)"
+            )
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise PromptTooLongError(

@@ -23,6 +23,16 @@ class TokenLogprobs:
     logprob: float
     top: tuple[tuple[int, float], ...]
 
+    def to_wire(self) -> list:
+        """[token_id, logprob, [[id, logprob], ...top-n]]: plain lists for msgpack / Ray."""
+        return [self.token_id, self.logprob, [[t, lp] for t, lp in self.top]]
+
+    @classmethod
+    def from_wire(cls, value: list) -> TokenLogprobs:
+        """Inverse of to_wire."""
+        token_id, logprob, top = value
+        return cls(int(token_id), float(logprob), tuple((int(t), float(lp)) for t, lp in top))
+
 
 @dataclass(frozen=True, slots=True)
 class SampleRequest:
@@ -36,6 +46,15 @@ class SampleRequest:
 def position_seed(seed: int, position: int) -> int:
     """A 63-bit seed for the draw at `position` of a request seeded with `seed`."""
     digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed` (n > 1): choice 0 keeps the
+    request's seed, so n == 1 draws exactly as before; the others get their own streams."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:choice:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
