@@ -122,11 +122,13 @@ class GrammarManager:
             cf.wait(pending, timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
     def fork(self, parent_id: str, child_id: str) -> None:
-        """child_id gets a fresh matcher of parent_id's grammar (sync() replays its tokens)."""
+        """child_id gets parent_id's grammar: a fresh matcher (sync() replays its tokens),
+        or, while the compile is still running, the same wait for it."""
         parent = self._entries[parent_id]
-        self._entries[child_id] = _Entry(
-            parent.spec, parent.future, self._xgr.GrammarMatcher(parent.future.result())
-        )
+        matcher = None
+        if parent.matcher is not None:
+            matcher = self._xgr.GrammarMatcher(parent.future.result())
+        self._entries[child_id] = _Entry(parent.spec, parent.future, matcher)
 
     def remove(self, request_id: str) -> None:
         self._entries.pop(request_id, None)

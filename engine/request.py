@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from engine.block_hash import BlockHash
-from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.sampler import TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):

@@ -51,7 +51,11 @@ class SamplingParams:
     # (token id, bias added to its logit), sorted by id; a dict {id or "id": bias} is accepted.
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens
-    prompt_logprobs: int | None = None  # top-n per prompt token (the first has none)
+    # Top-n per prompt token (the first has none), on the first output of choice 0. Such a
+    # request does not read the prefix cache for its prompt (a cached position has no
+    # logits): its whole prompt is computed. Not computed for a migrated continuation
+    # (num_prior_output_tokens > 0): they went out with its first attempt's first output.
+    prompt_logprobs: int | None = None
     n: int = 1  # choices generated from one prefill (the engine bounds it: option max_n)
     structured_output: StructuredOutput | None = None  # a dict of its fields is accepted
 

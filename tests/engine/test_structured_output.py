@@ -11,8 +11,10 @@ import threading
 
 import jsonschema
 import pytest
+import torch
 
 from engine import LLM, InvalidRequestError, LLMEngine, SamplingParams
+from engine.grammar import GrammarRejected
 from engine.request import RequestStatus
 from tests.engine.test_remote_kv import disaggregated
 from tests.helpers import run_to_completion
@@ -246,24 +248,59 @@ def test_prefill_engine_then_decode_engine_equals_one_engine(
     assert decode.pool.num_free_blocks == 128
 
 
-def test_decode_engine_holds_the_first_token_until_its_grammar_compiles(tiny_llama_tok, llm):
-    params = SamplingParams(max_tokens=60, temperature=1.0, seed=9, structured_output=JSON)
-    expected = llm.generate(PROMPT, params)[0].token_ids
+@pytest.mark.parametrize("n", [1, 2])
+def test_decode_engine_holds_the_first_tokens_until_its_grammar_compiles(tiny_llama_tok, llm, n):
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=9, n=n, structured_output=JSON)
+    expected = [o.token_ids for o in llm.generate(PROMPT, params)]
     prefill = LLMEngine(tiny_llama_tok, num_kv_blocks=64, **OPTS)
     decode = LLMEngine(tiny_llama_tok, num_kv_blocks=64, **OPTS)
     prefill.add_request("r", PROMPT, params, prefill_only=True)
     seed = prefill.seed_of("r")
-    first = run_to_completion(prefill)["r"]
-    assert first == expected[:1]
+    firsts = {out.index: out.new_token_ids[0] for out in prefill_outputs(prefill)}
+    assert [firsts[i] for i in range(n)] == [e[0] for e in expected]
     gate = blocked_compiles(decode)
-    dst, hits = decode.reserve_remote("r", PROMPT, params, seed)
+    dst, _ = decode.reserve_remote("r", PROMPT, params, seed)
     for s_layer, d_layer in zip(prefill.kv_caches, decode.kv_caches, strict=True):
         d_layer[:, dst] = s_layer[:, prefill.held_block_ids("r")]
-    decode.complete_remote("r", first[0])
-    assert decode.scheduler.requests["r"].status == RequestStatus.WAITING_FOR_GRAMMAR
-    assert decode.step().scheduled == {}  # the first token's output, nothing runs
+    decode.complete_remote("r", [firsts[i] for i in range(n)])
+    held = [decode.scheduler.requests[rid].status for rid in ("r", "r#1")[:n]]
+    assert held == [RequestStatus.WAITING_FOR_GRAMMAR] * n
+    assert decode.step().scheduled == {}  # the first tokens' outputs, nothing runs
     gate.set()
-    rest = run_to_completion(decode)["r"]
-    assert first + rest == expected
+    tokens: dict[int, list[int]] = {}
+    while decode.has_unfinished():
+        for out in decode.step().outputs.values():
+            tokens.setdefault(out.index, []).extend(out.new_token_ids)
+    assert [[firsts[i]] + tokens[i] for i in range(n)] == expected
     assert prefill.release_held("r")
     decode.check_integrity()
+    assert decode.pool.num_free_blocks == 64
+
+
+def prefill_outputs(engine: LLMEngine) -> list:
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step().outputs.values()
+    return outs
+
+
+def test_matcher_follows_the_tokens_it_is_given_rolling_back_what_went(llm):
+    grammar = llm.engine.grammar
+    spec = SamplingParams(structured_output={"regex": "[a-c]{2,5}"}).structured_output
+    a, b, c, d = llm.tokenizer.convert_tokens_to_ids(list("abcd"))
+    for rid in ("x", "y"):
+        grammar.submit(rid, spec)
+    compiled = []
+    while len(compiled) < 2:
+        grammar.wait(1.0)
+        compiled += grammar.take_compiled()
+    assert sorted(compiled) == [("x", None), ("y", None)]
+    assert grammar.sync("x", [a, b, c, a, b]) is False
+    after_ab = grammar.bitmask("y", [a, b])
+    assert not torch.equal(grammar.bitmask("x", [a, b, c, a, b]), after_ab)  # only EOS now
+    assert torch.equal(grammar.bitmask("x", [a, b]), after_ab)  # c, a, b rolled back
+    assert torch.equal(grammar.bitmask("x", [a, c, c]), grammar.bitmask("y", [a, c, c]))
+    with pytest.raises(GrammarRejected, match=r"structured_output.regex: token \d+ .*position 1"):
+        grammar.sync("x", [a, d])
+    for rid in ("x", "y"):
+        grammar.remove(rid)
