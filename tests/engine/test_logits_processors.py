@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLM, InvalidRequestError, LLMEngine, SamplingParams
+from engine import LLM, InvalidRequestError, SamplingParams
 from engine.logits_processors import process_logits
 from engine.sampler import SampleRequest, sample
-from tests.engine.test_remote_kv import OPTS, disaggregated
-from tests.helpers import random_prompts, run_to_completion
+from tests.engine.test_remote_kv import check_disaggregated_equals_colocated
+from tests.helpers import random_prompts
 
 V = 64
 F32 = np.float32
@@ -161,14 +161,7 @@ def test_continuation_with_penalties_equals_uninterrupted(llm, cut):
 def test_prefill_engine_first_token_and_decode_engine_apply_the_same(tiny_llama):
     prompts = random_prompts([7, 22], seed=74, vocab=60)
     params = [SamplingParams(**SAMPLED), SamplingParams(**{**SAMPLED, "temperature": 0.0})]
-    colocated = LLMEngine(tiny_llama, num_kv_blocks=128, **OPTS)
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        colocated.add_request(str(i), p, sp)
-    expected = run_to_completion(colocated)
-    prefill = LLMEngine(tiny_llama, num_kv_blocks=128, **OPTS)
-    decode = LLMEngine(tiny_llama, num_kv_blocks=128, **OPTS)
-    got, _ = disaggregated(prefill, decode, prompts, params)
-    assert got == expected
+    check_disaggregated_equals_colocated(tiny_llama, prompts, params)
 
 
 def test_logit_bias_ids_must_be_in_the_vocabulary(llm):
