@@ -19,15 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.errors import InvalidRequestError
+from engine.errors import GrammarRejected
 from engine.structured_output import StructuredOutput
 
 COMPILE_THREADS = 2  # compiles in flight at once (each may use xgrammar's own threads too)
 SPEC_FUTURES = 128  # most recent specs whose compile future is shared by later requests
-
-
-class GrammarRejected(InvalidRequestError):
-    """A token the request's grammar does not allow (a replayed token from elsewhere)."""
 
 
 @dataclass(slots=True)

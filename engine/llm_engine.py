@@ -13,8 +13,8 @@ from engine.chunk_budget import ChunkBudget
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.disaggregation import DisaggregationHooks, HeldBlocks
-from engine.errors import CapacityError, InvalidRequestError, PromptTooLongError
-from engine.grammar import GrammarManager, GrammarRejected
+from engine.errors import CapacityError, GrammarRejected, InvalidRequestError, PromptTooLongError
+from engine.grammar import GrammarManager
 from engine.kv_cache_manager import KVCacheManager
 from engine.metrics import EngineMetrics
 from engine.model_runner import BatchRow, ModelRunner, PromptLogprobsSpan

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from engine.choices import choice_id
 from engine.disaggregation import HeldBlocks
-from engine.grammar import GrammarRejected
+from engine.errors import GrammarRejected
 from engine.outputs import RequestOutput
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampler import TokenLogprobs, choice_seed

@@ -26,6 +26,7 @@ from engine.block_pool import KVEvent
 from engine.errors import (
     CapacityError,
     EngineError,
+    GrammarRejected,
     InvalidRequestError,
     ModelNotFoundError,
     NoFreeBlocksError,
@@ -275,6 +276,7 @@ ERRORS: dict[str, type[Exception]] = {
     for cls in (
         EngineError,
         InvalidRequestError,
+        GrammarRejected,
         PromptTooLongError,
         CapacityError,
         NoFreeBlocksError,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import LLM, InvalidRequestError, LLMEngine, SamplingParams
-from engine.grammar import GrammarRejected
+from engine.errors import GrammarRejected
 from engine.request import RequestStatus
 from tests.engine.test_remote_kv import disaggregated
 from tests.helpers import run_to_completion
