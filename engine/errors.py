@@ -9,6 +9,11 @@ class InvalidRequestError(EngineError, ValueError):
     """The request or its parameters are malformed (empty prompt, bad sampling values)."""
 
 
+class GrammarRejected(InvalidRequestError):
+    """A token the request's structured-output grammar does not allow (a token replayed from
+    another engine or from before a migration)."""
+
+
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus max_tokens) exceeds max_model_len."""
 

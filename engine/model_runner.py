@@ -15,9 +15,22 @@ from engine.errors import CapacityError
 from engine.model.fused_decode import MAX_ROWS as MAX_FUSED_ROWS
 from engine.model.fused_decode import FusedDecoder
 from engine.model.loader import load_model
-from engine.sampler import SampleRequest, TokenLogprobs, compute_logprobs, sample
+from engine.sampler import SampleRequest, TokenLogprobs, compute_logprobs, sample, top_logprobs
 
 logger = logging.getLogger(__name__)
+
+
+PROMPT_LOGITS_SLICE = 256  # prompt-logprob rows turned into logits [rows, V] at a time
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobsSpan:
+    """Prompt tokens [lo, hi) whose logprobs this step computes (from the logits at the
+    positions before them, all inside the row), with the top_n alternatives of each."""
+
+    lo: int
+    hi: int
+    top_n: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +41,20 @@ class BatchRow:
     start: int  # = num_computed_tokens before this step
     n: int
     block_ids: list[int]
-    sample: SampleRequest | None  # set when this step completes the request's tokens
+    # Set when this step completes the request's tokens: one per token drawn from the last
+    # position's logits (n of them where a prefill forks n choices).
+    samples: tuple[SampleRequest, ...] = ()
+    prompt_logprobs: PromptLogprobsSpan | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one step produced: a token (and its logprobs) per sample, rows in order, and
+    the prompt logprobs of the rows that asked (row index -> one entry per token)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: dict[int, list[TokenLogprobs]]
 
 
 class ModelRunner:
@@ -92,23 +118,44 @@ class ModelRunner:
             )
         return n
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the KV of block src into block dst, every layer, for each (src, dst)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        for layer in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
+            layer[:, dst] = layer[:, src]
+
     @torch.inference_mode()
-    def execute(self, rows: list[BatchRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Run one step; return sampled tokens (and logprobs) for the rows that sample."""
-        if self.fused is not None and len(rows) <= MAX_FUSED_ROWS and all(r.n == 1 for r in rows):
+    def execute(self, rows: list[BatchRow]) -> StepOutput:
+        """Run one step: tokens (and logprobs) for the rows that sample, prompt logprobs for
+        the rows that ask."""
+        if (
+            self.fused is not None
+            and len(rows) <= MAX_FUSED_ROWS
+            and all(r.n == 1 and len(r.samples) <= 1 and r.prompt_logprobs is None for r in rows)
+        ):
             done = self._execute_fused(rows)
             if done is not None:
                 return done
         input_ids: list[int] = []
         positions: list[int] = []
-        logit_rows: list[int] = []
+        logit_rows: list[int] = []  # the sampling position of each sample (repeated for forks)
         samples: list[SampleRequest] = []
+        span_rows: list[int] = []  # the positions whose logits give prompt logprobs
         for row in rows:
+            offset = len(input_ids)
             input_ids.extend(row.token_ids[row.start : row.start + row.n])
             positions.extend(range(row.start, row.start + row.n))
-            if row.sample is not None:
+            for sample_request in row.samples:
                 logit_rows.append(len(input_ids) - 1)
-                samples.append(row.sample)
+                samples.append(sample_request)
+            if row.prompt_logprobs is not None:  # token j's logprob: logits at position j - 1
+                first = offset + row.prompt_logprobs.lo - 1 - row.start
+                span_rows.extend(
+                    range(first, first + row.prompt_logprobs.hi - row.prompt_logprobs.lo)
+                )
         meta = build_metadata(
             [r.n for r in rows],
             [r.start + r.n for r in rows],
@@ -118,24 +165,47 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        rows = None  # every row samples (all decode): no selection needed
-        if len(logit_rows) < len(input_ids):
-            rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.kv_caches, meta, self.backend, rows)  # [N, E]
-        if not logit_rows:
-            return [], []
-        logits = self.model.compute_logits(hidden)  # [N, V] fp32
-        tokens = sample(logits, samples)
-        return tokens, compute_logprobs(logits, tokens, samples)
+        wanted = logit_rows + span_rows
+        selection = None  # every position is wanted once (all decode): no selection needed
+        if wanted != list(range(len(input_ids))):
+            selection = torch.tensor(wanted, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, self.kv_caches, meta, self.backend, selection)  # [W, E]
+        tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        if logit_rows:
+            logits = self.model.compute_logits(hidden[: len(logit_rows)])  # [S, V] fp32
+            tokens = sample(logits, samples)
+            logprobs = compute_logprobs(logits, tokens, samples)
+        spans = self._prompt_logprobs(rows, hidden[len(logit_rows) :]) if span_rows else {}
+        return StepOutput(tokens, logprobs, spans)
 
-    def _execute_fused(
-        self, rows: list[BatchRow]
-    ) -> tuple[list[int], list[TokenLogprobs | None]] | None:
-        """A step of one token per row through the fused C step; None where it does not run
-        (the caller then takes the unfused path; nothing was written)."""
+    def _prompt_logprobs(
+        self, rows: list[BatchRow], hidden: torch.Tensor
+    ) -> dict[int, list[TokenLogprobs]]:
+        """hidden: [P, E], the span positions of the rows that ask, in row order."""
+        out: dict[int, list[TokenLogprobs]] = {}
+        at = 0
+        for i, row in enumerate(rows):
+            span = row.prompt_logprobs
+            if span is None:
+                continue
+            entries: list[TokenLogprobs] = []
+            for lo in range(span.lo, span.hi, PROMPT_LOGITS_SLICE):
+                hi = min(lo + PROMPT_LOGITS_SLICE, span.hi)
+                logits = self.model.compute_logits(hidden[at + lo - span.lo : at + hi - span.lo])
+                logp = torch.log_softmax(logits, dim=-1)
+                entries += top_logprobs(logp, row.token_ids[lo:hi], span.top_n)
+            out[i] = entries
+            at += span.hi - span.lo
+        return out
+
+    def _execute_fused(self, rows: list[BatchRow]) -> StepOutput | None:
+        """A step of one token per row (each drawing at most one sample) through the fused C
+        step; None where it does not run (the caller then takes the unfused path; nothing was
+        written)."""
         if not self.fused.serves(self.kv_caches):
             return None
-        wanted = [i for i, row in enumerate(rows) if row.sample is not None]
+        wanted = [i for i, row in enumerate(rows) if row.samples]
         if len(rows) == 1:
             row = rows[0]
             out = self.fused.step(
@@ -151,10 +221,10 @@ class ModelRunner:
         if out is None:
             return None
         if not wanted:
-            return [], []
+            return StepOutput([], [], {})
         hidden, logits = out
         if logits is None:  # the output projection is not in GGUF blocks
             logits = self.model.compute_logits(hidden[wanted])
-        samples = [rows[i].sample for i in wanted]
+        samples = [rows[i].samples[0] for i in wanted]
         tokens = sample(logits, samples)
-        return tokens, compute_logprobs(logits, tokens, samples)
+        return StepOutput(tokens, compute_logprobs(logits, tokens, samples), {})

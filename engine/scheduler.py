@@ -80,6 +80,25 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
+    def add_forked(self, request: Request) -> None:
+        """A choice forked off a running request, with its KV in place: runs as a decode."""
+        self.requests[request.request_id] = request
+        self.activate_remote(request)
+
+    def hold(self, request: Request) -> None:
+        """Track a request that may not run yet (its grammar is compiling)."""
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self.requests[request.request_id] = request
+
+    def release(self, request: Request) -> None:
+        """A held request may run: a decode whose KV is in place joins the running batch,
+        anything else queues."""
+        if request.num_computed_tokens and request.num_tokens - request.num_computed_tokens == 1:
+            self.activate_remote(request)
+        else:
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+
     def finish(self, request: Request, status: RequestStatus, free_blocks: bool = True) -> None:
         """Mark finished and (unless the caller keeps them) free its blocks at once."""
         if request.status == RequestStatus.RUNNING:
@@ -163,15 +182,24 @@ class Scheduler:
         out.preempted.append(req.request_id)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) + self._num_loading() < self.config.max_num_seqs
-        ):
+        # A request with n choices takes n seats: the n - 1 forks join the running batch at
+        # its first sample. A request loading its prefix from the KV tier holds its seat.
+        seats = (
+            len(self.running) + sum(r.num_pending_forks for r in self.running) + self._num_loading()
+        )
+        while self.waiting and budget > 0:
             req = self.waiting[0]
-            hits = self.kv.get_computed_blocks(req)
-            n_tier = self.tier.num_hits(self.kv, req, len(hits)) if self.tier else 0
+            if seats + 1 + req.num_pending_forks > self.config.max_num_seqs:
+                break
+            # Prompt logprobs need the logits of every prompt position: no cached prefix.
+            hits = [] if req.needs_prompt_logprobs else self.kv.get_computed_blocks(req)
+            n_tier = (
+                self.tier.num_hits(self.kv, req, len(hits))
+                if self.tier and not req.needs_prompt_logprobs
+                else 0
+            )
             if n_tier and self._start_tier_load(req, hits, n_tier):
+                seats += 1 + req.num_pending_forks
                 continue  # loading; too few free blocks for its tier hits: computed as without
             req.num_computed_tokens = len(hits) * self.kv.block_size
             n = self._chunk(req, budget, out.plan)
@@ -186,6 +214,7 @@ class Scheduler:
             out.requests.append(req)
             out.num_tokens[req.request_id] = n
             budget -= n
+            seats += 1 + req.num_pending_forks
 
     # ---- a KV tier below the cache (engine/kv_tier/connector.py) ----------------------------
     def _start_tier_load(self, req: Request, hits: list, n_tier: int) -> bool:

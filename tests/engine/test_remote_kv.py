@@ -52,12 +52,18 @@ def test_disaggregated_equals_colocated(tiny_llama, sampled):
         )
         for i in range(4)
     ]
-    colocated = LLMEngine(tiny_llama, num_kv_blocks=128, **OPTS)
+    check_disaggregated_equals_colocated(tiny_llama, prompts, params)
+
+
+def check_disaggregated_equals_colocated(model: str, prompts, params) -> None:
+    """The tokens of one engine equal those of a prefill engine handing off to a decode
+    engine, and both engines free every block afterwards."""
+    colocated = LLMEngine(model, num_kv_blocks=128, **OPTS)
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         colocated.add_request(str(i), p, sp)
     expected = run_to_completion(colocated)
-    prefill = LLMEngine(tiny_llama, num_kv_blocks=128, **OPTS)
-    decode = LLMEngine(tiny_llama, num_kv_blocks=128, **OPTS)
+    prefill = LLMEngine(model, num_kv_blocks=128, **OPTS)
+    decode = LLMEngine(model, num_kv_blocks=128, **OPTS)
     got, _ = disaggregated(prefill, decode, prompts, params)
     assert got == expected
     decode.check_integrity()
