@@ -154,19 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # its own parser: run flags and `compare`
         # Deferred: the benchmark client is needed only by this command.
-        from benchmarks.serving import main as bench_main
+        from perf.bench.command import main as bench_main
 
         return bench_main(argv[1:])
     if argv[:1] == ["profile"]:  # its own parser: one engine's step-time profile
-        from benchmarks.profile import main as profile_main
+        from perf.profiler import main as profile_main
 
         return profile_main(argv[1:])
     if argv[:1] == ["simulate"]:  # its own parser: a bench run against a simulated cluster
-        from benchmarks.simulate import main as simulate_main
+        from perf.sim.command import main as simulate_main
 
         return simulate_main(argv[1:])
     if argv[:1] == ["plan"]:  # its own parser: cheapest shape meeting SLOs, by simulation
-        from benchmarks.plan import main as plan_main
+        from perf.planner import main as plan_main
 
         return plan_main(argv[1:])
     parser = argparse.ArgumentParser(

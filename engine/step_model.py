@@ -1,5 +1,5 @@
 """Step-time model: predicted seconds of one engine step from its shape, fitted from measured
-steps (benchmarks/profile.py) and stored as a profile JSON; pure Python (numpy only to fit).
+steps (perf/profiler.py) and stored as a profile JSON; pure Python (numpy only to fit).
 
 A step's shape is what its cost depends on: prefill tokens and chunks, the query-key pairs of
 prefill attention, the cached keys each chunk reads, decode rows and the keys they read. The

@@ -1,5 +1,5 @@
 """Step-time model: shapes, exact least-squares fits, JSON, profile lookup, and the profiler
-(benchmarks/profile.py --quick) end to end on the tiny checkpoint."""
+(perf/profiler.py --quick) end to end on the tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 
-from benchmarks import profile
 from engine.step_model import (
     FALLBACK,
     PROFILES_DIR,
@@ -19,6 +18,7 @@ from engine.step_model import (
     fit_with_holdout,
     profile_key,
 )
+from perf import profiler as profile
 
 TRUE = {
     "const": 0.004,

@@ -1,8 +1,8 @@
 """Step-time profile of one engine: measure steps over a small grid, fit engine/step_model.py.
 
-    python -m benchmarks.profile [--model smollm2-135m-instruct] [--threads 1] [--repeats 3]
-                                 [--quick] [--out FILE]
-    python -m benchmarks.profile --refit benchmarks/profiles/<key>.json
+    baton profile [--model smollm2-135m-instruct] [--threads 1] [--repeats 3]
+                    [--quick] [--out FILE]
+    baton profile --refit benchmarks/profiles/<key>.json
 
 Drives LLMEngine steps directly with crafted requests: a grid point is a step of D decode
 rows at context L plus (unless P = 0) one prefill chunk of P tokens after C cached tokens;

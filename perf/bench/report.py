@@ -1,6 +1,6 @@
 """A benchmark run's metrics from its recorded timeline, the stdout table and `compare`.
 
-Definitions (per request: see benchmarks/timeline.py for TTFT, TPOT, ITL and E2E):
+Definitions (per request: see perf/bench/timeline.py for TTFT, TPOT, ITL and E2E):
 - Percentiles are numpy's default ("linear": interpolation between the two nearest ranks);
   statistics are over successful requests; latencies are reported in milliseconds.
 - Duration: from the start (t = 0, the first arrival) to the last response of any request.
@@ -8,7 +8,7 @@ Definitions (per request: see benchmarks/timeline.py for TTFT, TPOT, ITL and E2E
 - Goodput (DistServe): successful requests that meet every given SLO, per second. A one-token
   answer has no TPOT and meets a TPOT SLO.
 - Cached fraction: cached prompt tokens / prompt tokens; the oracle fraction is the same for
-  one infinite shared cache over the same request sequence (benchmarks/oracle.py).
+  one infinite shared cache over the same request sequence (perf/bench/oracle.py).
 - By kind (when a workload mixes kinds, e.g. long-prompt's "chat" and "long"): TTFT, TPOT
   and ITL of each kind's successful requests apart, so a long prompt's price (its TTFT) and
   its effect on the others (their ITL) are read separately.
@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from benchmarks.timeline import RequestRecord
+from perf.bench.timeline import RequestRecord
 
 SLO_KEYS = ("ttft", "tpot", "e2e")  # milliseconds
 

@@ -31,7 +31,7 @@ def shape_of(profile_json: dict) -> ModelShape:
     if model not in MODEL_SHAPES:
         raise ValueError(
             f"no model shape for {model!r}: add model_shape {{layers, kv_heads, head_dim}} to "
-            f"the profile or an entry to benchmarks/sim/kv_bytes.py MODEL_SHAPES "
+            f"the profile or an entry to perf/sim/kv_bytes.py MODEL_SHAPES "
             f"({', '.join(MODEL_SHAPES)})"
         )
     return MODEL_SHAPES[model]
