@@ -24,11 +24,9 @@ SHUTDOWN_S = 300.0  # `down`: the controller stops the router and removes every 
 GONE_S = 60.0  # `down`: Ray takes the killed actors out of its registry
 
 
-def add_parser(sub) -> None:
-    """Register `deploy` and its commands on the `baton` sub-parsers."""
-    deploy = sub.add_parser(
-        "deploy", help="apply, scale, inspect or remove a Baton cluster on a running Ray cluster"
-    )
+def parser() -> argparse.ArgumentParser:
+    """`baton deploy` and its commands; each sets `run`, its handler."""
+    deploy = argparse.ArgumentParser(prog="baton deploy", description=__doc__.split("\n")[0])
     commands = deploy.add_subparsers(dest="deploy_command", required=True)
     apply = commands.add_parser("apply", help="reconcile the cluster to a manifest (idempotent)")
     apply.add_argument("-f", "--file", required=True, help="the Baton manifest (YAML)")
@@ -51,6 +49,7 @@ def add_parser(sub) -> None:
             "`ray start --head` recorded in $RAY_TMPDIR/ray/ray_current_cluster, "
             "$RAY_TMPDIR being $TMPDIR or /tmp if unset)",
         )
+    return deploy
 
 
 def _connect(address: str | None) -> None:

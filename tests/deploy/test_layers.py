@@ -41,7 +41,7 @@ def test_deploy_uses_cluster_only_through_the_client_and_cluster_only_the_manife
     for module, targets in graph.items():
         if module.startswith("deploy.") and module != "deploy.client":
             assert not {t for t in targets if t.startswith("cluster")}, module
-        if module.startswith("cluster.") and module != "cluster.cli":
+        if module.startswith("cluster.") and module != "cluster.deploy_command":
             assert {t for t in targets if t.startswith("deploy")} <= {"deploy.manifest"}, module
     assert {t for t in graph["deploy.client"] if t.startswith("cluster")} == {"cluster.controller"}
 

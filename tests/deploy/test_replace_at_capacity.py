@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from cluster.cli import main as baton
+from baton.cli import main as baton
 from cluster.controller import NAMESPACE
 from cluster.local_ray import start_local_ray
 from deploy.client import baton_actors
