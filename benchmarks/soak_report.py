@@ -3,13 +3,13 @@ table and the p99 figure."""
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from pathlib import Path
 
 from perf.bench.driver import ProgressSink
 from perf.bench.timeline import RequestRecord
+from perf.stats import summary, summary_ms
 
 
 class PrintProgress(ProgressSink):
@@ -26,7 +26,7 @@ class PrintProgress(ProgressSink):
         if n % self.every and n != self.total:
             return
         recent = [r.e2e for r in self.records[-self.every :] if r.ok]
-        p99 = percentile(recent, 99)
+        p99 = summary(recent)["p99"]
         failed = sum(not r.ok for r in self.records)
         print(
             f"[{time.monotonic() - self.start:7.1f}s] {n}/{self.total} requests, "
@@ -34,13 +34,6 @@ class PrintProgress(ProgressSink):
             file=sys.stderr,
             flush=True,
         )
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, max(0, math.ceil(q / 100 * len(values)) - 1))]
 
 
 def _ms(value: float | None) -> str:
@@ -60,9 +53,9 @@ def windows(records: list[RequestRecord], window_s: float) -> list[dict]:
         e2e = [r.e2e for r in ok]
         row = {"start_s": k * window_s, "requests": len(rs), "failed": len(rs) - len(ok)}
         for name, values in (("ttft", ttft), ("e2e", e2e)):
-            for q in (50, 99):
-                v = percentile(values, q)
-                row[f"{name}_p{q}_ms"] = None if v is None else round(v * 1000, 1)
+            s = summary_ms(values)
+            for q, key in ((50, "median"), (99, "p99")):
+                row[f"{name}_p{q}_ms"] = None if s[key] is None else round(s[key], 1)
         out.append(row)
     return out
 
