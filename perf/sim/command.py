@@ -3,7 +3,7 @@
     baton simulate --manifest deploy/examples/local.yaml --workload agentic \\
         --num-requests 200 --request-rate 4 --slo ttft=500,tpot=50 --out runs/agentic-sim
     baton simulate --prefill 4 --decode 8 --policy cache_aware \\
-        --workload trace -o path=trace.jsonl --profile benchmarks/profiles/X.json
+        --workload trace -o path=trace.jsonl --profile ~/.cache/baton/profiles/X.json
 
 Same workloads, seeds, pacing flags, report and results.json as perf/bench/command.py, so
 `baton bench compare` puts a simulated and a real run side by side. The cluster's shape comes
@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from engine.step_model import PROFILES_DIR, StepModel
+from engine.step_model import SHIPPED_PROFILES_DIR, StepModel
 from perf.bench.driver import BenchConfig
 from perf.bench.flags import add_run_args, workload_options
 from perf.bench.report import parse_slo, summarize, table
@@ -32,7 +32,7 @@ from perf.sim.driver import simulate
 from perf.sim.kv_bytes import block_bytes, shape_of
 from perf.sim.worker import WorkerConfig
 
-DEFAULT_PROFILE = PROFILES_DIR / "smollm2-135m-instruct-float32-cpu-1t.json"
+DEFAULT_PROFILE = SHIPPED_PROFILES_DIR / "smollm2-135m-instruct-float32-cpu-1t.json"
 # The profile's entry for the measured control path: {"local": ms, "remote": ms}
 REQUEST_OVERHEAD_KEY = "request_overhead_ms"
 WORKER_FIELDS = (
