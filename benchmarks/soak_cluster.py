@@ -39,7 +39,7 @@ def soak_manifest(model: str, tiny: bool, prefill: int, decode: int, threads: in
 
 def tiny_checkpoint() -> str:
     """A tiny random Llama checkpoint (the tests' one) in a temporary directory."""
-    from tests.checkpoints import make_checkpoint
+    from benchmarks.checkpoints import make_checkpoint
 
     return str(make_checkpoint(Path(tempfile.mkdtemp(prefix="baton-soak-")), "llama"))
 

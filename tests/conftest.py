@@ -20,14 +20,14 @@ torch.set_num_threads(int(os.environ.get("BATON_TEST_THREADS", "1")))
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
-    from tests.checkpoints import make_checkpoint
+    from benchmarks.checkpoints import make_checkpoint
 
     return str(make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> str:
-    from tests.checkpoints import make_checkpoint
+    from benchmarks.checkpoints import make_checkpoint
 
     return str(make_checkpoint(tmp_path_factory.mktemp("ckpt"), "qwen2"))
 

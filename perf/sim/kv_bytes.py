@@ -18,7 +18,7 @@ class ModelShape:
 
 MODEL_SHAPES = {
     "smollm2-135m-instruct": ModelShape(layers=30, kv_heads=3, head_dim=64),
-    "tiny": ModelShape(layers=2, kv_heads=2, head_dim=16),  # tests/checkpoints.py's model
+    "tiny": ModelShape(layers=2, kv_heads=2, head_dim=16),  # the test suite's tiny random Llama
 }
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
 
