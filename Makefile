@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench bench-llamacpp lint wheel-check clean
+.PHONY: test demo bench bench-llamacpp lint wheel-check image clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,12 @@ lint: $(STAMP)
 # step-time profiles (needs no .venv)
 wheel-check:
 	PYTHON=$(PYTHON) .ci/wheel_check
+
+# The image deploy/kuberay runs, tagged with the name its kustomization.yaml gives it
+IMAGE := $(shell awk '$$1 == "newName:" {n = $$2} $$1 == "newTag:" {t = $$2} \
+	END {gsub(/"/, "", t); print n ":" t}' deploy/kuberay/kustomization.yaml)
+image:
+	docker build -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV)
