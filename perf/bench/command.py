@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from perf.bench.driver import BenchConfig, bench
-from perf.bench.flags import add_run_args, workload_options
+from perf.bench.flags import add_run_args, run_config, workload_options
 from perf.bench.report import compare_table, parse_slo, table
 from perf.bench.timeline import RequestRecord, read_results, write_results
 from perf.bench.workloads import TokenSpace, make_workload
@@ -96,16 +96,8 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         workload = make_workload(args.workload, workload_options(args.option))
         slo = parse_slo(args.slo)
-        config = BenchConfig(
-            num_requests=args.num_requests or (None if args.duration else 100),
-            duration_s=args.duration,
-            request_rate=args.request_rate,
-            burstiness=args.burstiness,
-            max_concurrency=args.max_concurrency,
-            seed=args.seed,
-            timeout_s=args.timeout,
-            block_size=args.block_size,
-            hash_seed=args.hash_seed,
+        config = run_config(
+            args, timeout_s=args.timeout, block_size=args.block_size, hash_seed=args.hash_seed
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from perf.bench.driver import BenchConfig
 from perf.bench.workloads import WORKLOADS
 
 
@@ -37,3 +38,17 @@ def workload_options(items: list[str]) -> dict[str, str]:
             raise SystemExit(f"bad --option {item!r}: expected KEY=VALUE")
         out[key] = value
     return out
+
+
+def run_config(args: argparse.Namespace, **fields) -> BenchConfig:
+    """The run that add_run_args' flags describe (requests, pacing, seed; 100 requests unless
+    --num-requests or --duration), with the other BenchConfig `fields` as given."""
+    return BenchConfig(
+        num_requests=args.num_requests or (None if args.duration else 100),
+        duration_s=args.duration,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        **fields,
+    )

@@ -22,8 +22,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from engine.step_model import SHIPPED_PROFILES_DIR, StepModel
-from perf.bench.driver import BenchConfig
-from perf.bench.flags import add_run_args, workload_options
+from perf.bench.flags import add_run_args, run_config, workload_options
 from perf.bench.report import parse_slo, summarize, table
 from perf.bench.timeline import write_results
 from perf.bench.workloads import TokenSpace, make_workload
@@ -165,15 +164,7 @@ def run_command(args: argparse.Namespace) -> int:
         workload = make_workload(args.workload, workload_options(args.option))
         slo = parse_slo(args.slo)
         cluster, model = cluster_config(args, args.seed)
-        config = BenchConfig(
-            num_requests=args.num_requests or (None if args.duration else 100),
-            duration_s=args.duration,
-            request_rate=args.request_rate,
-            burstiness=args.burstiness,
-            max_concurrency=args.max_concurrency,
-            seed=args.seed,
-            block_size=cluster.worker.block_size,
-        )
+        config = run_config(args, block_size=cluster.worker.block_size)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
