@@ -38,8 +38,8 @@ def imports() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for package in LAYER_OF:
         for path in sorted((ROOT / package).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            # a package's __init__ is "pkg.__init__": `from pkg import mod` is an edge to pkg.mod
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
             graph[module] = set()
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
