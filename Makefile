@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench bench-llamacpp lint clean
+.PHONY: test demo bench bench-llamacpp lint wheel-check image clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,17 @@ bench-llamacpp: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# The wheel installed (not editable) into a fresh venv: `baton`, its subcommands, the shipped
+# step-time profiles (needs no .venv)
+wheel-check:
+	PYTHON=$(PYTHON) .ci/wheel_check
+
+# The image deploy/kuberay runs, tagged with the name its kustomization.yaml gives it
+IMAGE := $(shell awk '$$1 == "newName:" {n = $$2} $$1 == "newTag:" {t = $$2} \
+	END {gsub(/"/, "", t); print n ":" t}' deploy/kuberay/kustomization.yaml)
+image:
+	docker build -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV)

@@ -15,7 +15,6 @@ fresh online correction; its final correction ratio is printed.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -24,13 +23,9 @@ from engine import LLMEngine, SamplingParams
 from engine.chunk_budget import ChunkBudget
 from engine.scheduler import SchedulerConfig
 from engine.step_model import find_step_model
+from perf.stats import percentile
 
 DECODERS = 8
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def run(engine: LLMEngine, prompt_len: int, gen: torch.Generator) -> dict:
@@ -99,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         shown = ",".join(map(str, r["chunks"][:12])) + (",..." if len(r["chunks"]) > 12 else "")
         extra = f"  ratio {engine.scheduler.budget.ratio:.2f}" if kind == "target" else ""
         print(
-            f"{label:>16} {len(ms):5d} {statistics.median(ms):8.0f} {percentile(ms, 0.99):8.0f} "
+            f"{label:>16} {len(ms):5d} {percentile(ms, 50):8.0f} {percentile(ms, 99):8.0f} "
             f"{max(ms):8.0f} {r['ttft']:7.2f}  {shown}{extra}",
             flush=True,
         )

@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import socket
-import statistics
 import sys
 import threading
 import time
@@ -35,6 +34,7 @@ import httpx
 import torch
 
 from decode_worker.worker import DecodeWorker
+from perf.stats import percentile
 from prefill_worker.worker import PrefillWorker
 from router.http_server import start_http_server
 from router.openai_http import create_app
@@ -220,15 +220,6 @@ class Serving:
         self.d.shutdown()
 
 
-def pct(values: list[float], q: float) -> float:
-    """The q-quantile (0..1), linear between the nearest ranks."""
-    xs = sorted(values)
-    k = (len(xs) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def measure(doors: dict, prompt: list[int], n: int, max_tokens: int, stream_of: dict) -> dict:
     """n rounds; in each, every door sends one request (the order rotates every round)."""
     samples: dict[str, list[Sample]] = {name: [] for name in doors}
@@ -251,8 +242,8 @@ def summary(samples: list[Sample], streamed: bool) -> dict:
         if samples[0].num_tokens > 1:
             metrics["itl"] = [s.itl for s in samples]
     for key, xs in metrics.items():
-        out[f"{key}_p50_ms"] = 1000 * statistics.median(xs)
-        out[f"{key}_p90_ms"] = 1000 * pct(xs, 0.9)
+        out[f"{key}_p50_ms"] = 1000 * percentile(xs, 50)
+        out[f"{key}_p90_ms"] = 1000 * percentile(xs, 90)
     return out
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from benchmarks.sim_validation import add_replay_args, simulated_summary
-from benchmarks.simulate import REQUEST_OVERHEAD_KEY
+from perf.sim.command import REQUEST_OVERHEAD_KEY
 
 
 def path_of(run_dir: Path) -> str:
@@ -44,7 +44,7 @@ def measure(runs: Path, args: argparse.Namespace) -> dict[str, float]:
         found[path] = max(0.0, real_ms - sim_ms)
         note = (
             f" (the profile predicts {sim_ms - real_ms:.1f} ms more than the run took: it was "
-            "measured slower than this machine is now; python -m benchmarks.profile again)"
+            "measured slower than this machine is now; `baton profile` again)"
             if real_ms < sim_ms
             else ""
         )

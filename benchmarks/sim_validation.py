@@ -23,12 +23,12 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.driver import BenchConfig
-from benchmarks.report import summarize
-from benchmarks.sim.driver import simulate
-from benchmarks.simulate import DEFAULT_PROFILE, add_overhead_args, cluster_config
-from benchmarks.timeline import read_results
-from benchmarks.workloads import WORKLOADS, TokenSpace
+from perf.bench.driver import BenchConfig
+from perf.bench.report import summarize
+from perf.bench.timeline import read_results
+from perf.bench.workloads import WORKLOADS, TokenSpace
+from perf.sim.command import DEFAULT_PROFILE, add_overhead_args, cluster_config
+from perf.sim.driver import simulate
 
 METRICS = (  # (label, how to read it from a summary)
     ("TTFT p50 ms", lambda s: s["latency_ms"]["ttft"]["median"]),

@@ -1,10 +1,9 @@
-"""`baton`: serve a local cluster, or talk to one over gRPC.
+"""`baton serve`, `baton generate` and `baton chat`: serve a local cluster, or talk to one over
+gRPC (the `baton` entry point, baton/cli.py, dispatches to the *_main functions here).
 
 baton serve [--model M] [--prefill N] [--decode N] [--host H] [--port P]
 baton generate "prompt" [--max-tokens N] [--temperature T] [--address H:P]
 baton chat [--system TEXT] [--address H:P]
-baton deploy apply -f MANIFEST | scale prefill=N decode=M | status [--json] | down
-             [--address RAY_ADDRESS]
 """
 
 from __future__ import annotations
@@ -15,11 +14,11 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
 from cluster.local import API_KEY_ENV, LocalCluster, LocalOptions, add_serve_flags
-from deploy.commands import add_parser as add_deploy_parser
 from deploy.manifest import ManifestError, load_manifest
 from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
@@ -150,89 +149,57 @@ def _chat(args: argparse.Namespace) -> int:
         history.append(pb.ChatMessage(role="assistant", content=answer))
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # its own parser: run flags and `compare`
-        # Deferred: the benchmark client is needed only by this command.
-        from benchmarks.serving import main as bench_main
-
-        return bench_main(argv[1:])
-    if argv[:1] == ["profile"]:  # its own parser: one engine's step-time profile
-        from benchmarks.profile import main as profile_main
-
-        return profile_main(argv[1:])
-    if argv[:1] == ["simulate"]:  # its own parser: a bench run against a simulated cluster
-        from benchmarks.simulate import main as simulate_main
-
-        return simulate_main(argv[1:])
-    if argv[:1] == ["plan"]:  # its own parser: cheapest shape meeting SLOs, by simulation
-        from benchmarks.plan import main as plan_main
-
-        return plan_main(argv[1:])
-    parser = argparse.ArgumentParser(
-        prog="baton", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def serve_parser() -> argparse.ArgumentParser:
+    """`baton serve`'s flags: a manifest, or local.yaml with the flags applied."""
+    p = argparse.ArgumentParser(
+        prog="baton serve", description="Start a local Ray cluster and the gRPC server."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="start a local Ray cluster and the gRPC server")
-    serve.add_argument(
+    p.add_argument(
         "-f",
         "--file",
         help="a Baton manifest; without it, "
         "deploy/examples/local.yaml with the flags below applied",
     )
-    add_serve_flags(serve)  # types, choices and help: the manifest fields they set
-    serve.add_argument(
+    add_serve_flags(p)  # types, choices and help: the manifest fields they set
+    p.add_argument(
         "--api-key",
         help=f"clients must send this key (HTTP `Authorization: Bearer`, gRPC `authorization` "
         f"metadata); it is passed to the router in ${API_KEY_ENV}, never written to a manifest",
     )
-    serve.set_defaults(run=_serve)
-    for name, fn, text in (
-        ("generate", _generate, "stream one completion"),
-        ("chat", _chat, "interactive chat"),
-    ):
-        p = sub.add_parser(name, help=text)
-        if name == "generate":
-            p.add_argument("prompt")
-            p.add_argument(
-                "--raw",
-                action="store_true",
-                help="send the text as is instead of as a chat user turn",
-            )
-        else:
-            p.add_argument("--system", default="")
-        p.add_argument("--address", default="127.0.0.1:50051")
-        p.add_argument("--max-tokens", type=int, default=128)
-        p.add_argument("--temperature", type=float, default=0.0)
-        p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    return p
+
+
+def client_parser(name: str) -> argparse.ArgumentParser:
+    """`baton generate` / `baton chat`'s flags: the server, sampling and credentials."""
+    if name == "generate":
+        p = argparse.ArgumentParser(prog="baton generate", description="Stream one completion.")
+        p.add_argument("prompt")
         p.add_argument(
-            "--api-key",
-            default=os.environ.get(API_KEY_ENV),
-            help=f"sent as `authorization: Bearer KEY` (default: ${API_KEY_ENV})",
+            "--raw",
+            action="store_true",
+            help="send the text as is instead of as a chat user turn",
         )
-        p.add_argument("--tls-ca", help="PEM CA bundle: connect over TLS, trusting this CA")
-        p.set_defaults(run=fn)
-    add_deploy_parser(sub)
-    sub.add_parser("bench", help="benchmark a cluster (see `baton bench --help`)", add_help=False)
-    sub.add_parser(
-        "profile",
-        help="measure one engine's step times and fit a step profile (see `baton profile --help`)",
-        add_help=False,
+    else:
+        p = argparse.ArgumentParser(prog="baton chat", description="Interactive chat.")
+        p.add_argument("--system", default="")
+    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"sent as `authorization: Bearer KEY` (default: ${API_KEY_ENV})",
     )
-    sub.add_parser(
-        "simulate",
-        help="a bench run against a simulated cluster (see `baton simulate --help`)",
-        add_help=False,
-    )
-    sub.add_parser(
-        "plan",
-        help="cheapest cluster shape meeting TTFT/ITL p99 SLOs, by simulation "
-        "(see `baton plan --help`)",
-        add_help=False,
-    )
-    args = parser.parse_args(argv)
+    p.add_argument("--tls-ca", help="PEM CA bundle: connect over TLS, trusting this CA")
+    return p
+
+
+def run_one_line(command: Callable[[], int]) -> int:
+    """Run a command; an exception it lets through is printed as one line (exit 1), never a
+    traceback; Ctrl-C exits 130."""
     try:
-        return args.run(args)
+        return command()
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - one line, never a traceback
@@ -243,5 +210,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def serve_main(argv: list[str]) -> int:
+    """`baton serve`."""
+    args = serve_parser().parse_args(argv)
+    return run_one_line(lambda: _serve(args))
+
+
+def generate_main(argv: list[str]) -> int:
+    """`baton generate`."""
+    args = client_parser("generate").parse_args(argv)
+    return run_one_line(lambda: _generate(args))
+
+
+def chat_main(argv: list[str]) -> int:
+    """`baton chat`."""
+    args = client_parser("chat").parse_args(argv)
+    return run_one_line(lambda: _chat(args))

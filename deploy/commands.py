@@ -2,7 +2,8 @@
 
 Every command connects to Ray at --address (default: $RAY_ADDRESS, else "auto": the cluster
 `ray start` left on this machine, see deploy/ray_address.py) and talks only to the controller
-actor, through deploy/client.py; the controller does the work and outlives the command. A
+actor, through a deploy/client.py DeployClient; the controller does the work and outlives the
+command. A
 cluster that cannot be reached is reported within seconds, in one line. Exit codes: 0 done,
 1 failed (e.g. no cluster), 2 bad input.
 """
@@ -14,7 +15,7 @@ import json
 import sys
 import time
 
-from deploy import client
+from deploy.client import ControllerClient, DeployClient, NoController, Unreachable
 from deploy.manifest import MIN_REPLICAS, ManifestError, check_resources, load_manifest
 from kvtransfer.worker_api import Role
 
@@ -24,11 +25,10 @@ SHUTDOWN_S = 300.0  # `down`: the controller stops the router and removes every 
 GONE_S = 60.0  # `down`: Ray takes the killed actors out of its registry
 
 
-def add_parser(sub) -> None:
-    """Register `deploy` and its commands on the `baton` sub-parsers."""
-    deploy = sub.add_parser(
-        "deploy", help="apply, scale, inspect or remove a Baton cluster on a running Ray cluster"
-    )
+def parser() -> argparse.ArgumentParser:
+    """`baton deploy` and its commands; each sets `run`, its handler: run(args, client) -> exit
+    code."""
+    deploy = argparse.ArgumentParser(prog="baton deploy", description=__doc__.split("\n")[0])
     commands = deploy.add_subparsers(dest="deploy_command", required=True)
     apply = commands.add_parser("apply", help="reconcile the cluster to a manifest (idempotent)")
     apply.add_argument("-f", "--file", required=True, help="the Baton manifest (YAML)")
@@ -51,13 +51,14 @@ def add_parser(sub) -> None:
             "`ray start --head` recorded in $RAY_TMPDIR/ray/ray_current_cluster, "
             "$RAY_TMPDIR being $TMPDIR or /tmp if unset)",
         )
+    return deploy
 
 
-def _connect(address: str | None) -> None:
+def _connect(client: DeployClient, address: str | None) -> None:
     """Connect to the Ray cluster, or exit 1 at once with one line saying why not."""
     try:
         client.connect(address)
-    except client.Unreachable as exc:
+    except Unreachable as exc:
         raise SystemExit(_fail(str(exc), 1)) from None
 
 
@@ -71,7 +72,7 @@ def _cause(exc: BaseException) -> BaseException:
     return getattr(exc, "cause", None) or exc
 
 
-def _reconcile(controller: client.ControllerClient, method: str, arg: dict) -> int:
+def _reconcile(controller: ControllerClient, method: str, arg: dict) -> int:
     """Run an apply or scale on the controller, show its progress and the outcome."""
     start = time.monotonic()
 
@@ -95,12 +96,12 @@ def _reconcile(controller: client.ControllerClient, method: str, arg: dict) -> i
     return 0
 
 
-def _apply(args: argparse.Namespace) -> int:
+def _apply(args: argparse.Namespace, client: DeployClient) -> int:
     try:
         manifest = load_manifest(args.file)
     except ManifestError as exc:
         return _fail(f"{args.file}:\n{exc}", 2)
-    _connect(args.address)
+    _connect(client, args.address)
     try:
         check_resources(manifest, *client.resources())
     except ManifestError as exc:
@@ -123,24 +124,24 @@ def parse_pools(pools: list[str]) -> dict[str, int]:
     return out
 
 
-def _scale(args: argparse.Namespace) -> int:
+def _scale(args: argparse.Namespace, client: DeployClient) -> int:
     try:
         replicas = parse_pools(args.pools)
     except ValueError as exc:
         return _fail(str(exc), 2)
-    _connect(args.address)
+    _connect(client, args.address)
     try:
         controller = client.controller()
-    except client.NoController as exc:
+    except NoController as exc:
         return _fail(str(exc), 1)
     return _reconcile(controller, "scale", replicas)
 
 
-def _status(args: argparse.Namespace) -> int:
-    _connect(args.address)
+def _status(args: argparse.Namespace, client: DeployClient) -> int:
+    _connect(client, args.address)
     try:
         status = client.controller().call("status", timeout=STATUS_S)
-    except client.NoController as exc:
+    except NoController as exc:
         return _fail(str(exc), 1)
     except Exception as exc:  # noqa: BLE001 - a dead or hung controller: one line
         return _fail(f"the controller does not answer: {client.short_error(exc)}", 1)
@@ -199,11 +200,11 @@ def _health_lines(status: dict) -> list[str]:
     return lines
 
 
-def _down(args: argparse.Namespace) -> int:
-    _connect(args.address)
+def _down(args: argparse.Namespace, client: DeployClient) -> int:
+    _connect(client, args.address)
     try:
         controller = client.controller()
-    except client.NoController:
+    except NoController:
         print("no Baton cluster runs here; nothing to remove")
         return 0
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.sampler import SampleRequest
+    from engine.sample_request import SampleRequest
 
 
 def needs_processing(req: SampleRequest) -> bool:

@@ -170,9 +170,9 @@ class EngineOptions:
     )
     step_profile: str | None = option(
         None,
-        "step-time profile JSON for itl_target_ms (python -m benchmarks.profile; default: "
-        "the shipped profile of this model, dtype, device and threads, else a built-in guess; "
-        "either is corrected online from measured steps)",
+        "step-time profile JSON for itl_target_ms (`baton profile` writes one to "
+        "$BATON_PROFILE_DIR; default: the shipped profile of this model, dtype, device and "
+        "threads, else a built-in guess; either is corrected online from measured steps)",
         min_length=1,
     )
 

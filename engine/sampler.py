@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.logits_processors import process_logits
+from engine.sample_request import SampleRequest
 from engine.sampling_params import SamplingParams
 
 
@@ -37,20 +38,6 @@ class TokenLogprobs:
         """Inverse of to_wire."""
         token_id, logprob, top = value
         return cls(int(token_id), float(logprob), tuple((int(t), float(lp)) for t, lp in top))
-
-
-@dataclass(frozen=True, slots=True)
-class SampleRequest:
-    """One logits row to sample: its parameters, its seed, the position it fills and what
-    the logits processors (engine/logits_processors.py) read."""
-
-    params: SamplingParams
-    seed: int  # the choice's seed (choice_seed of the request's)
-    position: int
-    token_ids: Sequence[int] = ()  # prompt + generated tokens; needed only with penalties
-    num_output_tokens: int = 0  # generated so far (a migrated request's earlier ones included)
-    min_tokens_mask: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids
-    bitmask: torch.Tensor | None = None  # [ceil(V / 32)] int32: the grammar's allowed tokens
 
 
 def position_seed(seed: int, position: int) -> int:

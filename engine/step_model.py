@@ -1,5 +1,8 @@
 """Step-time model: predicted seconds of one engine step from its shape, fitted from measured
-steps (benchmarks/profile.py) and stored as a profile JSON; pure Python (numpy only to fit).
+steps (`baton profile`, perf/profiler.py) and stored as a profile JSON; pure Python (numpy only
+to fit). Profiles are looked up by key: the user's ($BATON_PROFILE_DIR, default
+~/.cache/baton/profiles, where `baton profile` writes) before the ones shipped in
+engine/profiles/.
 
 A step's shape is what its cost depends on: prefill tokens and chunks, the query-key pairs of
 prefill attention, the cached keys each chunk reads, decode rows and the keys they read. The
@@ -30,7 +33,10 @@ prediction never falls as a step grows (the chunk budget searches on that).
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
+import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -50,7 +56,9 @@ FEATURES = (
 # The rows up to which the matrix products take the small-step path: QUANT_MAX_ROWS of
 # engine/model/gguf_linear.py (tests/engine/test_step_model.py checks they agree).
 SMALL_STEP_ROWS = 8
-PROFILES_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "profiles"
+SHIPPED_PROFILES_DIR = Path(__file__).resolve().parent / "profiles"  # package data
+PROFILE_DIR_ENV = "BATON_PROFILE_DIR"
+log = logging.getLogger(__name__)
 FORM = "seconds = sum(coefficient * feature) over " + ", ".join(FEATURES)
 
 
@@ -208,11 +216,42 @@ FALLBACK = StepModel(
 )
 
 
+def user_profile_dir() -> Path:
+    """Where `baton profile` writes profiles and find_step_model looks first:
+    $BATON_PROFILE_DIR, else ~/.cache/baton/profiles."""
+    return Path(os.environ.get(PROFILE_DIR_ENV) or "~/.cache/baton/profiles").expanduser()
+
+
+def profile_path(key: str) -> Path | None:
+    """The profile file named `key`: the user's (user_profile_dir()) if there is one, else the
+    shipped one (engine/profiles/); None when neither exists."""
+    for directory in (user_profile_dir(), SHIPPED_PROFILES_DIR):
+        path = directory / f"{key}.json"
+        if path.is_file():
+            return path
+    return None
+
+
 def find_step_model(path: str | None, key: str) -> StepModel:
-    """The profile at `path`; without one, the shipped profile named `key`, else FALLBACK."""
+    """The profile at `path`; without one, the profile named `key` (profile_path: the user's,
+    then the shipped one), else FALLBACK, with a warning logged once per key."""
     if path is not None:
         if not Path(path).is_file():
             raise FileNotFoundError(f"step_profile {path!r} does not exist")
         return StepModel.load(path)
-    shipped = PROFILES_DIR / f"{key}.json"
-    return StepModel.load(shipped) if shipped.is_file() else FALLBACK
+    found = profile_path(key)
+    if found is None:
+        _warn_fallback(key)
+        return FALLBACK
+    return StepModel.load(found)
+
+
+@functools.cache  # once per key and process: every engine of a worker pool asks
+def _warn_fallback(key: str) -> None:
+    log.warning(
+        "no step-time profile %s.json in %s or %s: using the built-in fallback (corrected "
+        "online from measured steps); `baton profile` measures this engine's",
+        key,
+        user_profile_dir(),
+        SHIPPED_PROFILES_DIR,
+    )

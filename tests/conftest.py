@@ -20,7 +20,7 @@ torch.set_num_threads(int(os.environ.get("BATON_TEST_THREADS", "1")))
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
-    from tests.checkpoints import make_checkpoint
+    from benchmarks.checkpoints import make_checkpoint
 
     return str(make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama"))
 
@@ -35,7 +35,7 @@ def tiny_llama_tok(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> str:
-    from tests.checkpoints import make_checkpoint
+    from benchmarks.checkpoints import make_checkpoint
 
     return str(make_checkpoint(tmp_path_factory.mktemp("ckpt"), "qwen2"))
 

@@ -24,7 +24,7 @@ for H,K,D,bs,ql,sl,nb in [(32,8,128,16,[1024,300,1,1,77],[1024,2348,4000,17,600]
   print(H,K,D,bs,len(ql),nb,"maxerr %.4f"%(o.float()-ref).abs().max().item(),"cache_ok",torch.equal(w(c).float(),w(c2)))
 EOF
 py 240 <<'EOF'  # 3) engine on CUDA vs HF fp32 greedy: fp32 triton/torch must be 6/6; bf16 reported; seeded sampling reproducible
-import torch,tempfile,pathlib; from tests.checkpoints import make_checkpoint; from tests.engine.test_engine_vs_hf import hf_greedy,random_prompts
+import torch,tempfile,pathlib; from benchmarks.checkpoints import make_checkpoint; from tests.engine.test_engine_vs_hf import hf_greedy,random_prompts
 from engine import LLM, SamplingParams as SP; from transformers import AutoModelForCausalLM as M
 G=SP(max_tokens=10,temperature=0.0,ignore_eos=True); P=random_prompts([5,17,33,2,70,300]); S=SP(max_tokens=12,temperature=0.8,top_p=0.9,seed=7)
 for kind in ("llama","qwen2"):

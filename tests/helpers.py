@@ -78,7 +78,7 @@ def baton_deploy(address: str, *args: str, timeout: float = 600) -> subprocess.C
     """Run `baton deploy ARGS --address ADDRESS` in a new process, as a user does."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "deploy", *args, "--address", address],
+        [sys.executable, "-m", "baton", "deploy", *args, "--address", address],
         capture_output=True,
         text=True,
         env=env,

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.experiments import (
-    EXPERIMENTS,
-    Shape,
+from benchmarks.experiment_runs import slug
+from benchmarks.experiment_shapes import Shape
+from benchmarks.experiment_verdicts import (
     chunking_verdict,
     floor_step_ms,
     long_prompt_verdict,
     policies_verdict,
-    slug,
 )
+from benchmarks.experiments import EXPERIMENTS
 from cluster.local import LOCAL_MANIFEST
 from deploy.manifest import load_manifest, parse_manifest
 

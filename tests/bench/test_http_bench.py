@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.client import GrpcClient, HttpClient, counter_rise
-from benchmarks.driver import BenchConfig, bench
-from benchmarks.report import table
-from benchmarks.serving import main
-from benchmarks.workloads import PrefixRepetitionWorkload, TokenSpace
 from decode_worker.worker import DecodeWorker
+from perf.bench.client import GrpcClient, HttpClient, counter_rise
+from perf.bench.command import main
+from perf.bench.driver import BenchConfig, bench
+from perf.bench.report import table
+from perf.bench.workloads import PrefixRepetitionWorkload, TokenSpace
 from prefill_worker.worker import PrefillWorker
 from router.metrics_exposition import router_scrape
 from router.openai_http import create_app

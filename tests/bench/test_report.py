@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.oracle import OracleCache
-from benchmarks.report import compare_table, meets_slo, parse_slo, summarize, table
-from benchmarks.timeline import RequestRecord, read_results, write_results
+from perf.bench.oracle import OracleCache
+from perf.bench.report import compare_table, meets_slo, parse_slo, summarize, table
+from perf.bench.timeline import RequestRecord, read_results, write_results
 
 WORKERS = {"prefill": ["p0", "p1", "p2"], "decode": ["d0"]}
 
@@ -119,7 +119,7 @@ def test_results_round_trip_table_and_compare(tmp_path):
 
 def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")
-    from benchmarks.plots import compare_figure, in_flight, run_figures
+    from perf.bench.plots import compare_figure, in_flight, run_figures
 
     assert in_flight([(0.0, 2.0), (1.0, 3.0)]) == ([0.0, 0.0, 1.0, 2.0, 3.0], [0, 1, 2, 1, 0])
     paths = run_figures(timeline(), tmp_path)

@@ -10,9 +10,10 @@ from contextlib import contextmanager
 
 import pytest
 
-from benchmarks.driver import BenchConfig, bench
-from benchmarks.serving import main
-from benchmarks.workloads import (
+from decode_worker.worker import DecodeWorker
+from perf.bench.command import main
+from perf.bench.driver import BenchConfig, bench
+from perf.bench.workloads import (
     AgenticWorkload,
     LongPromptWorkload,
     PrefixRepetitionWorkload,
@@ -20,7 +21,6 @@ from benchmarks.workloads import (
     TokenSpace,
     TraceWorkload,
 )
-from decode_worker.worker import DecodeWorker
 from prefill_worker.worker import PrefillWorker
 from router.router import Router
 from router.server import start_server

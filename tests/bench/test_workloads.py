@@ -11,9 +11,9 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.arrivals import arrival_times
-from benchmarks.oracle import OracleCache
-from benchmarks.workloads import (
+from perf.bench.arrivals import arrival_times
+from perf.bench.oracle import OracleCache
+from perf.bench.workloads import (
     AgenticWorkload,
     LongPromptWorkload,
     PrefixRepetitionWorkload,

@@ -61,7 +61,7 @@ def generate(address: str, ids: list[int]) -> list[int]:
 
 def incarnations() -> dict[str, str]:
     """Each running worker's incarnation, asked of the worker itself (not the controller)."""
-    names = [n for n in baton_actors() if n.startswith(("prefill-", "decode-"))]
+    names = [n for n in baton_actors(NAMESPACE) if n.startswith(("prefill-", "decode-"))]
     handles = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
     return dict(zip(names, ray.get([h.ping.remote() for h in handles], timeout=30), strict=True))
 
@@ -124,8 +124,8 @@ def test_killed_controller_readopts_the_running_cluster(ray_address, tiny_llama,
         assert any(e.startswith("generation 1:") for e in events)  # the saved lines came back
         stream.wait_for(served_at_kill + 6)  # served by the same router and workers
         deadline = time.monotonic() + BACK_WITHIN_S
-        while "decode-99" in baton_actors():  # the re-adopting controller removes orphans
-            assert time.monotonic() < deadline, baton_actors()
+        while "decode-99" in baton_actors(NAMESPACE):  # the re-adopting controller removes orphans
+            assert time.monotonic() < deadline, baton_actors(NAMESPACE)
             time.sleep(0.5)
         events = ray.get(controller.events.remote(), timeout=30)
         assert any(
@@ -191,7 +191,7 @@ def test_killed_controller_readopts_the_running_cluster(ray_address, tiny_llama,
 
     removed = baton(ray_address, "down")
     assert removed.returncode == 0, removed.stderr
-    assert baton_actors() == []
+    assert baton_actors(NAMESPACE) == []
     assert state_store.load(NAMESPACE) is None  # the next controller starts empty
     deadline = time.monotonic() + 30
     while ray.available_resources().get("CPU") != 8 and time.monotonic() < deadline:

@@ -29,7 +29,7 @@ def test_serve_from_manifest_answers_and_stops_cleanly(tiny_llama, tmp_path):
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(tiny_manifest(tiny_llama, name="serve-test")))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "-f", str(path)],
+        [sys.executable, "-m", "baton", "serve", "-f", str(path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

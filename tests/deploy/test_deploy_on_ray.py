@@ -40,7 +40,7 @@ def ray_address():
 def down_after(ray_address):
     """A test that fails half way must not leave its cluster to the next test."""
     yield
-    if baton_actors():
+    if baton_actors(NAMESPACE):
         baton(ray_address, "down")
 
 
@@ -178,7 +178,7 @@ def test_apply_scale_under_load_change_options_and_down(ray_address, tiny_llama,
 
     removed = baton(ray_address, "down")
     assert removed.returncode == 0, removed.stderr
-    assert baton_actors() == []
+    assert baton_actors(NAMESPACE) == []
     deadline = time.monotonic() + 30
     while ray.available_resources().get("CPU") != 8 and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -188,7 +188,7 @@ def test_apply_scale_under_load_change_options_and_down(ray_address, tiny_llama,
 
 
 def test_apply_refuses_bad_manifests_before_touching_the_cluster(ray_address, tiny_llama, tmp_path):
-    before = baton_actors()
+    before = baton_actors(NAMESPACE)
     impossible = tiny_manifest(tiny_llama)
     impossible["spec"]["decode"]["resources"] = {"GPU": 1}
     path = tmp_path / "gpu.yaml"
@@ -214,7 +214,7 @@ def test_apply_refuses_bad_manifests_before_touching_the_cluster(ray_address, ti
         and "cannot connect to a Ray cluster at 'not-an-address'" in bad_address.stderr
         and "Traceback" not in bad_address.stderr
     )
-    assert baton_actors() == before
+    assert baton_actors(NAMESPACE) == before
 
 
 def test_failed_apply_leaves_nothing_behind_and_can_be_retried(ray_address, tiny_llama, tmp_path):
@@ -224,7 +224,7 @@ def test_failed_apply_leaves_nothing_behind_and_can_be_retried(ray_address, tiny
     out = baton(ray_address, "apply", "-f", str(path))
     assert out.returncode == 1, out.stdout + out.stderr
     assert "starting prefill worker(s) failed" in out.stderr and "Traceback" not in out.stderr
-    assert baton_actors() == ["baton-controller"]  # no worker, no router was kept
+    assert baton_actors(NAMESPACE) == ["baton-controller"]  # no worker, no router was kept
     deadline = time.monotonic() + 30
     while ray.available_resources().get("CPU") != 8 and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -238,4 +238,4 @@ def test_failed_apply_leaves_nothing_behind_and_can_be_retried(ray_address, tiny
     )  # the failed apply recorded nothing
     assert pools(status(ray_address)) == {"prefill": ["prefill-1"], "decode": ["decode-0"]}
     assert baton(ray_address, "down").returncode == 0
-    assert baton_actors() == []
+    assert baton_actors(NAMESPACE) == []

@@ -1,10 +1,12 @@
 """deploy/kuberay: the RayCluster, the RayJob and the Baton manifest they carry refer to each
-other consistently (names, mounts, images, ports, GPUs). Static: no kubectl, no network."""
+other consistently (names, mounts, images, ports, GPUs), and kustomization.yaml applies them all
+with the one image. Static: no kubectl, no network."""
 
 from __future__ import annotations
 
 import posixpath
 import shlex
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -12,8 +14,10 @@ import yaml
 
 from deploy.manifest import Manifest, ManifestError, check_resources, load_manifest
 
-KUBERAY = Path(__file__).resolve().parents[2] / "deploy" / "kuberay"
+ROOT = Path(__file__).resolve().parents[2]
+KUBERAY = ROOT / "deploy" / "kuberay"
 IMAGE = "ghcr.io/baton-serving/baton:0.1.0"
+PLACEHOLDER = "baton"  # every container's image: kustomization.yaml says which image it is
 
 
 def documents(name: str) -> dict[tuple[str, str], dict]:
@@ -179,7 +183,36 @@ def test_one_image_for_head_workers_and_submitter(cluster, submitter_pod):
         ray_container(submitter_pod)["image"],
     }
     images |= {ray_container(g["template"]["spec"])["image"] for g in spec["workerGroupSpecs"]}
-    assert images == {IMAGE}
+    assert images == {PLACEHOLDER}
+
+
+def container_images(node) -> list[str]:
+    """The image of every container and init container anywhere in a document (the paths
+    kustomize's image transformer rewrites)."""
+    if isinstance(node, list):
+        return [image for item in node for image in container_images(item)]
+    if not isinstance(node, dict):
+        return []
+    found = [
+        c["image"]
+        for key in ("containers", "initContainers")
+        if isinstance(node.get(key), list)
+        for c in node[key]
+    ]
+    return found + [image for value in node.values() for image in container_images(value)]
+
+
+def test_every_manifest_takes_the_one_image_from_the_kustomization():
+    kustomization = yaml.safe_load((KUBERAY / "kustomization.yaml").read_text())
+    manifests = sorted(p.name for p in KUBERAY.glob("*.yaml") if p.name != "kustomization.yaml")
+    assert sorted(kustomization["resources"]) == manifests == ["raycluster.yaml", "rayjob.yaml"]
+    images = [image for name in manifests for image in container_images(documents(name))]
+    assert images == [PLACEHOLDER] * 3  # head, GPU workers, the RayJob's submitter
+    (entry,) = kustomization["images"]
+    assert entry["name"] == PLACEHOLDER
+    assert f"{entry['newName']}:{entry['newTag']}" == IMAGE
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert entry["newTag"] == version  # the image of this release
 
 
 def test_router_port_is_exposed_on_the_head_and_served(raycluster_docs, cluster, manifest):

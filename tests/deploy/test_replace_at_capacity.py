@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from cluster.cli import main as baton
+from baton.cli import main as baton
 from cluster.controller import NAMESPACE
 from cluster.local_ray import start_local_ray
 from deploy.client import baton_actors
@@ -81,4 +81,4 @@ def test_replace_without_spare_resources_fails_no_request(
     served_by = {p for *_, p, _ in stream.results}
     assert {"prefill-0", "prefill-1", "prefill-2"} <= served_by
     assert baton(["deploy", "down"]) == 0
-    assert baton_actors() == []
+    assert baton_actors(NAMESPACE) == []

@@ -57,7 +57,7 @@ def run_all(tmp_path: Path, extra: list[str], expected: str) -> None:
     for command in deploy_commands(tmp_path):
         start = time.monotonic()
         out = subprocess.run(
-            [sys.executable, "-m", "cluster.cli", "deploy", *command, *extra],
+            [sys.executable, "-m", "baton", "deploy", *command, *extra],
             capture_output=True,
             text=True,
             env=env,
@@ -118,7 +118,7 @@ def test_an_address_that_accepts_connections_but_is_no_ray_cluster(ray_tmp, tmp_
         address = f"127.0.0.1:{listening.getsockname()[1]}"
         start = time.monotonic()
         out = subprocess.run(
-            [sys.executable, "-m", "cluster.cli", "deploy", "status", "--address", address],
+            [sys.executable, "-m", "baton", "deploy", "status", "--address", address],
             capture_output=True,
             text=True,
             env={**os.environ, "RAY_AUTH_MODE": "disabled"},

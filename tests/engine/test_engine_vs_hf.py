@@ -100,8 +100,8 @@ def test_logprobs_match_hf(tiny_qwen2, hf_models):
 
 
 def test_mistral_matches_hf_within_its_sliding_window(tmp_path, hf_models):
+    from benchmarks.checkpoints import make_checkpoint
     from engine import PromptTooLongError
-    from tests.checkpoints import make_checkpoint
 
     path = str(make_checkpoint(tmp_path, "mistral"))
     llm = LLM(path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=128, chunk_size=16)

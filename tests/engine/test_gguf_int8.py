@@ -12,6 +12,7 @@ import pytest
 import torch
 from gguf.quants import dequantize, quantize
 
+from benchmarks.checkpoints import make_checkpoint
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
@@ -26,7 +27,6 @@ from engine.model.gguf_kernel import (
     quantize_rows_q8,
 )
 from engine.model.gguf_linear import QUANT_MAX_ROWS, GGUFBlockLinear
-from tests.checkpoints import make_checkpoint
 from tests.engine.test_gguf_blocks import VOCAB
 from tests.helpers import random_prompts
 

@@ -1,24 +1,33 @@
 """Step-time model: shapes, exact least-squares fits, JSON, profile lookup, and the profiler
-(benchmarks/profile.py --quick) end to end on the tiny checkpoint."""
+(perf/profiler.py --quick) end to end on the tiny checkpoint."""
 
 from __future__ import annotations
 
 import json
+import logging
+from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks import profile
+import engine
+from engine import step_model
 from engine.step_model import (
     FALLBACK,
-    PROFILES_DIR,
+    PROFILE_DIR_ENV,
+    SHIPPED_PROFILES_DIR,
     SMALL_STEP_ROWS,
     StepModel,
     StepShape,
     find_step_model,
     fit_with_holdout,
     profile_key,
+    profile_path,
+    user_profile_dir,
 )
+from perf import profiler as profile
+
+SHIPPED = SHIPPED_PROFILES_DIR / "smollm2-135m-instruct-float32-cpu-1t.json"
 
 TRUE = {
     "const": 0.004,
@@ -107,24 +116,74 @@ def test_profile_key_names_model_dtype_device_and_threads():
     )
 
 
-def test_find_step_model(tmp_path):
-    assert find_step_model(None, "no-such-model-float32-cpu-1t") is FALLBACK
-    shipped = PROFILES_DIR / "smollm2-135m-instruct-float32-cpu-1t.json"
-    assert find_step_model(None, shipped.stem) == StepModel.load(shipped)
-    StepModel(TRUE).save(tmp_path / "mine.json")
-    assert find_step_model(str(tmp_path / "mine.json"), shipped.stem) == StepModel(TRUE)
+@pytest.fixture
+def profile_dir(tmp_path, monkeypatch) -> Path:
+    """The user's profile directory of this test ($BATON_PROFILE_DIR), not yet created."""
+    path = tmp_path / "user-profiles"
+    monkeypatch.setenv(PROFILE_DIR_ENV, str(path))
+    return path
+
+
+def test_the_shipped_profiles_are_package_data_of_the_engine():
+    assert SHIPPED_PROFILES_DIR == Path(engine.__file__).resolve().parent / "profiles"
+    names = sorted(p.name for p in SHIPPED_PROFILES_DIR.glob("*.json"))
+    assert names == [
+        "smollm2-135m-instruct-float32-cpu-1t.json",
+        "smollm2-135m-instruct-float32-cpu-2t.json",
+    ]
+    for path in SHIPPED_PROFILES_DIR.glob("*.json"):
+        assert StepModel.load(path).key["model"] == "smollm2-135m-instruct"
+
+
+def test_user_profile_dir_is_the_variable_else_the_cache(monkeypatch):
+    monkeypatch.setenv(PROFILE_DIR_ENV, "/data/profiles")
+    assert user_profile_dir() == Path("/data/profiles")
+    monkeypatch.delenv(PROFILE_DIR_ENV)
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert user_profile_dir() == Path("/home/someone/.cache/baton/profiles")
+
+
+def test_lookup_order_path_then_users_then_shipped(profile_dir, tmp_path):
+    key = SHIPPED.stem
+    assert profile_path(key) == SHIPPED  # no user directory yet
+    assert find_step_model(None, key) == StepModel.load(SHIPPED)
+    StepModel(TRUE, note="the user's").save(profile_dir / f"{key}.json")
+    assert profile_path(key) == profile_dir / f"{key}.json"
+    assert find_step_model(None, key) == StepModel(TRUE, note="the user's")
+    StepModel(FALLBACK.coefficients).save(tmp_path / "mine.json")
+    assert find_step_model(str(tmp_path / "mine.json"), key) == StepModel(FALLBACK.coefficients)
     with pytest.raises(FileNotFoundError, match="missing.json"):
-        find_step_model(str(tmp_path / "missing.json"), shipped.stem)
+        find_step_model(str(tmp_path / "missing.json"), key)
+    # a user profile of another key hides nothing
+    assert find_step_model(None, "smollm2-135m-instruct-float32-cpu-2t") == StepModel.load(
+        SHIPPED_PROFILES_DIR / "smollm2-135m-instruct-float32-cpu-2t.json"
+    )
 
 
-def test_profiler_quick_grid_writes_a_loadable_profile(tiny_llama, tmp_path, capsys):
-    out = tmp_path / "profile.json"
+def test_no_profile_is_the_fallback_with_one_warning_per_key(profile_dir, caplog):
+    step_model._warn_fallback.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="engine.step_model"):
+        for _ in range(3):
+            assert find_step_model(None, "no-such-model-float32-cpu-1t") is FALLBACK
+        assert find_step_model(None, "other-model-float32-cpu-1t") is FALLBACK
+    assert [r.getMessage() for r in caplog.records] == [
+        f"no step-time profile {key}.json in {profile_dir} or {SHIPPED_PROFILES_DIR}: using the "
+        "built-in fallback (corrected online from measured steps); `baton profile` measures "
+        "this engine's"
+        for key in ("no-such-model-float32-cpu-1t", "other-model-float32-cpu-1t")
+    ]
+
+
+def test_profiler_quick_grid_writes_a_loadable_profile(tiny_llama, profile_dir, capsys):
     threads = torch.get_num_threads()  # the profiler sets 1; later tests get theirs back
     try:
-        argv = ["--model", tiny_llama, "--quick", "--repeats", "1", "--out", str(out)]
-        assert profile.main(argv) == 0
+        assert profile.main(["--model", tiny_llama, "--quick", "--repeats", "1"]) == 0
     finally:
         torch.set_num_threads(threads)
+    # written to the user's directory under the engine's key, found there by its engines
+    out = profile_dir / f"{profile_key(tiny_llama, 'float32', 'cpu', 1)}.json"
+    assert sorted(profile_dir.iterdir()) == [out]
+    assert profile_path(out.stem) == out
     data = json.loads(out.read_text())
     grid = profile.QUICK
     decode_batches = sum(1 for d, _ in grid.decodes if d)
@@ -149,3 +208,24 @@ def test_profiler_quick_grid_writes_a_loadable_profile(tiny_llama, tmp_path, cap
     assert StepModel.load(out).coefficients == model.coefficients
     assert refitted["request_overhead_ms"] == {"local": 12.5, "remote": 40.0}
     assert refitted["points"] == data["points"] and refitted["key"] == data["key"]
+
+
+def test_refit_writes_to_the_users_directory_never_beside_the_source(profile_dir, tmp_path):
+    shipped = SHIPPED.read_bytes()
+    out = tmp_path / "elsewhere.json"
+    assert profile.main(["--refit", str(SHIPPED), "--out", str(out)]) == 0
+    assert profile.main(["--refit", str(SHIPPED)]) == 0
+    assert SHIPPED.read_bytes() == shipped
+    written = profile_dir / SHIPPED.name
+    assert json.loads(written.read_text()) == json.loads(out.read_text())
+    data, source = json.loads(written.read_text()), json.loads(shipped)
+    assert (
+        data["request_overhead_ms"]
+        == source["request_overhead_ms"]
+        == {
+            "local": 0.7,
+            "remote": 5.3,
+        }
+    )
+    assert data["points"] == source["points"] and data["key"] == source["key"]
+    assert data["coefficients"] == pytest.approx(source["coefficients"], rel=1e-6, abs=1e-12)

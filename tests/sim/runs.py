@@ -9,9 +9,9 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.experiments import Shape
-from benchmarks.simulate import main as simulate_main
+from benchmarks.experiment_shapes import Shape
 from deploy.manifest import load_manifest
+from perf.sim.command import main as simulate_main
 
 
 def write_simulated_run(run_dir: Path, shape: Shape, *flags: str) -> None:

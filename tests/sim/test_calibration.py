@@ -10,13 +10,13 @@ import shutil
 import pytest
 
 from benchmarks import sim_calibration
-from benchmarks.driver import BenchConfig
-from benchmarks.experiments import Shape
-from benchmarks.sim.cluster import ClusterConfig
-from benchmarks.sim.driver import simulate
-from benchmarks.simulate import DEFAULT_PROFILE, REQUEST_OVERHEAD_KEY
-from benchmarks.workloads import RandomWorkload, TokenSpace
+from benchmarks.experiment_shapes import Shape
 from engine.step_model import StepModel
+from perf.bench.driver import BenchConfig
+from perf.bench.workloads import RandomWorkload, TokenSpace
+from perf.sim.cluster import ClusterConfig
+from perf.sim.command import DEFAULT_PROFILE, REQUEST_OVERHEAD_KEY
+from perf.sim.driver import simulate
 from tests.sim.runs import write_simulated_run
 
 MODEL = StepModel({"const": 0.01, "prefill_tokens": 0.001})
@@ -95,7 +95,7 @@ def test_step_time_scale_stretches_every_step_and_the_busy_seconds():
 def test_dynamic_chunking_corrects_its_model_by_the_simulated_steps():
     # Steps run 2x the profile: as the engine does, the chunk budget learns that from the
     # steps it ran and shrinks its chunks, so the steps come back to the target.
-    from benchmarks.sim.worker import WorkerConfig
+    from perf.sim.worker import WorkerConfig
 
     workload = RandomWorkload(input_len=3000, output_len=1)
     worker = WorkerConfig(itl_target_ms=100.0, max_num_batched_tokens=4096, chunk_size=4096)

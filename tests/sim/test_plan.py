@@ -6,12 +6,12 @@ import math
 
 import yaml
 
-from benchmarks.driver import BenchConfig
-from benchmarks.plan import Candidate, Outcome, candidates, evaluate, manifest_for, search
-from benchmarks.sim.cluster import ClusterConfig
-from benchmarks.workloads import RandomWorkload
 from deploy.manifest import parse_manifest
 from engine.step_model import StepModel
+from perf.bench.driver import BenchConfig
+from perf.bench.workloads import RandomWorkload
+from perf.planner import Candidate, Outcome, candidates, evaluate, manifest_for, search
+from perf.sim.cluster import ClusterConfig
 
 # a decode step of k rows takes 10 + 10k ms; prefill is almost free
 MODEL = StepModel({"const": 0.01, "decodes": 0.01, "prefill_tokens": 1e-6})

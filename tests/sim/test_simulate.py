@@ -6,21 +6,21 @@ import json
 
 import pytest
 
-from benchmarks.driver import BenchConfig
-from benchmarks.sim.cluster import ClusterConfig, SimCluster
-from benchmarks.sim.driver import simulate
-from benchmarks.sim.events import EventLoop
-from benchmarks.sim.kv_bytes import MODEL_SHAPES, block_bytes
-from benchmarks.sim.request import SimRequest
-from benchmarks.sim.worker import WorkerConfig
-from benchmarks.timeline import read_results
-from benchmarks.workloads import (
+from engine.step_model import StepModel
+from perf.bench.driver import BenchConfig
+from perf.bench.timeline import read_results
+from perf.bench.workloads import (
     PrefixRepetitionWorkload,
     RandomWorkload,
     TokenSpace,
     TraceWorkload,
 )
-from engine.step_model import StepModel
+from perf.sim.cluster import ClusterConfig, SimCluster
+from perf.sim.driver import simulate
+from perf.sim.events import EventLoop
+from perf.sim.kv_bytes import MODEL_SHAPES, block_bytes
+from perf.sim.request import SimRequest
+from perf.sim.worker import WorkerConfig
 from router.policy import choose_prefill
 
 MODEL = StepModel({"const": 0.01, "prefill_tokens": 0.001})  # decode step: 10 ms
@@ -137,7 +137,7 @@ def test_trace_hashes_hit_as_token_hashes_do(tmp_path):
     workload = TraceWorkload(path=str(path), block_len=32)
     fast, _ = run(workload, ClusterConfig(), num_requests=3)
     # the same requests with their real tokens, hashed by engine.block_hash
-    from benchmarks.sim import driver
+    from perf.sim import driver
 
     real_sessions = list(workload.sessions(TOKENS, 0))
     original = driver.trace_sessions
@@ -158,7 +158,7 @@ def test_block_bytes_of_smollm2():
 
 
 def test_cli_writes_bench_results(tmp_path):
-    from benchmarks.simulate import main
+    from perf.sim.command import main
 
     out = tmp_path / "run"
     assert (
@@ -188,7 +188,7 @@ def test_cli_writes_bench_results(tmp_path):
 def test_fast_index_answers_as_kv_index():
     import random
 
-    from benchmarks.sim.fast_index import FastKVIndex
+    from perf.sim.fast_index import FastKVIndex
     from router.kv_index import KVIndex
 
     rng = random.Random(0)

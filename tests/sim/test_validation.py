@@ -8,7 +8,7 @@ import json
 import pytest
 
 from benchmarks import sim_validation
-from benchmarks.experiments import Shape
+from benchmarks.experiment_shapes import Shape
 from benchmarks.sim_validation import repeats_of, spread, validation_table
 from tests.sim.runs import write_simulated_run
 

@@ -1,14 +1,14 @@
 """A benchmark run's metrics from its recorded timeline, the stdout table and `compare`.
 
-Definitions (per request: see benchmarks/timeline.py for TTFT, TPOT, ITL and E2E):
-- Percentiles are numpy's default ("linear": interpolation between the two nearest ranks);
+Definitions (per request: see perf/bench/timeline.py for TTFT, TPOT, ITL and E2E):
+- Percentiles: perf/stats.py (linear interpolation between the two nearest ranks);
   statistics are over successful requests; latencies are reported in milliseconds.
 - Duration: from the start (t = 0, the first arrival) to the last response of any request.
 - Throughput: successful requests, output tokens, and prompt + output tokens per second.
 - Goodput (DistServe): successful requests that meet every given SLO, per second. A one-token
   answer has no TPOT and meets a TPOT SLO.
 - Cached fraction: cached prompt tokens / prompt tokens; the oracle fraction is the same for
-  one infinite shared cache over the same request sequence (benchmarks/oracle.py).
+  one infinite shared cache over the same request sequence (perf/bench/oracle.py).
 - By kind (when a workload mixes kinds, e.g. long-prompt's "chat" and "long"): TTFT, TPOT
   and ITL of each kind's successful requests apart, so a long prompt's price (its TTFT) and
   its effect on the others (their ITL) are read separately.
@@ -20,11 +20,9 @@ Definitions (per request: see benchmarks/timeline.py for TTFT, TPOT, ITL and E2E
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
 
-import numpy as np
-
-from benchmarks.timeline import RequestRecord
+from perf.bench.timeline import RequestRecord
+from perf.stats import summary_ms
 
 SLO_KEYS = ("ttft", "tpot", "e2e")  # milliseconds
 
@@ -38,15 +36,6 @@ def parse_slo(text: str | None) -> dict[str, float]:
             raise ValueError(f"bad SLO {item!r}: expected KEY=MS with KEY one of {SLO_KEYS}")
         out[key.strip()] = float(value)
     return out
-
-
-def stats_ms(values_s: Iterable[float]) -> dict[str, float | None]:
-    """mean / median / p90 / p99 in milliseconds (numpy's linear percentiles); None if empty."""
-    arr = np.asarray(list(values_s), dtype=float) * 1000.0
-    if arr.size == 0:
-        return dict(mean=None, median=None, p90=None, p99=None)
-    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
-    return dict(mean=float(arr.mean()), median=float(p50), p90=float(p90), p99=float(p99))
 
 
 def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
@@ -98,10 +87,10 @@ def latency_ms(records: list[RequestRecord]) -> dict:
     """TTFT / TPOT / ITL / E2E statistics (ms) of the successful records."""
     ok = [r for r in records if r.ok]
     return dict(
-        ttft=stats_ms(r.ttft for r in ok if r.ttft is not None),
-        tpot=stats_ms(r.tpot for r in ok if r.tpot is not None),
-        itl=stats_ms(g for r in ok for g in r.itls),
-        e2e=stats_ms(r.e2e for r in ok),
+        ttft=summary_ms(r.ttft for r in ok if r.ttft is not None),
+        tpot=summary_ms(r.tpot for r in ok if r.tpot is not None),
+        itl=summary_ms(g for r in ok for g in r.itls),
+        e2e=summary_ms(r.e2e for r in ok),
     )
 
 
@@ -135,7 +124,7 @@ def by_kind(records: list[RequestRecord]) -> dict:
         out[kind] = dict(requests=len(mine), latency_ms=latency_ms(mine))
         if longs and kind != "long":
             gaps = itls_beside_prefills(mine, longs)
-            out[kind]["itl_beside_long_prefill_ms"] = dict(stats_ms(gaps), count=len(gaps))
+            out[kind]["itl_beside_long_prefill_ms"] = dict(summary_ms(gaps), count=len(gaps))
     return out
 
 

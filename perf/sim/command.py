@@ -1,14 +1,14 @@
-"""`baton simulate`: a `baton bench` run against a simulated cluster (benchmarks/sim/).
+"""`baton simulate`: a `baton bench` run against a simulated cluster (perf/sim/).
 
-    python -m benchmarks.simulate --manifest deploy/examples/local.yaml --workload agentic \\
+    baton simulate --manifest deploy/examples/local.yaml --workload agentic \\
         --num-requests 200 --request-rate 4 --slo ttft=500,tpot=50 --out runs/agentic-sim
-    python -m benchmarks.simulate --prefill 4 --decode 8 --policy cache_aware \\
-        --workload trace -o path=trace.jsonl --profile benchmarks/profiles/X.json
+    baton simulate --prefill 4 --decode 8 --policy cache_aware \\
+        --workload trace -o path=trace.jsonl --profile ~/.cache/baton/profiles/X.json
 
-Same workloads, seeds, pacing flags, report and results.json as benchmarks/serving.py, so
+Same workloads, seeds, pacing flags, report and results.json as perf/bench/command.py, so
 `baton bench compare` puts a simulated and a real run side by side. The cluster's shape comes
 from --manifest or from the flags (the flags override the manifest's values); step times from
---profile (a step profile JSON, benchmarks/profile.py), KV transfers from the profile's model
+--profile (a step profile JSON, perf/profiler.py), KV transfers from the profile's model
 shape over --kv-bandwidth-gbps.
 """
 
@@ -21,18 +21,17 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from benchmarks.driver import BenchConfig
-from benchmarks.report import parse_slo, summarize, table
-from benchmarks.serving import _options, add_run_args
-from benchmarks.sim.cluster import ClusterConfig
-from benchmarks.sim.driver import simulate
-from benchmarks.sim.kv_bytes import block_bytes, shape_of
-from benchmarks.sim.worker import WorkerConfig
-from benchmarks.timeline import write_results
-from benchmarks.workloads import TokenSpace, make_workload
-from engine.step_model import PROFILES_DIR, StepModel
+from engine.step_model import SHIPPED_PROFILES_DIR, StepModel
+from perf.bench.flags import add_run_args, run_config, workload_options
+from perf.bench.report import parse_slo, summarize, table
+from perf.bench.timeline import write_results
+from perf.bench.workloads import TokenSpace, make_workload
+from perf.sim.cluster import ClusterConfig
+from perf.sim.driver import simulate
+from perf.sim.kv_bytes import block_bytes, shape_of
+from perf.sim.worker import WorkerConfig
 
-DEFAULT_PROFILE = PROFILES_DIR / "smollm2-135m-instruct-float32-cpu-1t.json"
+DEFAULT_PROFILE = SHIPPED_PROFILES_DIR / "smollm2-135m-instruct-float32-cpu-1t.json"
 # The profile's entry for the measured control path: {"local": ms, "remote": ms}
 REQUEST_OVERHEAD_KEY = "request_overhead_ms"
 WORKER_FIELDS = (
@@ -47,7 +46,7 @@ WORKER_FIELDS = (
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    """The cluster's shape and the time model (shared with benchmarks/plan.py)."""
+    """The cluster's shape and the time model (shared with perf/planner.py)."""
     p.add_argument("--manifest", help="take the cluster's shape from this manifest")
     p.add_argument("--prefill", type=int, help="prefill replicas (0: aggregated); default 1")
     p.add_argument("--decode", type=int, help="decode replicas; default 1")
@@ -162,18 +161,10 @@ def _worker_of(engine) -> WorkerConfig:
 
 def run_command(args: argparse.Namespace) -> int:
     try:
-        workload = make_workload(args.workload, _options(args.option))
+        workload = make_workload(args.workload, workload_options(args.option))
         slo = parse_slo(args.slo)
         cluster, model = cluster_config(args, args.seed)
-        config = BenchConfig(
-            num_requests=args.num_requests or (None if args.duration else 100),
-            duration_s=args.duration,
-            request_rate=args.request_rate,
-            burstiness=args.burstiness,
-            max_concurrency=args.max_concurrency,
-            seed=args.seed,
-            block_size=cluster.worker.block_size,
-        )
+        config = run_config(args, block_size=cluster.worker.block_size)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """The benchmark driver: sends a workload's sessions to a cluster on an arrival schedule and
-records every request (benchmarks/timeline.py). The CLI around it is benchmarks/serving.py.
+records every request (perf/bench/timeline.py). The CLI around it is perf/bench/command.py.
 
-Arrivals follow the request rate and burstiness (benchmarks/arrivals.py); each arrival starts a
+Arrivals follow the request rate and burstiness (perf/bench/arrivals.py); each arrival starts a
 session, whose later turns are sent as soon as the previous answer is in. --max-concurrency
 caps the sessions (so the requests) in flight: an arrival that finds the cap reached waits for
 a slot, and its latencies count from when it is sent. The run stops starting sessions after
@@ -17,12 +17,12 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, replace
 
-from benchmarks.arrivals import arrival_times
-from benchmarks.client import GrpcClient, HttpClient, counter_rise, scrape_counters
-from benchmarks.oracle import OracleCache
-from benchmarks.report import summarize
-from benchmarks.timeline import RequestRecord
-from benchmarks.workloads import Session, TokenSpace, Workload
+from perf.bench.arrivals import arrival_times
+from perf.bench.client import GrpcClient, HttpClient, counter_rise, scrape_counters
+from perf.bench.oracle import OracleCache
+from perf.bench.report import summarize
+from perf.bench.timeline import RequestRecord
+from perf.bench.workloads import Session, TokenSpace, Workload
 
 
 @dataclass(frozen=True, slots=True)

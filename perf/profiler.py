@@ -1,8 +1,8 @@
 """Step-time profile of one engine: measure steps over a small grid, fit engine/step_model.py.
 
-    python -m benchmarks.profile [--model smollm2-135m-instruct] [--threads 1] [--repeats 3]
-                                 [--quick] [--out FILE]
-    python -m benchmarks.profile --refit benchmarks/profiles/<key>.json
+    baton profile [--model smollm2-135m-instruct] [--threads 1] [--repeats 3]
+                    [--quick] [--out FILE]
+    baton profile --refit engine/profiles/<key>.json [--out FILE]
 
 Drives LLMEngine steps directly with crafted requests: a grid point is a step of D decode
 rows at context L plus (unless P = 0) one prefill chunk of P tokens after C cached tokens;
@@ -13,9 +13,12 @@ cached prefix too, so reaching a point costs one block of setup, not a prefill o
 Every point runs --repeats times (rounds over the whole grid, so a drift of a shared
 machine's speed hits all points alike) and keeps its median. The fit is checked on every
 4th point held out (mean/max relative error printed), then refitted on all points and
-written to benchmarks/profiles/<model>-<dtype>-<device>[-<threads>t].json with the points
-(a request_overhead_ms calibrated into that file before is kept). --refit fits a profile
-again from its stored points, measuring nothing (for a change of the model's features).
+written with the points to <model>-<dtype>-<device>[-<threads>t].json in the user's profile
+directory ($BATON_PROFILE_DIR, default ~/.cache/baton/profiles), where engines look before
+the profiles shipped in engine/profiles/; never into the installed package. A
+request_overhead_ms calibrated into the profile it replaces (the user's, else the shipped one)
+is kept. --refit fits a profile again from its stored points, measuring nothing (for a change
+of the model's features), and writes it to the user's directory under the same name.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pathlib import Path
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.step_model import PROFILES_DIR, StepShape, fit_with_holdout
+from engine.step_model import StepShape, fit_with_holdout, profile_path, user_profile_dir
 
 BLOCK = 16
 GREEDY_ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -192,27 +195,32 @@ def samples_of(rows: list[dict]) -> list[tuple[StepShape, float]]:
     return [(StepShape(**r["shape"]), r["seconds"]) for r in rows]
 
 
-def write(out: Path, model, extra: dict) -> None:
+def write(out: Path, model, extra: dict, replaces: Path | None = None) -> None:
     """The profile JSON: the model, then `extra` (grid, repeats, points); a calibrated control
-    path (request_overhead_ms, benchmarks/sim_calibration.py) already in `out` is kept."""
-    old = json.loads(out.read_text()) if out.is_file() else {}
+    path (request_overhead_ms, benchmarks/sim_calibration.py) in `out`, else in the profile it
+    `replaces`, is kept."""
     data = model.to_json() | extra
-    if "request_overhead_ms" in old:
-        data["request_overhead_ms"] = old["request_overhead_ms"]
-        log(f"kept request_overhead_ms {old['request_overhead_ms']} of {out}")
+    for source in (out, replaces):
+        if source is not None and source.is_file():
+            overhead = json.loads(source.read_text()).get("request_overhead_ms")
+            if overhead is not None:
+                data["request_overhead_ms"] = overhead
+                log(f"kept request_overhead_ms {overhead} of {source}")
+                break
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {out}")
 
 
-def refit(path: Path) -> int:
-    """Fit a profile again from its stored points (after the model's features changed)."""
+def refit(path: Path, out: Path) -> int:
+    """Fit the profile at `path` again from its stored points (after the model's features
+    changed) and write it to `out`."""
     data = json.loads(path.read_text())
     rows = data["points"]
     samples = samples_of(rows)
     model = fit_with_holdout(samples, key=data["key"], note=data.get("note", ""))
     report(model, rows, samples)
-    write(path, model, {k: data[k] for k in ("grid", "repeats", "points") if k in data})
+    write(out, model, {k: data[k] for k in ("grid", "repeats", "points") if k in data}, path)
     return 0
 
 
@@ -224,16 +232,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a tiny grid (tests)")
-    parser.add_argument("--out", help="profile path (default: benchmarks/profiles/<key>.json)")
+    parser.add_argument(
+        "--out",
+        help="profile path (default: <key>.json, with --refit the profile's file name, in "
+        "$BATON_PROFILE_DIR, else ~/.cache/baton/profiles)",
+    )
     parser.add_argument("--note", default="", help="kept in the profile (how it was measured)")
     parser.add_argument(
         "--refit",
         metavar="PROFILE",
-        help="measure nothing: fit this profile again from its stored points and rewrite it",
+        help="measure nothing: fit this profile again from its stored points",
     )
     args = parser.parse_args(argv)
     if args.refit:
-        return refit(Path(args.refit))
+        source = Path(args.refit)
+        return refit(source, Path(args.out) if args.out else user_profile_dir() / source.name)
 
     grid = QUICK if args.quick else FULL
     engine = LLMEngine(
@@ -262,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     model = fit_with_holdout(samples, key=info, note=args.note)
     report(model, rows, samples)
     log(f"measured in {time.perf_counter() - start:.0f} s")
-    out = Path(args.out) if args.out else PROFILES_DIR / f"{key}.json"
-    write(out, model, {"grid": asdict(grid), "repeats": args.repeats, "points": rows})
+    out = Path(args.out) if args.out else user_profile_dir() / f"{key}.json"
+    extra = {"grid": asdict(grid), "repeats": args.repeats, "points": rows}
+    write(out, model, extra, replaces=profile_path(key))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The simulated `baton bench` run: benchmarks/driver.py's pacing (arrivals, burstiness,
+"""The simulated `baton bench` run: perf/bench/driver.py's pacing (arrivals, burstiness,
 --max-concurrency, sessions claiming their turns from the budget, --duration) in simulated
 time, answers by `stand_in_answer`; every request recorded as a RequestRecord."""
 
@@ -7,16 +7,16 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from benchmarks.arrivals import arrival_times
-from benchmarks.driver import BenchConfig, Budget
-from benchmarks.sim.cluster import ClusterConfig, SimCluster
-from benchmarks.sim.events import EventLoop
-from benchmarks.sim.request import SimRequest
-from benchmarks.sim.trace import HashedSpec, trace_sessions
-from benchmarks.timeline import RequestRecord
-from benchmarks.workloads import TokenSpace, TraceWorkload, Workload, stand_in_answer
 from engine.block_hash import hash_prompt_blocks
 from engine.step_model import StepModel
+from perf.bench.arrivals import arrival_times
+from perf.bench.driver import BenchConfig, Budget
+from perf.bench.timeline import RequestRecord
+from perf.bench.workloads import TokenSpace, TraceWorkload, Workload, stand_in_answer
+from perf.sim.cluster import ClusterConfig, SimCluster
+from perf.sim.events import EventLoop
+from perf.sim.request import SimRequest
+from perf.sim.trace import HashedSpec, trace_sessions
 
 
 class SimRun:
@@ -51,7 +51,7 @@ class SimRun:
         self.loop.run()
         return sorted(self.records, key=lambda r: r.send_s)
 
-    # ---- arrivals (benchmarks/driver.py run_bench's loop) -------------------------------
+    # ---- arrivals (perf/bench/driver.py run_bench's loop) -------------------------------
     def _next_arrival(self) -> None:
         for session in self.sessions:
             first = session.next_turn(None)
@@ -103,7 +103,7 @@ class SimRun:
         self.cluster.route(request)
 
     def _oracle(self, hashes: list[int], n: int) -> int:
-        """benchmarks/oracle.py's OracleCache on the hashes."""
+        """perf/bench/oracle.py's OracleCache on the hashes."""
         limit, hits = min((n - 1) // self.cluster.block_size, len(hashes)), 0
         while hits < limit and hashes[hits] in self.oracle:
             hits += 1

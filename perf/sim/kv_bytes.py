@@ -18,7 +18,7 @@ class ModelShape:
 
 MODEL_SHAPES = {
     "smollm2-135m-instruct": ModelShape(layers=30, kv_heads=3, head_dim=64),
-    "tiny": ModelShape(layers=2, kv_heads=2, head_dim=16),  # tests/checkpoints.py's model
+    "tiny": ModelShape(layers=2, kv_heads=2, head_dim=16),  # the test suite's tiny random Llama
 }
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
 
@@ -31,7 +31,7 @@ def shape_of(profile_json: dict) -> ModelShape:
     if model not in MODEL_SHAPES:
         raise ValueError(
             f"no model shape for {model!r}: add model_shape {{layers, kv_heads, head_dim}} to "
-            f"the profile or an entry to benchmarks/sim/kv_bytes.py MODEL_SHAPES "
+            f"the profile or an entry to perf/sim/kv_bytes.py MODEL_SHAPES "
             f"({', '.join(MODEL_SHAPES)})"
         )
     return MODEL_SHAPES[model]

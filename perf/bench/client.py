@@ -1,5 +1,5 @@
 """The benchmark's clients: one streamed request per request spec, recorded as a timeline
-(benchmarks/timeline.py). GrpcClient uses only the public baton.v1.Inference API, HttpClient
+(perf/bench/timeline.py). GrpcClient uses only the public baton.v1.Inference API, HttpClient
 only the OpenAI-compatible /v1/completions (streamed, token-id prompts; router/openai_http.py).
 scrape_counters reads, from a /metrics page, the counters a run's summary takes the rise of: the
 KV bytes the prefill workers sent and each worker's engine steps and their time."""
@@ -13,8 +13,8 @@ import time
 import grpc
 import httpx
 
-from benchmarks.timeline import OK, RequestRecord
-from benchmarks.workloads import RequestSpec
+from perf.bench.timeline import OK, RequestRecord
+from perf.bench.workloads import RequestSpec
 from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.workloads import OneShot, TraceWorkload
+from perf.bench.workloads import OneShot, TraceWorkload
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.timeline import RequestRecord
+from perf.bench.timeline import RequestRecord
 
 
 def _pyplot():

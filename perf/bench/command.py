@@ -1,14 +1,14 @@
 """`baton bench`: drive a running Baton cluster with a workload and report what it did.
 
-    python -m benchmarks.serving --address 127.0.0.1:50051 --workload agentic \\
+    baton bench --address 127.0.0.1:50051 --workload agentic \\
         --num-requests 200 --request-rate 4 --slo ttft=500,tpot=50 --out runs/agentic
-    python -m benchmarks.serving --manifest deploy/examples/local.yaml --workload long-prompt ...
-    python -m benchmarks.serving --door http --address http://127.0.0.1:8000 --api-key K ...
-    python -m benchmarks.serving compare runs/a runs/b [--out runs/compare.png]
+    baton bench --manifest deploy/examples/local.yaml --workload long-prompt ...
+    baton bench --door http --address http://127.0.0.1:8000 --api-key K ...
+    baton bench compare runs/a runs/b [--out runs/compare.png]
 
 The cluster is reached only through a public front door: gRPC (default) or, with --door http,
 the OpenAI-compatible /v1/completions (streamed, token-id prompts); how requests are paced is
-benchmarks/driver.py's docstring. The same --seed gives the same arrivals and prompts (and,
+perf/bench/driver.py's docstring. The same --seed gives the same arrivals and prompts (and,
 greedy as every request is, the same answers). With --manifest a local cluster (Ray in this
 process) is started for the run and torn down after it.
 """
@@ -18,15 +18,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import math
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.driver import BenchConfig, bench
-from benchmarks.report import compare_table, parse_slo, table
-from benchmarks.timeline import RequestRecord, read_results, write_results
-from benchmarks.workloads import WORKLOADS, TokenSpace, make_workload
+from perf.bench.driver import BenchConfig, bench
+from perf.bench.flags import add_run_args, run_config, workload_options
+from perf.bench.report import compare_table, parse_slo, table
+from perf.bench.timeline import RequestRecord, read_results, write_results
+from perf.bench.workloads import TokenSpace, make_workload
 
 
 class Progress:
@@ -55,26 +55,6 @@ class Progress:
 
 
 # ---- command line ----------------------------------------------------------------------------
-def add_run_args(p: argparse.ArgumentParser) -> None:
-    """The workload and arrival flags a bench run and a simulated run share."""
-    p.add_argument("--workload", choices=list(WORKLOADS), default="random")
-    p.add_argument(
-        "-o",
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a workload option (a field of its class in benchmarks/workloads.py)",
-    )
-    p.add_argument("--num-requests", type=int, help="default 100 unless --duration is given")
-    p.add_argument("--duration", type=float, help="seconds to keep sending")
-    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf: all at once")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
-    p.add_argument("--max-concurrency", type=int)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo", help="e.g. ttft=500,tpot=50 (ms); goodput counts requests meeting all")
-
-
 def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="baton bench", description=__doc__.split("\n")[0])
     where = p.add_mutually_exclusive_group(required=True)
@@ -110,32 +90,14 @@ def run_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _options(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"bad --option {item!r}: expected KEY=VALUE")
-        out[key] = value
-    return out
-
-
 def run_command(args: argparse.Namespace) -> int:
     """`baton bench [run]`: one measured run. Exit 0 when every request succeeded, 1 when some
     failed, 2 on bad options."""
     try:
-        workload = make_workload(args.workload, _options(args.option))
+        workload = make_workload(args.workload, workload_options(args.option))
         slo = parse_slo(args.slo)
-        config = BenchConfig(
-            num_requests=args.num_requests or (None if args.duration else 100),
-            duration_s=args.duration,
-            request_rate=args.request_rate,
-            burstiness=args.burstiness,
-            max_concurrency=args.max_concurrency,
-            seed=args.seed,
-            timeout_s=args.timeout,
-            block_size=args.block_size,
-            hash_seed=args.hash_seed,
+        config = run_config(
+            args, timeout_s=args.timeout, block_size=args.block_size, hash_seed=args.hash_seed
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -179,7 +141,7 @@ def run_command(args: argparse.Namespace) -> int:
         path = write_results(args.out, summary, records)
         if not args.no_plots:
             try:
-                from benchmarks.plots import run_figures
+                from perf.bench.plots import run_figures
 
                 run_figures(records, args.out)
             except ImportError as exc:  # matplotlib is a test/bench extra
@@ -216,7 +178,7 @@ def compare_command(argv: list[str]) -> int:
     }
     print(compare_table({name: summary for name, (summary, _) in runs.items()}))
     if args.out:
-        from benchmarks.plots import compare_figure
+        from perf.bench.plots import compare_figure
 
         print(f"figure: {compare_figure(runs, Path(args.out))}")
     return 0

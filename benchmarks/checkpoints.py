@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face checkpoints for tests (built once per session, seconds)."""
+"""Tiny random Hugging Face checkpoints (seconds to build): the test suite's models and the
+soak benchmark's --tiny one."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """`baton plan`: the cheapest cluster shape that meets latency SLOs, found with the simulator.
 
-    python -m benchmarks.plan --ttft-p99 2000 --itl-p99 200 --workload agentic \\
+    baton plan --ttft-p99 2000 --itl-p99 200 --workload agentic \\
         --request-rate 2 --num-requests 200 --prefill-range 0-4 --decode-range 1-8 \\
         --policies cache_aware,least_loaded --itl-targets-ms 0,250 --out plan.yaml
 
 Candidates are every (prefill replicas, decode replicas, routing policy, chunk setting) of the
 search space; a shape's cost is prefill_cost * prefill + decode_cost * decode (workers, by
-default). Shapes are simulated cheapest first (benchmarks/simulate.py's model, same workload,
+default). Shapes are simulated cheapest first (perf/sim/command.py's model, same workload,
 seed and arrivals for all); the first cost at which some shape completes every request with
 TTFT p99 and ITL p99 within the SLOs wins, ties going to the lowest TTFT p99. The plan is
 printed with a manifest for it (built on --manifest when given, validated by
@@ -22,14 +22,14 @@ from dataclasses import dataclass, replace
 
 import yaml
 
-from benchmarks.driver import BenchConfig
-from benchmarks.report import summarize
-from benchmarks.serving import _options
-from benchmarks.sim.cluster import ClusterConfig
-from benchmarks.sim.driver import simulate
-from benchmarks.simulate import DEFAULT_PROFILE, cluster_config
-from benchmarks.workloads import WORKLOADS, TokenSpace, make_workload
 from deploy.manifest import parse_manifest
+from perf.bench.driver import BenchConfig
+from perf.bench.flags import workload_options
+from perf.bench.report import summarize
+from perf.bench.workloads import WORKLOADS, TokenSpace, make_workload
+from perf.sim.cluster import ClusterConfig
+from perf.sim.command import DEFAULT_PROFILE, cluster_config
+from perf.sim.driver import simulate
 from router.policy_names import POLICY_NAMES
 
 
@@ -181,7 +181,7 @@ def _maybe(text: str, cast) -> list:
 
 
 def parser() -> argparse.ArgumentParser:
-    from benchmarks.simulate import add_cluster_args
+    from perf.sim.command import add_cluster_args
 
     p = argparse.ArgumentParser(prog="baton plan", description=__doc__.split("\n")[0])
     p.add_argument("--ttft-p99", type=float, required=True, help="SLO in ms")
@@ -209,7 +209,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        workload = make_workload(args.workload, _options(args.option))
+        workload = make_workload(args.workload, workload_options(args.option))
         base, model = cluster_config(args, args.seed)
         config = BenchConfig(
             num_requests=None if args.duration else args.num_requests,

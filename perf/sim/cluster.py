@@ -24,11 +24,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from benchmarks.sim.events import EventLoop
-from benchmarks.sim.fast_index import FastKVIndex
-from benchmarks.sim.request import DECODE, FULL, PREFILL, Job, SimRequest
-from benchmarks.sim.worker import SimWorker, WorkerConfig
 from engine.step_model import StepModel
+from perf.sim.events import EventLoop
+from perf.sim.fast_index import FastKVIndex
+from perf.sim.request import DECODE, FULL, PREFILL, Job, SimRequest
+from perf.sim.worker import SimWorker, WorkerConfig
 from router.policy import (
     LoadTracker,
     WorkerLoad,
@@ -48,7 +48,7 @@ class ClusterConfig:
     local_prefill_tokens: int = 0
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     prefill_worker: WorkerConfig | None = None  # the prefill pool's own options, if they differ
-    block_bytes: int = 0  # KV bytes of one block (benchmarks/sim/kv_bytes.py)
+    block_bytes: int = 0  # KV bytes of one block (perf/sim/kv_bytes.py)
     kv_bandwidth_gbs: float = 4.0  # GB/s (1e9 bytes) of one transfer
     kv_latency_s: float = 0.002  # fixed cost of one transfer
     local_overhead_s: float = 0.0  # control path of a request prefilled on its decode worker

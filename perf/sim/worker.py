@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from benchmarks.sim.events import EventLoop
-from benchmarks.sim.request import DECODE, PREFILL, Job
 from engine.block_pool import BlockPool
 from engine.chunk_budget import ChunkBudget
 from engine.step_model import StepModel, StepShape
+from perf.sim.events import EventLoop
+from perf.sim.request import DECODE, PREFILL, Job
 from router.policy import DecodeLoad
 
 
