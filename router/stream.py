@@ -20,7 +20,8 @@ _background: set[asyncio.Task] = set()  # cleanups in flight (a task needs a ref
 
 
 class TokenStream:
-    """Router.generate(request_id, ...) as awaitable outputs; None when it ends."""
+    """Router.generate(request_id, ...) as awaitable outputs; None when it ends (after every
+    choice's last output, for n > 1)."""
 
     def __init__(
         self,
@@ -34,6 +35,8 @@ class TokenStream:
         self.router = router
         self.request_id = request_id
         self.finished = False
+        self._choices = int(params.get("n", 1))  # n > 1: outputs carry their choice `index`
+        self._done: set[int] = set()
         self._executor = executor
         self._outputs = router.generate(request_id, prompt_token_ids, params, cache_salt)
         self._pending: Future | None = None
@@ -49,7 +52,9 @@ class TokenStream:
             self.finished = True
             return None
         if out["finished"]:
-            self.finished = True
+            self._done.add(out.get("index") or 0)
+            if len(self._done) >= self._choices or out["finish_reason"] == "error":
+                self.finished = True
         return out
 
     def close(self) -> None:
@@ -81,3 +86,26 @@ class TokenStream:
             await run(self._outputs.close)
         except Exception:  # noqa: BLE001 - the client is gone; nothing to report it to
             logger.exception("cleanup of request %s failed", self.request_id)
+
+
+async def merged(streams: list[TokenStream], firsts: list[dict | None]):
+    """(position in `streams`, output) of several streams as each output arrives, starting
+    with `firsts` (each stream's first output, already taken); ends when all have ended."""
+    for i, out in enumerate(firsts):
+        if out is not None:
+            yield i, out
+    pending = {asyncio.ensure_future(s.next()): i for i, s in enumerate(streams) if not s.finished}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                i = pending.pop(task)
+                out = task.result()
+                if out is None:
+                    continue
+                yield i, out
+                if not streams[i].finished:
+                    pending[asyncio.ensure_future(streams[i].next())] = i
+    finally:
+        for task in pending:
+            task.cancel()
