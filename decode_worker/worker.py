@@ -57,6 +57,11 @@ def token_output(out) -> TokenOutput:
         num_cached_tokens=out.num_cached_tokens,
         error=out.error,
         stop_reason=out.stop_reason,
+        index=out.index,
+        logprobs=None if out.logprobs is None else [lp.to_wire() for lp in out.logprobs],
+        prompt_logprobs=None
+        if out.prompt_logprobs is None
+        else [None if lp is None else lp.to_wire() for lp in out.prompt_logprobs],
     )
 
 

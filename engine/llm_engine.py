@@ -152,6 +152,13 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not (0 <= int(t) < vocab)]
         if bad:
             raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        params.validate_vocab(vocab)
+        if params.n > min(self.config.max_n, self.config.max_num_seqs):
+            raise InvalidRequestError(
+                f"sampling.n={params.n} is invalid: this engine allows at most "
+                f"{min(self.config.max_n, self.config.max_num_seqs)} choices per request "
+                "(engine options max_n, max_num_seqs)"
+            )
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
             raise PromptTooLongError(
@@ -378,13 +385,27 @@ class LLMEngine:
 
     def _row(self, req: Request, n: int) -> BatchRow:
         samples = req.num_computed_tokens + n == req.num_tokens
-        sample = (
-            SampleRequest(req.params, self._seeds[req.request_id], req.num_tokens)
-            if (samples)
-            else None
-        )
+        sample = self._sample_request(req) if samples else None
         return BatchRow(
             req.token_ids, req.num_computed_tokens, n, self.kv.block_ids(req.request_id), sample
+        )
+
+    def _sample_request(self, req: Request) -> SampleRequest:
+        """What the sampler needs of req's next token (its logits processors' inputs)."""
+        p = req.params
+        generated = req.num_output_tokens + p.num_prior_output_tokens
+        mask: frozenset[int] = frozenset()
+        if generated < p.min_tokens:
+            mask = frozenset(p.stop_token_ids) | (
+                frozenset() if p.ignore_eos else frozenset(self.eos_token_ids)
+            )
+        return SampleRequest(
+            p,
+            self._seeds[req.request_id],
+            req.num_tokens,
+            token_ids=tuple(req.token_ids) if p.has_penalties else (),
+            num_output_tokens=generated,
+            min_tokens_mask=mask,
         )
 
     def _append_token(self, req: Request, token: int, logprob, now: float) -> RequestOutput:

@@ -90,6 +90,7 @@ class EngineOptions:
     chunk_size: int = option(1024, "most prefill tokens one request gets in a step", ge=1)
     max_num_batched_tokens: int = option(2048, "all tokens (prefill + decode) in one step", ge=1)
     max_num_seqs: int = option(128, "most running requests per engine", ge=1)
+    max_n: int = option(8, "most choices (sampling n) one request may ask for", ge=1)
     max_model_len: int | None = option(
         None, "longest prompt + output (default: the model's max_position_embeddings)", ge=2
     )

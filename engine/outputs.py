@@ -10,7 +10,12 @@ from engine.sampler import TokenLogprobs
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A request's progress in one step: the tokens it gained and whether it finished."""
+    """A request's progress in one step: the tokens one of its choices gained.
+
+    With n > 1 each choice (`index`) has its own outputs: finish_reason is set on the output
+    that ends that choice, and `finished` only on the request's last output (every choice
+    done). With n == 1 the two coincide.
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -19,8 +24,11 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
-    logprobs: list[TokenLogprobs] | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token (raw model log-softmax)
     error: str | None = None
+    index: int = 0  # the choice (0 when n == 1)
+    # On the first output of choice 0 only: one entry per prompt token (None for the first).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This output followed by a later one of the same request (e.g. within one step)."""
@@ -35,6 +43,8 @@ class RequestOutput:
             later.stop_reason,
             logprobs or None,
             later.error,
+            self.index,
+            self.prompt_logprobs or later.prompt_logprobs,
         )
 
 
@@ -63,3 +73,5 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    index: int = 0  # the choice of the request (LLM.generate returns n per prompt)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

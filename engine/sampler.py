@@ -1,5 +1,8 @@
 """Token selection: greedy, temperature, top-k, top-p, min-p, with position-derived randomness.
 
+The logits processors (grammar bitmask, min_tokens, logit_bias, penalties) run first, on a
+copy: logprobs are computed from the raw logits (vLLM's default, "raw_logprobs").
+
 A sampled request draws its noise from a generator seeded by (seed, position of the token
 being sampled), so its tokens do not depend on which other requests share the batch, and a
 request moved to another engine continues with exactly the same draws.
@@ -8,10 +11,12 @@ request moved to another engine continues with exactly the same draws.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from engine.logits_processors import process_logits
 from engine.sampling_params import SamplingParams
 
 
@@ -23,19 +28,43 @@ class TokenLogprobs:
     logprob: float
     top: tuple[tuple[int, float], ...]
 
+    def to_wire(self) -> list:
+        """[token_id, logprob, [[id, logprob], ...top-n]]: plain lists for msgpack / Ray."""
+        return [self.token_id, self.logprob, [[t, lp] for t, lp in self.top]]
+
+    @classmethod
+    def from_wire(cls, value: list) -> TokenLogprobs:
+        """Inverse of to_wire."""
+        token_id, logprob, top = value
+        return cls(int(token_id), float(logprob), tuple((int(t), float(lp)) for t, lp in top))
+
 
 @dataclass(frozen=True, slots=True)
 class SampleRequest:
-    """One logits row to sample: its parameters, its seed and the position it fills."""
+    """One logits row to sample: its parameters, its seed, the position it fills and what
+    the logits processors (engine/logits_processors.py) read."""
 
     params: SamplingParams
-    seed: int
+    seed: int  # the choice's seed (choice_seed of the request's)
     position: int
+    token_ids: Sequence[int] = ()  # prompt + generated tokens; needed only with penalties
+    num_output_tokens: int = 0  # generated so far (a migrated request's earlier ones included)
+    min_tokens_mask: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids
+    bitmask: torch.Tensor | None = None  # [ceil(V / 32)] int32: the grammar's allowed tokens
 
 
 def position_seed(seed: int, position: int) -> int:
     """A 63-bit seed for the draw at `position` of a request seeded with `seed`."""
     digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed` (n > 1): choice 0 keeps the
+    request's seed, so n == 1 draws exactly as before; the others get their own streams."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:choice:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
@@ -59,7 +88,8 @@ def _filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, requests: list[SampleRequest]) -> list[int]:
-    """logits: [N, V] fp32, one row per request -> N token ids."""
+    """logits: [N, V] fp32, one row per request -> N token ids (logits is not written)."""
+    logits = process_logits(logits, requests)
     tokens = logits.argmax(dim=-1).tolist()
     for row, req in enumerate(requests):
         if req.params.greedy:

@@ -111,7 +111,14 @@ class PrefillResult:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TokenOutput:
-    """New tokens of one request since its last poll; the last output has finished=True."""
+    """New tokens of one choice of a request since its last poll.
+
+    finish_reason is set on the output that ends choice `index`; finished=True only on the
+    request's last output (every choice done; with n == 1 the two coincide).
+    logprobs: one entry per new token, [token_id, logprob, [[id, logprob], ...top-n]] (raw
+    model log-softmax), or None when not asked for. prompt_logprobs: on the first output of
+    choice 0 only, one entry per prompt token (None for the first, else as logprobs).
+    """
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -121,9 +128,12 @@ class TokenOutput:
     num_cached_tokens: int
     error: str | None = None
     stop_reason: int | str | None = None
+    index: int = 0
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     def to_dict(self) -> dict:
-        """The dict the router streams to its front doors (token_ids as a list)."""
+        """The dict the router streams to its front doors (plain lists, ints, floats)."""
         return {
             "request_id": self.request_id,
             "token_ids": list(self.token_ids),
@@ -133,6 +143,9 @@ class TokenOutput:
             "num_cached_tokens": self.num_cached_tokens,
             "error": self.error,
             "stop_reason": self.stop_reason,
+            "index": self.index,
+            "logprobs": self.logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
         }
 
 
