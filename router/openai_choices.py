@@ -22,6 +22,7 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: dict | list | None = None  # chat: content items; completion: legacy dict
     finish_reason: str | None = None
+    events: list = field(default_factory=list)  # the text and call events, in output order
 
     def empty(self) -> bool:
         return not (self.text or self.tool_calls or self.token_ids or self.finish_reason) and (
@@ -71,10 +72,10 @@ class Choice:
     def add(self, out: dict) -> Delta:
         """Take one output dict of this choice."""
         delta = Delta()
-        if out["finished"]:
-            self.finish_reason = out["finish_reason"] or "stop"
+        if out.get("finish_reason") or out["finished"]:  # this choice's last output
+            self.finish_reason = out.get("finish_reason") or "stop"
         if self.options.drop_generated:
-            delta.finish_reason = self._finish() if self.finished else None
+            delta.finish_reason = self.finish() if self.finished else None
             return delta
         text = out.get("text") or ""
         self.text += text
@@ -90,13 +91,15 @@ class Choice:
                 delta.logprobs = self.legacy.add(entries)
         if self.parser is None:
             delta.text = text
+            delta.events = [TextDelta(text)] if text else []
         else:
             events = self.parser.feed(text)
             if self.finished:
                 events += self.parser.finish()
             self._take(events, delta)
+            delta.events = events
         if self.finished:
-            delta.finish_reason = self._finish()
+            delta.finish_reason = self.finish()
         return delta
 
     def _take(self, events: list, delta: Delta) -> None:
@@ -113,8 +116,9 @@ class Choice:
                     }
                 )
             elif isinstance(event, ArgumentsDelta):
+                # a call's first item has its id and name only, the arguments follow
                 last = delta.tool_calls[-1] if delta.tool_calls else None
-                if last is not None and last["index"] == event.index:
+                if last is not None and last["index"] == event.index and "id" not in last:
                     last["function"]["arguments"] += event.text
                 else:
                     delta.tool_calls.append(
@@ -125,7 +129,8 @@ class Choice:
     def calls(self) -> list:
         return self.parser.calls if self.parser is not None else []
 
-    def _finish(self) -> str | None:
+    def finish(self) -> str | None:
+        """The OpenAI finish reason (tool_calls when calls ended the output)."""
         reason = FINISH_REASONS.get(self.finish_reason or "", self.finish_reason)
         if self.calls and reason == "stop":
             return "tool_calls"
@@ -133,7 +138,7 @@ class Choice:
 
     def body(self) -> dict:
         """The choice in a non-streamed reply."""
-        choice: dict = {"index": self.index, "finish_reason": self._finish(), "logprobs": None}
+        choice: dict = {"index": self.index, "finish_reason": self.finish(), "logprobs": None}
         if self.options.kind == "chat":
             content = self.parser.content if self.parser is not None else self.text
             message: dict = {"role": "assistant", "content": content}

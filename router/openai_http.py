@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front door: a second translation of Router.generate.
 
-POST /v1/completions and /v1/chat/completions (streamed as server-sent events or not),
+POST /v1/completions, /v1/chat/completions and /v1/responses (streamed as server-sent events
+or not),
 GET /v1/models, /health (open: 200 while both pools have a healthy worker) and /metrics.
 Each request is checked once before it reaches the router's queue: API key, body, model,
 prompt length, sampling values, then admission. Errors use OpenAI's shape with the status
@@ -29,6 +30,8 @@ from router.openai_logprobs import TokenText
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, parse
 from router.openai_responses import Reply, UnknownRoute, error_body
 from router.openai_run import Prepared, Run, choice_options, sampling_for
+from router.responses_output import ResponseBuilder
+from router.responses_protocol import parse_responses
 from router.router import Router
 from router.security import ApiKeys
 from router.stream import TokenStream
@@ -74,19 +77,19 @@ class OpenAIDoor:
         if not self.api_keys.check(request.headers.get("authorization")):
             raise Unauthenticated("missing or invalid API key (Authorization: Bearer <key>)")
 
-    async def read(self, request: Request, cls: type):
-        """The request's body, checked: API key, JSON, fields, model."""
+    async def body(self, request: Request) -> object:
+        """The request's JSON body, once its API key is checked."""
         self.authorize(request)
         try:
-            body = await request.json()
+            return await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
-        req = parse(cls, body)
-        if req.model not in self.model_names:
+
+    def check_model(self, model: str) -> None:
+        if model not in self.model_names:
             raise UnknownModel(
-                f"model {req.model!r} is not served here; models: {', '.join(self.model_names)}"
+                f"model {model!r} is not served here; models: {', '.join(self.model_names)}"
             )
-        return req
 
     async def prepare(self, req) -> Prepared:
         """Prompt ids, echo texts and sampling dicts of a parsed request."""
@@ -152,9 +155,9 @@ class OpenAIDoor:
 
     async def generate(self, request: Request, kind: str) -> Response:
         """Shared path of /v1/completions and /v1/chat/completions."""
-        req = await self.read(
-            request, ChatCompletionRequest if kind == "chat" else CompletionRequest
-        )
+        cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        req = parse(cls, await self.body(request))
+        self.check_model(req.model)
         prepared = await self.prepare(req)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         reply = Reply(
@@ -176,6 +179,49 @@ class OpenAIDoor:
         try:
             await collect(request, run)
             return JSONResponse(reply.body(), headers=reply.headers())
+        finally:
+            run.close()
+
+    async def responses(self, request: Request) -> Response:
+        """POST /v1/responses: a chat request underneath, Responses items and events."""
+        req, chat = parse_responses(await self.body(request))
+        self.check_model(req.model)
+        prepared = await self.prepare(chat)
+        reply = Reply(
+            f"resp-{uuid.uuid4().hex[:24]}",
+            req.model,
+            [len(ids) for ids in prepared.prompts],
+            prepared.options,
+        )
+        run = await self.open(request, prepared, reply)
+        builder = ResponseBuilder(req, req.model)
+        if req.stream:
+            return _EventStream(
+                self._response_events(run, builder),
+                on_close=run.close,
+                media_type="text/event-stream",
+                headers={"x-request-id": reply.request_id},
+            )
+        try:
+            await collect(request, run, lambda delta: builder.feed(delta.events))
+            builder.finish(reply.choices[0].finish(), reply.usage())
+            return JSONResponse(builder.body(), headers=reply.headers())
+        finally:
+            run.close()
+
+    async def _response_events(self, run: Run, builder: ResponseBuilder) -> AsyncIterator[str]:
+        """The Responses API's server-sent events."""
+        try:
+            for event in builder.start():
+                yield _sse(event, event["type"])
+            async for _, delta in run.deltas():
+                for event in builder.feed(delta.events):
+                    yield _sse(event, event["type"])
+            reason = run.reply.choices[0].finish()
+            for event in builder.finish(reason, run.reply.usage()):
+                yield _sse(event, event["type"])
+        except Exception as exc:  # noqa: BLE001 - headers are sent: the error is an event
+            yield _sse(builder.error(error_body(exc)["error"]), "error")
         finally:
             run.close()
 
@@ -251,6 +297,10 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return await _answer(door.generate(request, "chat"))
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _answer(door.responses(request))
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         return await _answer(door.models(request))
@@ -314,14 +364,16 @@ async def _unless_disconnected(request: Request, work):
     return task.result()
 
 
-async def collect(request: Request, run: Run) -> None:
+async def collect(request: Request, run: Run, on_delta: Callable | None = None) -> None:
     """Take every output of a non-streamed request (the client leaving aborts it)."""
     deltas = run.deltas().__aiter__()
     while True:
         try:
-            await _unless_disconnected(request, deltas.__anext__())
+            _, delta = await _unless_disconnected(request, deltas.__anext__())
         except StopAsyncIteration:
             break
+        if on_delta is not None:
+            on_delta(delta)
     run.reply.raise_if_failed()
 
 
@@ -330,5 +382,6 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+def _sse(data: dict, event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data, separators=(',', ':'))}\n\n"

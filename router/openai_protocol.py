@@ -150,7 +150,8 @@ class _Common(_Strict):
         """Cross-field refusals (param, reason), checked once every field is valid."""
         out = []
         try:
-            self._constraint = constraint(self.response_format, self.structured_outputs)
+            if self._constraint is None:  # (the Responses API sets its own, from text.format)
+                self._constraint = constraint(self.response_format, self.structured_outputs)
         except ValueError as exc:
             out.append(("structured_outputs", str(exc)))
         return out
@@ -327,11 +328,17 @@ def parse(cls: type[_Common], body: object) -> _Common:
     try:
         request = cls.model_validate(body)
     except ValidationError as exc:
-        raise refusal(field_errors(exc)) from None
+        raise refusal(in_body_order(field_errors(exc), body)) from None
     problems = request.problems()
     if problems:
-        raise refusal(problems)
+        raise refusal(in_body_order(problems, body))
     return request
+
+
+def in_body_order(problems: list[tuple[str | None, str]], body: dict) -> list:
+    """Problems sorted as their top-level fields appear in the request body."""
+    keys = {k: i for i, k in enumerate(body)}
+    return sorted(problems, key=lambda p: keys.get((p[0] or "").split(".")[0], len(keys)))
 
 
 def refusal(problems: list[tuple[str | None, str]]) -> InvalidField:

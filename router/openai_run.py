@@ -17,7 +17,8 @@ from router.openai_protocol import ChatCompletionRequest, CompletionRequest, Inv
 from router.openai_responses import Reply, raise_if_failed
 from router.stream import TokenStream, merged
 
-_SAMPLING_FIELD = re.compile(r"sampling\.([a-z_]+)")
+# SamplingParams names a bad field `sampling.<name>` (structured_output's: `structured_output.`)
+_SAMPLING_FIELD = re.compile(r"\bsampling\.([a-z_]+)|\b(structured_output)\b")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +42,8 @@ class Run:
         self.reply = reply
         self.prepared = prepared
         self.firsts: list[dict | None] = []
-        self._echoed: set[int] = set()
+        self._echoed: set[int] = set()  # choices whose prompt was echoed
+        self._prompt_logprobs: dict[int, list] = {}  # per prompt, from its first output
 
     async def start(self) -> None:
         """Each stream's first output (concurrently): a refusal before any token (no worker,
@@ -53,22 +55,20 @@ class Run:
 
     async def deltas(self) -> AsyncIterator[tuple[int, object]]:
         """(choice index, Delta) as outputs arrive: an echoed prompt's text first."""
+        echo = self.prepared.echo_texts
         async for i, out in merged(self.streams, self.firsts):
-            if self.prepared.echo_texts is not None and i not in self._echoed:
-                self._echoed.add(i)
-                for index, delta in self._echo(i, out.get("prompt_logprobs")):
-                    yield index, delta
+            if out.get("prompt_logprobs") is not None:
+                self._prompt_logprobs.setdefault(i, out["prompt_logprobs"])
+            index = i * self.prepared.n + (out.get("index") or 0)
+            if echo is not None and index not in self._echoed:
+                self._echoed.add(index)
+                choice = self.reply.choices[index]
+                prompt_logprobs = self._prompt_logprobs.get(i)
+                yield index, choice.echo(echo[i], self.prepared.prompts[i], prompt_logprobs)
             if out["finished"]:
                 raise_if_failed(self.reply.request_id, out["finish_reason"], out.get("error"))
             choice, delta = self.reply.add(out, i)
             yield choice.index, delta
-
-    def _echo(self, prompt: int, prompt_logprobs: list | None):
-        n = self.prepared.n
-        ids = self.prepared.prompts[prompt]
-        text = self.prepared.echo_texts[prompt]
-        for choice in self.reply.choices[prompt * n : (prompt + 1) * n]:
-            yield choice.index, choice.echo(text, ids, prompt_logprobs)
 
     def close(self) -> None:
         for s in self.streams:
@@ -112,7 +112,7 @@ def _request_field(req, message: str) -> str | None:
     found = _SAMPLING_FIELD.search(message)
     if found is None:
         return None
-    name = found.group(1)
+    name = found.group(1) or found.group(2)
     chat = isinstance(req, ChatCompletionRequest)
     if name == "structured_output":
         return req.constraint_param

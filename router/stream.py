@@ -20,8 +20,8 @@ _background: set[asyncio.Task] = set()  # cleanups in flight (a task needs a ref
 
 
 class TokenStream:
-    """Router.generate(request_id, ...) as awaitable outputs; None when it ends (after every
-    choice's last output, for n > 1)."""
+    """Router.generate(request_id, ...) as awaitable outputs; None when it ends (the output
+    with finished=True is the request's last: with n > 1, every choice is done)."""
 
     def __init__(
         self,
@@ -35,8 +35,6 @@ class TokenStream:
         self.router = router
         self.request_id = request_id
         self.finished = False
-        self._choices = int(params.get("n", 1))  # n > 1: outputs carry their choice `index`
-        self._done: set[int] = set()
         self._executor = executor
         self._outputs = router.generate(request_id, prompt_token_ids, params, cache_salt)
         self._pending: Future | None = None
@@ -52,9 +50,7 @@ class TokenStream:
             self.finished = True
             return None
         if out["finished"]:
-            self._done.add(out.get("index") or 0)
-            if len(self._done) >= self._choices or out["finish_reason"] == "error":
-                self.finished = True
+            self.finished = True
         return out
 
     def close(self) -> None:
