@@ -13,6 +13,7 @@ call format.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jinja2
 import jinja2.meta
@@ -46,6 +47,18 @@ For each function call, return a json object with function name and arguments wi
 def tools_prompt(tools: list[dict]) -> str:
     """The system-turn text that lists `tools` (chat completions' tool dicts)."""
     return TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """The template text of a `chat_template` option (a file path); None stays None."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"chat_template {path!r} cannot be read: {exc}") from None
+    uses_variable(text, "tools")  # a template that does not parse fails here, at start
+    return text
 
 
 def uses_variable(template: str, name: str) -> bool:

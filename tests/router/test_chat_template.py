@@ -89,3 +89,25 @@ def test_template_checks():
     assert uses_variable("{{ tools }}", "tools") and not uses_variable("{{ x }}", "tools")
     with pytest.raises(ValueError, match="not valid Jinja"):
         uses_variable("{% for %}", "tools")
+
+
+def test_the_chat_template_option_is_a_file_read_at_start(tmp_path):
+    import argparse
+
+    from cluster.local import LocalOptions, add_serve_flags
+    from cluster.templates import router_options
+    from router.chat_template import read_chat_template
+
+    path = tmp_path / "tools.jinja"
+    path.write_text(TOOL_TEMPLATE)
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    manifest = LocalOptions.from_args(parser.parse_args(["--chat-template", str(path)])).manifest()
+    assert router_options(manifest)["chat_template"] == str(path)
+    assert read_chat_template(str(path)) == TOOL_TEMPLATE
+    assert read_chat_template(None) is None
+    with pytest.raises(ValueError, match="cannot be read"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    (tmp_path / "bad.jinja").write_text("{% if %}")
+    with pytest.raises(ValueError, match="not valid Jinja"):
+        read_chat_template(str(tmp_path / "bad.jinja"))
