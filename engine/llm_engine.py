@@ -18,6 +18,7 @@ from engine.errors import (
     NoFreeBlocksError,
     PromptTooLongError,
 )
+from engine.grammar import GrammarManager, GrammarRejected
 from engine.kv_cache_manager import KVCacheManager
 from engine.metrics import EngineMetrics
 from engine.model_runner import BatchRow, ModelRunner
@@ -28,6 +29,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_model import find_step_model, profile_key
 from engine.tokenizer import eos_token_ids, load_tokenizer
+
+GRAMMAR_WAIT_S = 0.005  # an empty step waits this long for a compiling grammar
 
 
 class HeldBlocks(NamedTuple):
@@ -87,6 +90,16 @@ class LLMEngine:
         # reads the block ids without waiting for a step to end
         self._held: dict[str, HeldBlocks] = {}
         self._went_on_from: float | None = None  # end of the last step, if work was left
+        self._grammar: GrammarManager | None = None  # made at the first structured request
+
+    @property
+    def grammar(self) -> GrammarManager:
+        """Structured outputs' compiler and matchers (one TokenizerInfo per engine)."""
+        if self._grammar is None:
+            self._grammar = GrammarManager(
+                self.tokenizer, self.runner.model.args.vocab_size, self.eos_token_ids
+            )
+        return self._grammar
 
     def _chunk_budget(self) -> ChunkBudget | None:
         """Dynamic chunking's budget when itl_target_ms is set (engine/chunk_budget.py)."""
@@ -133,7 +146,11 @@ class LLMEngine:
         req = self._new_request(
             request_id, prompt_token_ids, params, cache_salt, arrival_time, seed, prefill_only
         )
-        self.scheduler.add(req)
+        if req.params.structured_output is not None:
+            self.grammar.submit(request_id, req.params.structured_output)
+            self.scheduler.hold(req)  # schedulable once its grammar is compiled
+        else:
+            self.scheduler.add(req)
         return req
 
     def _new_request(
@@ -153,6 +170,11 @@ class LLMEngine:
         if bad:
             raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         params.validate_vocab(vocab)
+        if params.structured_output is not None and self.tokenizer is None:
+            raise InvalidRequestError(
+                "structured_output needs the model's tokenizer, but this engine was started "
+                "with skip_tokenizer_init=True"
+            )
         if params.n > min(self.config.max_n, self.config.max_num_seqs):
             raise InvalidRequestError(
                 f"sampling.n={params.n} is invalid: this engine allows at most "
@@ -254,6 +276,8 @@ class LLMEngine:
             )
         req.num_cached_tokens = req.num_computed_tokens
         self.scheduler.add_remote(req)
+        if params.structured_output is not None:  # compiles while the KV is on its way
+            self.grammar.submit(request_id, params.structured_output)
         self.metrics.prefix_cache(req.num_prompt_tokens, req.num_cached_tokens)
         return self.kv.block_ids(request_id), len(hits)
 
@@ -262,7 +286,13 @@ class LLMEngine:
         req = self._remote(request_id)
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_blocks(req, req.num_computed_tokens)
-        self.scheduler.activate_remote(req)
+        if self._grammar is not None and self._grammar.is_constrained(request_id):
+            if self._grammar.is_ready(request_id):
+                self.scheduler.activate_remote(req)
+            else:  # runs once its grammar is compiled (and has replayed the first token)
+                self.scheduler.hold(req)
+        else:
+            self.scheduler.activate_remote(req)
         now = time.monotonic()
         req.scheduled_time = now  # joins the batch now; its queue and prefill were elsewhere
         self._pending[request_id] = self._append_token(req, int(first_token), None, now)
@@ -283,6 +313,8 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self._seeds.pop(request_id, None)
         self._detok.pop(request_id, None)
+        if self._grammar is not None:
+            self._grammar.remove(request_id)
         self.kv.free_table(request_id)
 
     @property
@@ -314,7 +346,11 @@ class LLMEngine:
         return pending
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return (
+            self.scheduler.has_unfinished()
+            or bool(self._pending)
+            or (self._grammar is not None and self._grammar.has_compiling())
+        )
 
     def num_unfinished(self) -> int:
         return len(self.scheduler.requests)
@@ -343,8 +379,11 @@ class LLMEngine:
     def step(self) -> StepResult:
         """Schedule one batch, run it, and return what each request gained."""
         step_start = time.perf_counter()
+        self._start_grammars()
         result = StepResult(outputs=self.take_pending())
         batch = self.scheduler.schedule()
+        if batch.is_empty() and self._grammar is not None:
+            self._grammar.wait(GRAMMAR_WAIT_S)  # nothing else to run: no busy loop meanwhile
         result.scheduled = dict(batch.num_tokens)
         result.preempted = list(batch.preempted)
         now = time.monotonic()
@@ -376,6 +415,32 @@ class LLMEngine:
         self._went_on_from = end if self.has_unfinished() else None
         return result
 
+    def _start_grammars(self) -> None:
+        """Requests whose grammar compiled since the last step: their matcher replays the
+        tokens generated so far (elsewhere, before a move), then they may run."""
+        if self._grammar is None:
+            return
+        for rid, error in self._grammar.take_compiled():
+            req = self.scheduler.requests.get(rid)
+            if req is None:
+                self._grammar.remove(rid)
+                continue
+            if error is None and req.status != RequestStatus.WAITING_FOR_GRAMMAR:
+                continue  # waiting for its KV: it runs once that arrives
+            status = None
+            try:
+                if error is None and self._grammar.sync(rid, req.generated_token_ids):
+                    status = RequestStatus.FINISHED_STOPPED
+            except GrammarRejected as exc:
+                error = str(exc)
+            if error is not None:
+                req.error, status = error, RequestStatus.FINISHED_ERROR
+            if status is None:
+                self.scheduler.release(req)
+                continue
+            self.scheduler.finish(req, status)
+            self._pending[rid] = self._final_output(req, [], "")
+
     def record_state(self, preempted: int = 0) -> None:
         """Set the running/waiting/KV-usage gauges from the scheduler's state now (after each
         step, and on the loop's idle ticks) and count `preempted` preemptions."""
@@ -399,6 +464,9 @@ class LLMEngine:
             mask = frozenset(p.stop_token_ids) | (
                 frozenset() if p.ignore_eos else frozenset(self.eos_token_ids)
             )
+        bitmask = None
+        if self._grammar is not None and self._grammar.is_constrained(req.request_id):
+            bitmask = self._grammar.bitmask(req.request_id, req.generated_token_ids)
         return SampleRequest(
             p,
             self._seeds[req.request_id],
@@ -406,6 +474,7 @@ class LLMEngine:
             token_ids=tuple(req.token_ids) if p.has_penalties else (),
             num_output_tokens=generated,
             min_tokens_mask=mask,
+            bitmask=bitmask,
         )
 
     def _append_token(self, req: Request, token: int, logprob, now: float) -> RequestOutput:
@@ -414,6 +483,12 @@ class LLMEngine:
             req.first_token_time = now
         text, stop_str = self._detok[req.request_id].add([token])
         status = self._stop_status(req, token, stop_str)
+        if self._grammar is not None and self._grammar.is_ready(req.request_id):
+            try:  # the grammar ending (its stop token accepted) stops the request
+                if self._grammar.sync(req.request_id, req.generated_token_ids):
+                    status = RequestStatus.FINISHED_STOPPED
+            except GrammarRejected as exc:
+                req.error, status = str(exc), RequestStatus.FINISHED_ERROR
         if req.prefill_only:
             status = RequestStatus.FINISHED_PREFILLED
             self._held[req.request_id] = HeldBlocks(now, tuple(self.kv.block_ids(req.request_id)))
@@ -449,6 +524,8 @@ class LLMEngine:
     def _final_output(self, req: Request, tokens: list[int], text: str) -> RequestOutput:
         self._seeds.pop(req.request_id, None)
         self._detok.pop(req.request_id, None)
+        if self._grammar is not None:
+            self._grammar.remove(req.request_id)
         return RequestOutput(
             req.request_id,
             tokens,

@@ -14,13 +14,14 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = 0
     WAITING_FOR_REMOTE_KV = 1
-    PREEMPTED = 2
-    RUNNING = 3
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH = 5
-    FINISHED_ABORTED = 6
-    FINISHED_ERROR = 7
-    FINISHED_PREFILLED = 8  # prefill role: prompt done, first token sampled, KV held for transfer
+    WAITING_FOR_GRAMMAR = 2  # its structured-output grammar is compiling: not schedulable yet
+    PREEMPTED = 3
+    RUNNING = 4
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
+    FINISHED_PREFILLED = 9  # prefill role: prompt done, first token sampled, KV held for transfer
 
     @property
     def finished(self) -> bool:
@@ -84,6 +85,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Every token this request generated: a migrated request's earlier output (the
+        prompt's tail, params.num_prior_output_tokens) and its output here."""
+        return self.token_ids[len(self.prompt_token_ids) - self.params.num_prior_output_tokens :]
 
     def __repr__(self) -> str:
         return (

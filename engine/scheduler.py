@@ -71,6 +71,20 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
+    def hold(self, request: Request) -> None:
+        """Track a request that may not run yet (its grammar is compiling)."""
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self.requests[request.request_id] = request
+
+    def release(self, request: Request) -> None:
+        """A held request may run: a decode whose KV is in place joins the running batch,
+        anything else queues."""
+        if request.num_computed_tokens and request.num_tokens - request.num_computed_tokens == 1:
+            self.activate_remote(request)
+        else:
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+
     def finish(self, request: Request, status: RequestStatus, free_blocks: bool = True) -> None:
         """Mark finished and (unless the caller keeps them) free its blocks at once."""
         if request.status == RequestStatus.RUNNING:

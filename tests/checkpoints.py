@@ -7,8 +7,11 @@ from pathlib import Path
 import torch
 
 
-def make_checkpoint(root: Path, kind: str = "llama", **overrides) -> Path:
-    """Save a tiny random `kind` (llama | mistral | qwen2) model; return its directory."""
+def make_checkpoint(root: Path, kind: str = "llama", tokenizer: bool = False, **overrides) -> Path:
+    """Save a tiny random `kind` (llama | mistral | qwen2) model; return its directory.
+
+    tokenizer: also save a byte-level BPE tokenizer of the model's 512 ids (make_tokenizer).
+    """
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -49,6 +52,37 @@ def make_checkpoint(root: Path, kind: str = "llama", **overrides) -> Path:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
-    out = root / kind
+    out = root / (f"{kind}-tok" if tokenizer else kind)
     model.save_pretrained(out)
+    if tokenizer:
+        make_tokenizer(out, common["vocab_size"])
     return out
+
+
+def make_tokenizer(out: Path, vocab_size: int = 512) -> None:
+    """A byte-level BPE tokenizer of exactly vocab_size ids (<unk> 0, <s> 1, </s> 2, the 256
+    bytes, merges learned from JSON-like text), saved into `out`: every string encodes."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [
+        json.dumps({"name": f"item{i}", "count": i * 7, "ok": i % 2 == 0, "tags": ["red", "b"]})
+        for i in range(200)
+    ] + ["yes no maybe hello world the quick brown fox jumps over the lazy dog 0123456789"] * 5
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} ids, wanted {vocab_size}")
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(out)

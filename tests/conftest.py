@@ -49,6 +49,14 @@ def tiny_llama(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_tok(tmp_path_factory) -> str:
+    """tiny_llama's weights with a byte-level BPE tokenizer (structured outputs need one)."""
+    from tests.checkpoints import make_checkpoint
+
+    return str(make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", tokenizer=True))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> str:
     from tests.checkpoints import make_checkpoint
 
