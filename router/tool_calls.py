@@ -20,6 +20,9 @@ BEGIN = "<tool_call>"
 END = "</tool_call>"
 # The text between two parallel calls, and the one way the grammar lets a call be written.
 SEPARATOR = "\n"
+# Most consecutive whitespace characters inside enforced arguments: room for indentation,
+# none for the endless whitespace a weak model can fall into when the grammar allows it.
+MAX_WHITESPACE = 8
 _HEADER = ("{", '"name"', ":", None, ",", '"arguments"', ":")  # None: the name's JSON string
 _WHITESPACE = " \t\n\r"
 
@@ -33,12 +36,16 @@ def structural_tag(functions: list[tuple[str, dict | None]], parallel: bool) -> 
     """The xgrammar structural tag for tool_choice `required` (or one named function): the
     output is one call (parallel=False) or several separated by a newline, each to one of
     `functions` ((name, parameters JSON schema)) with arguments valid for its schema, and
-    nothing else."""
+    nothing else (at most MAX_WHITESPACE whitespace characters in a row)."""
     tags = [
         {
             "type": "tag",
             "begin": f'{BEGIN}\n{{"name": {json.dumps(name)}, "arguments": ',
-            "content": {"type": "json_schema", "json_schema": parameters or {"type": "object"}},
+            "content": {
+                "type": "json_schema",
+                "json_schema": parameters or {"type": "object"},
+                "max_whitespace_cnt": MAX_WHITESPACE,
+            },
             "end": f"}}\n{END}",
         }
         for name, parameters in functions

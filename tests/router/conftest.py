@@ -1,4 +1,5 @@
-"""Fixtures of the router tests: the tiny Llama with a real tokenizer."""
+"""Fixtures of the router tests: the tiny Llama's tokenizer (tests/conftest.py's
+tiny_llama_tok, a real byte-level BPE of the model's 512 ids)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,7 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def tokenized_llama(tmp_path_factory) -> str:
-    from tests.router.agent_checkpoint import make_tokenized_llama
-
-    return str(make_tokenized_llama(tmp_path_factory.mktemp("tokenized")))
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tokenized_llama):
+def tokenizer(tiny_llama_tok):
     from engine.tokenizer import load_tokenizer
 
-    return load_tokenizer(tokenized_llama)
+    return load_tokenizer(tiny_llama_tok)
