@@ -54,13 +54,8 @@ class ResponseBuilder:
                 part = self._open["content"][0]
                 part["text"] += event.text
                 out.append(
-                    self._event(
-                        "response.output_text.delta",
-                        item_id=self._open["id"],
-                        output_index=len(self.items) - 1,
-                        content_index=0,
-                        delta=event.text,
-                        logprobs=[],
+                    self._text_event(
+                        "response.output_text.delta", self._open, delta=event.text, logprobs=[]
                     )
                 )
             elif isinstance(event, CallStarted):
@@ -157,15 +152,7 @@ class ResponseBuilder:
         out = self._add(item)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         item["content"].append(part)
-        out.append(
-            self._event(
-                "response.content_part.added",
-                item_id=item["id"],
-                output_index=len(self.items) - 1,
-                content_index=0,
-                part={**part, "text": ""},
-            )
-        )
+        out.append(self._text_event("response.content_part.added", item, part=dict(part)))
         return out
 
     def _add(self, item: dict) -> list[dict]:
@@ -187,24 +174,9 @@ class ResponseBuilder:
         if item["type"] == "message":
             part = item["content"][0]
             out.append(
-                self._event(
-                    "response.output_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=part["text"],
-                    logprobs=[],
-                )
+                self._text_event("response.output_text.done", item, text=part["text"], logprobs=[])
             )
-            out.append(
-                self._event(
-                    "response.content_part.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=dict(part),
-                )
-            )
+            out.append(self._text_event("response.content_part.done", item, part=dict(part)))
         else:
             out.append(
                 self._event(
@@ -217,6 +189,11 @@ class ResponseBuilder:
             )
         out.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
         return out
+
+    def _text_event(self, kind: str, item: dict, **fields) -> dict:
+        """An event of the (last) message item's one text part."""
+        index = self.items.index(item)
+        return self._event(kind, item_id=item["id"], output_index=index, content_index=0, **fields)
 
     def _event(self, kind: str, **fields) -> dict:
         event = {"type": kind, "sequence_number": self._sequence, **fields}

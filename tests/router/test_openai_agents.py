@@ -316,3 +316,26 @@ def test_history_with_tool_calls_and_results_is_accepted(tokenizer):
         for m in history
     ]
     assert prompt == ChatRenderer(tokenizer).render(rendered, TOOLS)
+
+
+def test_fields_that_do_not_change_the_output_are_accepted_and_change_nothing(tokenizer):
+    bare = {"model": "tiny", "messages": ASK, "temperature": 0}
+    noop = {
+        **bare,
+        "user": "u1",
+        "metadata": {"k": "v"},
+        "store": False,
+        "service_tier": "auto",
+        "prompt_cache_key": "conversation-7",
+        "safety_identifier": "h",
+        "response_format": {"type": "text"},
+        "stream_options": {"include_obfuscation": False},
+        "modalities": ["text"],
+        "prediction": {"type": "content", "content": "x"},
+        "reasoning_effort": None,
+    }
+    with serve(tokenizer, ["x"]) as (_, router, url):
+        for body in (bare, noop):
+            reply = httpx.post(f"{url}/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+    assert router.calls[0] == router.calls[1]
