@@ -102,8 +102,6 @@ def sampling_for(req, n_prompt: int, limit: int | None) -> dict:
         SamplingParams(**params)
     except InvalidRequestError as exc:
         raise InvalidField(_request_field(req, str(exc)), str(exc)) from None
-    except TypeError as exc:  # a field this engine does not have
-        raise InvalidField(None, f"this server's engine does not take {exc}") from None
     return params
 
 
