@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine import SamplingParams
+from engine import InvalidRequestError, SamplingParams
 from engine.config import use_device
 from engine.engine_loop import RequestStream
+from engine.sampler import TokenLogprobs
 from kvtransfer import (
     PeerLost,
     TransferDescriptor,
@@ -253,9 +254,26 @@ class DecodeWorker(TransferEndpoint):
         self.leases.release(rid)
         if aborted:
             return  # abort() already freed it; the blocks were ours until now
+        sampling = desc.sampling
+        first_tokens = sampling.get("first_tokens") or [desc.first_token]
+        logprobs = [
+            None if lp is None else TokenLogprobs.from_wire(lp)
+            for lp in sampling.get("logprobs") or []
+        ]
+        prompt = sampling.get("prompt_logprobs")
+        prompt_logprobs = (
+            None
+            if prompt is None
+            else [None if lp is None else TokenLogprobs.from_wire(lp) for lp in prompt]
+        )
         try:
-            self.loop.run(self.engine.complete_remote, rid, desc.first_token)
+            self.loop.run(
+                self.engine.complete_remote, rid, first_tokens, logprobs or None, prompt_logprobs
+            )
         except KeyError:
+            return
+        except InvalidRequestError as exc:  # the prefill's tokens do not fit the request
+            self.loop.call(self._fail_remote, rid, f"prefill worker {prefill_id}: {exc}")
             return
         self._notify_peer(prefill_id, f"ack({rid})", lambda prefill: prefill.ack(rid))
 

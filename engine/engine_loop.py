@@ -166,12 +166,14 @@ class EngineLoop:
             fut.set_exception(exc)
 
     def _dispatch(self, result: StepResult) -> None:
-        for rid, out in result.outputs.items():
-            stream = self._streams.get(rid)
+        # Keyed by choice; a request's stream gets every choice's outputs, its last one
+        # (finished) after the others.
+        for out in result.outputs.values():
+            stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put(out)
                 if out.finished:
-                    self._streams.pop(rid, None)
+                    self._streams.pop(out.request_id, None)
         for hook in self._hooks:
             try:
                 hook(result)

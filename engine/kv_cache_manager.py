@@ -110,6 +110,28 @@ class KVCacheManager:
             if table[i].block_hash is None:
                 self.pool.cache_block(table[i], request.block_hashes[i], self._hash_key(request, i))
 
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give child_id a table for the first num_tokens tokens of parent_id's: the full
+        blocks are shared (one more reference each), the block holding a partial tail is
+        copied into a fresh block (both sequences write their next tokens into it). Returns
+        the (src, dst) block copies the caller makes in the KV tensors, or None (nothing
+        changed) when no block is free for the copy."""
+        table = self._tables[parent_id]
+        full, partial = divmod(num_tokens, self.block_size)
+        if partial and self.pool.num_free_blocks < 1:
+            return None
+        shared = table[:full]
+        self.pool.touch(shared)
+        child = list(shared)
+        copies = []
+        if partial:
+            (block,) = self.pool.allocate(1)
+            child.append(block)
+            copies.append((table[full].block_id, block.block_id))
+        self._tables[child_id] = child
+        self._num_hashed[child_id] = min(self._num_hashed.get(parent_id, 0), full)
+        return copies
+
     def free(self, request: Request) -> None:
         """Release all of the request's blocks, tail first (evicted before the head)."""
         self.free_table(request.request_id)

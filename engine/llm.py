@@ -42,7 +42,8 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
     ) -> list[CompletionOutput]:
-        """Outputs in the order of the prompts. A single prompt may be passed bare."""
+        """Outputs in the order of the prompts, n per prompt (its choices in index order).
+        A single prompt may be passed bare."""
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -53,27 +54,29 @@ class LLM:
         if len(params) != len(prompts):
             raise InvalidRequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         engine = self.engine
-        order: list[str] = []
-        state: dict[str, dict] = {}
+        order: list[tuple[str, int]] = []  # (request id, choice index)
+        state: dict[tuple[str, int], dict] = {}
         for prompt, p in zip(prompts, params, strict=True):
             rid = f"llm-{next(self._ids)}"
             ids = self.encode(prompt)
             req = engine.add_request(rid, ids, p, cache_salt=cache_salt)
-            order.append(rid)
-            state[rid] = {
-                "prompt": ids,
-                "tokens": [],
-                "text": "",
-                "lp": [],
-                "arrival": req.arrival_time,
-                "first": None,
-                "out": None,
-            }
+            for index in range(p.n):
+                order.append((rid, index))
+                state[rid, index] = {
+                    "prompt": ids,
+                    "tokens": [],
+                    "text": "",
+                    "lp": [],
+                    "prompt_lp": None,
+                    "arrival": req.arrival_time,
+                    "first": None,
+                    "out": None,
+                }
         while engine.has_unfinished() and any(s["out"] is None for s in state.values()):
             result = engine.step()
             now = time.monotonic()
-            for rid, o in result.outputs.items():
-                s = state.get(rid)
+            for o in result.outputs.values():
+                s = state.get((o.request_id, o.index))
                 if s is None:
                     continue
                 if o.new_token_ids and s["first"] is None:
@@ -82,9 +85,11 @@ class LLM:
                 s["text"] += o.new_text
                 if o.logprobs:
                     s["lp"].extend(o.logprobs)
-                if o.finished:
+                if o.prompt_logprobs is not None:
+                    s["prompt_lp"] = o.prompt_logprobs
+                if o.finish_reason is not None:  # this choice ended
                     s["out"] = CompletionOutput(
-                        rid,
+                        o.request_id,
                         s["prompt"],
                         s["tokens"],
                         s["text"],
@@ -95,8 +100,10 @@ class LLM:
                         o.stop_reason,
                         s["lp"] or None,
                         o.error,
+                        o.index,
+                        s["prompt_lp"],
                     )
-        return [state[rid]["out"] for rid in order]
+        return [state[key]["out"] for key in order]
 
     def chat(
         self,

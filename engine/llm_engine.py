@@ -4,27 +4,24 @@ from __future__ import annotations
 
 import random
 import time
-from typing import NamedTuple
 
 import torch
 
 from engine.block_pool import BlockPool, KVEvent
+from engine.choices import ChoiceGroup, choice_id, is_choice_of
 from engine.chunk_budget import ChunkBudget
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import (
-    CapacityError,
-    InvalidRequestError,
-    NoFreeBlocksError,
-    PromptTooLongError,
-)
+from engine.disaggregation import DisaggregationHooks, HeldBlocks
+from engine.errors import CapacityError, InvalidRequestError, PromptTooLongError
 from engine.grammar import GrammarManager, GrammarRejected
 from engine.kv_cache_manager import KVCacheManager
 from engine.metrics import EngineMetrics
-from engine.model_runner import BatchRow, ModelRunner
+from engine.model_runner import BatchRow, ModelRunner, PromptLogprobsSpan
 from engine.outputs import RequestOutput, StepResult
-from engine.request import FINISH_REASONS, Request, RequestStatus
-from engine.sampler import SampleRequest
+from engine.request import Request, RequestStatus
+from engine.request_outputs import RequestOutputs, finished_last
+from engine.sampler import SampleRequest, choice_seed
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_model import find_step_model, profile_key
@@ -33,15 +30,12 @@ from engine.tokenizer import eos_token_ids, load_tokenizer
 GRAMMAR_WAIT_S = 0.005  # an empty step waits this long for a compiling grammar
 
 
-class HeldBlocks(NamedTuple):
-    """A prefilled request's blocks, held for its transfer until release_held()."""
+class LLMEngine(DisaggregationHooks, RequestOutputs):
+    """The engine step loop: schedule, run the model, process outputs.
 
-    since: float  # monotonic time its prefill ended
-    block_ids: tuple[int, ...]  # fixed while held
-
-
-class LLMEngine:
-    """The engine step loop: schedule, run the model, process outputs."""
+    Outputs are keyed by the choice's engine id (engine.choices.choice_id: the request id
+    when n == 1); RequestOutput.request_id is always the request's own id.
+    """
 
     def __init__(self, model: str | None = None, **options) -> None:
         from engine.model_resolver import resolve_model
@@ -86,6 +80,7 @@ class LLMEngine:
         self._seeds: dict[str, int] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: dict[str, RequestOutput] = {}  # outputs produced outside step()
+        self._groups: dict[str, ChoiceGroup] = {}  # request id -> its choices (n > 1)
         # prefilled request id -> its hold (prefill role); the prefill worker's sender thread
         # reads the block ids without waiting for a step to end
         self._held: dict[str, HeldBlocks] = {}
@@ -100,6 +95,9 @@ class LLMEngine:
                 self.tokenizer, self.runner.model.args.vocab_size, self.eos_token_ids
             )
         return self._grammar
+
+    def _constrained(self, request_id: str) -> bool:
+        return self._grammar is not None and self._grammar.is_constrained(request_id)
 
     def _chunk_budget(self) -> ChunkBudget | None:
         """Dynamic chunking's budget when itl_target_ms is set (engine/chunk_budget.py)."""
@@ -141,7 +139,8 @@ class LLMEngine:
         """Queue a tokenized prompt; raises InvalidRequestError/CapacityError on bad input.
 
         seed overrides the sampling seed (a request moved between engines keeps its seed).
-        prefill_only: finish after the first token and hold the blocks until release_held().
+        prefill_only: finish after the first token and hold the blocks until release_held();
+        with n > 1 its n first tokens are sampled (one output per choice).
         """
         req = self._new_request(
             request_id, prompt_token_ids, params, cache_salt, arrival_time, seed, prefill_only
@@ -157,10 +156,13 @@ class LLMEngine:
         self, request_id, prompt_token_ids, params, cache_salt, arrival_time, seed, prefill_only
     ) -> Request:
         params = params or SamplingParams()
-        if (
-            request_id in self.scheduler.requests
-            or request_id in self._pending
-            or request_id in self._held
+        ids = [choice_id(request_id, i) for i in range(params.n)]
+        if any(
+            rid in self.scheduler.requests
+            or rid in self._pending
+            or rid in self._held
+            or is_choice_of(rid, self._groups)
+            for rid in ids
         ):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -175,11 +177,11 @@ class LLMEngine:
                 "structured_output needs the model's tokenizer, but this engine was started "
                 "with skip_tokenizer_init=True"
             )
-        if params.n > min(self.config.max_n, self.config.max_num_seqs):
+        max_n = min(self.config.max_n, self.config.max_num_seqs)
+        if params.n > max_n:
             raise InvalidRequestError(
-                f"sampling.n={params.n} is invalid: this engine allows at most "
-                f"{min(self.config.max_n, self.config.max_num_seqs)} choices per request "
-                "(engine options max_n, max_num_seqs)"
+                f"sampling.n={params.n} is invalid: this engine allows at most {max_n} choices "
+                "per request (engine options max_n, max_num_seqs)"
             )
         n = len(prompt_token_ids)
         if n >= self.max_model_len:
@@ -208,111 +210,28 @@ class LLMEngine:
         if seed is None:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self._seeds[request_id] = seed
-        detok = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.include_stop_str_in_output
-        )
+        self._detok[request_id] = detok = self._detokenizer(params)
         if params.num_prior_output_tokens:
             detok.prime(req.prompt_token_ids[n - params.num_prior_output_tokens :])
-        self._detok[request_id] = detok
+        if params.n > 1:
+            self._groups[request_id] = ChoiceGroup(params.n)
         return req
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.include_stop_str_in_output
+        )
 
     def seed_of(self, request_id: str) -> int:
-        """The effective sampling seed of a live request (to continue it elsewhere)."""
+        """The effective sampling seed of a live request (to continue it elsewhere); choice
+        i > 0 draws with choice_seed(seed, i)."""
         return self._seeds[request_id]
 
-    # ---- disaggregation: the prefill side --------------------------------------------------
-    def held_block_ids(self, request_id: str) -> list[int]:
-        """Block ids a prefilled request holds for its transfer. Safe from any thread (one
-        dict lookup of ids fixed when its prefill ended): the sender need not wait for the
-        step in flight, which on a busy prefill worker is a whole prefill step."""
-        held = self._held.get(request_id)
-        if held is None:
-            raise KeyError(f"request {request_id!r} holds no blocks")
-        return list(held.block_ids)
-
-    def release_held(self, request_id: str) -> bool:
-        """Free a prefilled request's blocks (they stay in the prefix cache)."""
-        if self._held.pop(request_id, None) is None:
-            return False
-        self.kv.free_table(request_id)
-        return True
-
-    def held_since(self, request_id: str) -> float | None:
-        """Monotonic time a prefilled request's blocks were put on hold (its prefill ended),
-        or None if it holds none."""
-        held = self._held.get(request_id)
-        return None if held is None else held.since
-
-    def held_requests(self) -> dict[str, float]:
-        """Prefilled request id -> monotonic time its blocks were put on hold."""
-        return {rid: held.since for rid, held in self._held.items()}
-
-    # ---- disaggregation: the decode side ---------------------------------------------------
-    def reserve_remote(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        seed: int,
-        cache_salt: str | None = None,
-        arrival_time: float | None = None,
-    ) -> tuple[list[int], int]:
-        """Reserve blocks for a prompt whose KV will arrive from a prefill engine.
-
-        Reuses this engine's own cached prefix. Returns (block ids of the whole prompt,
-        number of leading blocks already present); the rest must be received.
-        Raises NoFreeBlocksError when the blocks are not free now.
-        """
-        req = self._new_request(
-            request_id, prompt_token_ids, params, cache_salt, arrival_time, seed, False
-        )
-        hits = self.kv.get_computed_blocks(req)
-        req.num_computed_tokens = len(hits) * self.config.block_size
-        if not self.kv.allocate_slots(req, req.num_tokens - req.num_computed_tokens, hits):
-            self._forget(request_id)
-            raise NoFreeBlocksError(
-                f"not enough free KV blocks for {req.num_tokens} tokens "
-                f"({self.pool.num_free_blocks} free)"
-            )
-        req.num_cached_tokens = req.num_computed_tokens
-        self.scheduler.add_remote(req)
-        if params.structured_output is not None:  # compiles while the KV is on its way
-            self.grammar.submit(request_id, params.structured_output)
-        self.metrics.prefix_cache(req.num_prompt_tokens, req.num_cached_tokens)
-        return self.kv.block_ids(request_id), len(hits)
-
-    def complete_remote(self, request_id: str, first_token: int) -> None:
-        """The prompt KV has been written into this engine's cache: start decoding."""
-        req = self._remote(request_id)
-        req.num_computed_tokens = req.num_tokens
-        self.kv.cache_blocks(req, req.num_computed_tokens)
-        if self._grammar is not None and self._grammar.is_constrained(request_id):
-            if self._grammar.is_ready(request_id):
-                self.scheduler.activate_remote(req)
-            else:  # runs once its grammar is compiled (and has replayed the first token)
-                self.scheduler.hold(req)
-        else:
-            self.scheduler.activate_remote(req)
-        now = time.monotonic()
-        req.scheduled_time = now  # joins the batch now; its queue and prefill were elsewhere
-        self._pending[request_id] = self._append_token(req, int(first_token), None, now)
-
-    def fail_remote(self, request_id: str, error: str) -> None:
-        """The KV never arrived: free the reservation and report the error."""
-        req = self._remote(request_id)
-        req.error = error
-        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        self._pending[request_id] = self._final_output(req, [], "")
-
-    def _remote(self, request_id: str) -> Request:
-        req = self.scheduler.requests.get(request_id)
-        if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
-            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
-        return req
-
     def _forget(self, request_id: str) -> None:
+        """Drop a request that never ran (its reservation failed)."""
         self._seeds.pop(request_id, None)
         self._detok.pop(request_id, None)
+        self._groups.pop(request_id, None)
         if self._grammar is not None:
             self._grammar.remove(request_id)
         self.kv.free_table(request_id)
@@ -323,27 +242,33 @@ class LLMEngine:
         return self.runner.kv_caches
 
     def abort(self, request_id: str) -> bool:
-        """Finish a request now and free its blocks; False if it is unknown or done."""
-        req = self.scheduler.requests.get(request_id)
-        if req is None:
+        """Finish a request now (every choice) and free its blocks; False if it is unknown
+        or done."""
+        group = self._groups.get(request_id)
+        indices = sorted(group.unfinished) if group else [0]
+        live = [
+            self.scheduler.requests[rid]
+            for rid in (choice_id(request_id, i) for i in indices)
+            if rid in self.scheduler.requests
+        ]
+        if not live:
             return self.release_held(request_id)
-        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        self._pending[request_id] = self._final_output(req, [], "")
+        for req in live:
+            self._put(self._pending, self._finish(req, RequestStatus.FINISHED_ABORTED))
         return True
 
     def fail_all(self, error: str) -> None:
         """Finish every request with `error` (outputs queued for the next step/take_pending)."""
         for req in list(self.scheduler.requests.values()):
             req.error = error
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-            self._pending[req.request_id] = self._final_output(req, [], "")
+            self._put(self._pending, self._finish(req, RequestStatus.FINISHED_ERROR))
         for rid in list(self._held):
             self.release_held(rid)
 
     def take_pending(self) -> dict[str, RequestOutput]:
         """Outputs produced outside step() (aborts, failures, remote completions)."""
         pending, self._pending = self._pending, {}
-        return pending
+        return finished_last(pending)
 
     def has_unfinished(self) -> bool:
         return (
@@ -393,16 +318,24 @@ class LLMEngine:
                 self.metrics.scheduled(req, now)
         if not batch.is_empty():
             rows = [self._row(req, batch.num_tokens[req.request_id]) for req in batch.requests]
-            tokens, logprobs = self.runner.execute(rows)
+            out = self.runner.execute(rows)
             if self.scheduler.budget is not None and self.runner.device.type == "cuda":
                 torch.cuda.synchronize(self.runner.device)  # a partial prefill returns unsynced
-            sampled = self.scheduler.update_after_step(batch)
+            for i, entries in out.prompt_logprobs.items():
+                batch.requests[i].prompt_logprobs.extend(entries)
+            self.scheduler.update_after_step(batch)
             now = time.monotonic()
-            for req, token, lp in zip(sampled, tokens, logprobs, strict=True):
-                self.metrics.sampled(req, req.first_token_time is None, now)
-                out = self._append_token(req, token, lp, now)
-                earlier = result.outputs.get(req.request_id)
-                result.outputs[req.request_id] = earlier.merged(out) if earlier else out
+            k = 0  # the step's samples, rows in order (a forking prefill has n)
+            for req, row in zip(batch.requests, rows, strict=True):
+                m = len(row.samples)
+                if m:
+                    first = req.first_token_time is None
+                    for j in range(m):
+                        self.metrics.sampled(req, first and j == 0, now)
+                    outs = self._sampled(req, out.tokens[k : k + m], out.logprobs[k : k + m], now)
+                    self._put(result.outputs, outs)
+                    k += m
+            result.outputs = finished_last(result.outputs)
         result.kv_events = self.pool.take_events()
         self.record_state(len(batch.preempted))
         end = time.perf_counter()
@@ -414,6 +347,13 @@ class LLMEngine:
         # every running decode waits too (the engine loop's dispatch and calls).
         self._went_on_from = end if self.has_unfinished() else None
         return result
+
+    def record_state(self, preempted: int = 0) -> None:
+        """Set the running/waiting/KV-usage gauges from the scheduler's state now (after each
+        step, and on the loop's idle ticks) and count `preempted` preemptions."""
+        running = len(self.scheduler.running)
+        waiting = len(self.scheduler.requests) - running  # queued, preempted, remote KV
+        self.metrics.state(running, waiting, self.pool.usage(), preempted)
 
     def _start_grammars(self) -> None:
         """Requests whose grammar compiled since the last step: their matcher replays the
@@ -437,22 +377,41 @@ class LLMEngine:
                 req.error, status = error, RequestStatus.FINISHED_ERROR
             if status is None:
                 self.scheduler.release(req)
-                continue
-            self.scheduler.finish(req, status)
-            self._pending[rid] = self._final_output(req, [], "")
-
-    def record_state(self, preempted: int = 0) -> None:
-        """Set the running/waiting/KV-usage gauges from the scheduler's state now (after each
-        step, and on the loop's idle ticks) and count `preempted` preemptions."""
-        running = len(self.scheduler.running)
-        waiting = len(self.scheduler.requests) - running  # queued, preempted, remote KV
-        self.metrics.state(running, waiting, self.pool.usage(), preempted)
+            else:
+                self._put(self._pending, self._finish(req, status))
 
     def _row(self, req: Request, n: int) -> BatchRow:
-        samples = req.num_computed_tokens + n == req.num_tokens
-        sample = self._sample_request(req) if samples else None
+        samples: tuple[SampleRequest, ...] = ()
+        if req.num_computed_tokens + n == req.num_tokens:
+            first = self._sample_request(req)
+            seed = self._seeds[req.request_id]
+            samples = (first,) + tuple(  # the choices that fork off at this sample
+                SampleRequest(
+                    first.params,
+                    choice_seed(seed, req.params.n - req.num_pending_forks + i),
+                    first.position,
+                    first.token_ids,
+                    first.num_output_tokens,
+                    first.min_tokens_mask,
+                    first.bitmask,
+                )
+                for i in range(req.num_pending_forks)
+            )
+        span = None
+        if req.needs_prompt_logprobs:
+            lo = len(req.prompt_logprobs)
+            if lo < req.num_computed_tokens + 1:
+                raise RuntimeError(f"{req!r}: prompt logprobs from {lo} are missing")
+            hi = min(req.num_computed_tokens + n, req.num_prompt_tokens - 1) + 1
+            if lo < hi:
+                span = PromptLogprobsSpan(lo, hi, req.params.prompt_logprobs)
         return BatchRow(
-            req.token_ids, req.num_computed_tokens, n, self.kv.block_ids(req.request_id), sample
+            req.token_ids,
+            req.num_computed_tokens,
+            n,
+            self.kv.block_ids(req.request_id),
+            samples,
+            span,
         )
 
     def _sample_request(self, req: Request) -> SampleRequest:
@@ -465,7 +424,7 @@ class LLMEngine:
                 frozenset() if p.ignore_eos else frozenset(self.eos_token_ids)
             )
         bitmask = None
-        if self._grammar is not None and self._grammar.is_constrained(req.request_id):
+        if self._constrained(req.request_id):
             bitmask = self._grammar.bitmask(req.request_id, req.generated_token_ids)
         return SampleRequest(
             p,
@@ -475,64 +434,4 @@ class LLMEngine:
             num_output_tokens=generated,
             min_tokens_mask=mask,
             bitmask=bitmask,
-        )
-
-    def _append_token(self, req: Request, token: int, logprob, now: float) -> RequestOutput:
-        req.token_ids.append(token)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        text, stop_str = self._detok[req.request_id].add([token])
-        status = self._stop_status(req, token, stop_str)
-        if self._grammar is not None and self._grammar.is_ready(req.request_id):
-            try:  # the grammar ending (its stop token accepted) stops the request
-                if self._grammar.sync(req.request_id, req.generated_token_ids):
-                    status = RequestStatus.FINISHED_STOPPED
-            except GrammarRejected as exc:
-                req.error, status = str(exc), RequestStatus.FINISHED_ERROR
-        if req.prefill_only:
-            status = RequestStatus.FINISHED_PREFILLED
-            self._held[req.request_id] = HeldBlocks(now, tuple(self.kv.block_ids(req.request_id)))
-        if status is None:
-            return RequestOutput(
-                req.request_id,
-                [token],
-                text,
-                req.num_cached_tokens or 0,
-                logprobs=[logprob] if logprob else None,
-            )
-        if status == RequestStatus.FINISHED_STOPPED:
-            req.stop_reason = stop_str if stop_str is not None else token
-        self.scheduler.finish(req, status, free_blocks=not req.prefill_only)
-        self.metrics.finished(req, now)
-        out = self._final_output(req, [token], text)
-        out.logprobs = [logprob] if logprob else None
-        return out
-
-    def _stop_status(self, req: Request, token: int, stop_str: str | None) -> RequestStatus | None:
-        p = req.params
-        if stop_str is not None or token in p.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if not p.ignore_eos and token in self.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if (
-            req.num_output_tokens + p.num_prior_output_tokens >= p.max_tokens
-            or req.num_tokens >= self.max_model_len
-        ):
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _final_output(self, req: Request, tokens: list[int], text: str) -> RequestOutput:
-        self._seeds.pop(req.request_id, None)
-        self._detok.pop(req.request_id, None)
-        if self._grammar is not None:
-            self._grammar.remove(req.request_id)
-        return RequestOutput(
-            req.request_id,
-            tokens,
-            text,
-            req.num_cached_tokens or 0,
-            finished=True,
-            finish_reason=FINISH_REASONS[req.status],
-            stop_reason=req.stop_reason,
-            error=req.error,
         )

@@ -14,9 +14,22 @@ from engine.config import EngineConfig
 from engine.errors import CapacityError
 from engine.model.fused_decode import FusedDecoder
 from engine.model.loader import load_model
-from engine.sampler import SampleRequest, TokenLogprobs, compute_logprobs, sample
+from engine.sampler import SampleRequest, TokenLogprobs, compute_logprobs, sample, top_logprobs
 
 logger = logging.getLogger(__name__)
+
+
+PROMPT_LOGITS_SLICE = 256  # prompt-logprob rows turned into logits [rows, V] at a time
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobsSpan:
+    """Prompt tokens [lo, hi) whose logprobs this step computes (from the logits at the
+    positions before them, all inside the row), with the top_n alternatives of each."""
+
+    lo: int
+    hi: int
+    top_n: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +40,20 @@ class BatchRow:
     start: int  # = num_computed_tokens before this step
     n: int
     block_ids: list[int]
-    sample: SampleRequest | None  # set when this step completes the request's tokens
+    # Set when this step completes the request's tokens: one per token drawn from the last
+    # position's logits (n of them where a prefill forks n choices).
+    samples: tuple[SampleRequest, ...] = ()
+    prompt_logprobs: PromptLogprobsSpan | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one step produced: a token (and its logprobs) per sample, rows in order, and
+    the prompt logprobs of the rows that asked (row index -> one entry per token)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: dict[int, list[TokenLogprobs]]
 
 
 class ModelRunner:
@@ -90,23 +116,46 @@ class ModelRunner:
             )
         return n
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the KV of block src into block dst, every layer, for each (src, dst)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        for layer in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
+            layer[:, dst] = layer[:, src]
+
     @torch.inference_mode()
-    def execute(self, rows: list[BatchRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Run one step; return sampled tokens (and logprobs) for the rows that sample."""
-        if len(rows) == 1 and rows[0].n == 1 and self.fused is not None:
+    def execute(self, rows: list[BatchRow]) -> StepOutput:
+        """Run one step: tokens (and logprobs) for the rows that sample, prompt logprobs for
+        the rows that ask."""
+        if (
+            len(rows) == 1
+            and rows[0].n == 1
+            and len(rows[0].samples) <= 1
+            and rows[0].prompt_logprobs is None
+            and self.fused is not None
+        ):
             done = self._execute_fused(rows[0])
             if done is not None:
                 return done
         input_ids: list[int] = []
         positions: list[int] = []
-        logit_rows: list[int] = []
+        logit_rows: list[int] = []  # the sampling position of each sample (repeated for forks)
         samples: list[SampleRequest] = []
+        span_rows: list[int] = []  # the positions whose logits give prompt logprobs
         for row in rows:
+            offset = len(input_ids)
             input_ids.extend(row.token_ids[row.start : row.start + row.n])
             positions.extend(range(row.start, row.start + row.n))
-            if row.sample is not None:
+            for sample_request in row.samples:
                 logit_rows.append(len(input_ids) - 1)
-                samples.append(row.sample)
+                samples.append(sample_request)
+            if row.prompt_logprobs is not None:  # token j's logprob: logits at position j - 1
+                first = offset + row.prompt_logprobs.lo - 1 - row.start
+                span_rows.extend(
+                    range(first, first + row.prompt_logprobs.hi - row.prompt_logprobs.lo)
+                )
         meta = build_metadata(
             [r.n for r in rows],
             [r.start + r.n for r in rows],
@@ -116,30 +165,55 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        rows = None  # every row samples (all decode): no selection needed
-        if len(logit_rows) < len(input_ids):
-            rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.kv_caches, meta, self.backend, rows)  # [N, E]
-        if not logit_rows:
-            return [], []
-        logits = self.model.compute_logits(hidden)  # [N, V] fp32
-        tokens = sample(logits, samples)
-        return tokens, compute_logprobs(logits, tokens, samples)
+        wanted = logit_rows + span_rows
+        selection = None  # every position is wanted once (all decode): no selection needed
+        if wanted != list(range(len(input_ids))):
+            selection = torch.tensor(wanted, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, self.kv_caches, meta, self.backend, selection)  # [W, E]
+        tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        if logit_rows:
+            logits = self.model.compute_logits(hidden[: len(logit_rows)])  # [S, V] fp32
+            tokens = sample(logits, samples)
+            logprobs = compute_logprobs(logits, tokens, samples)
+        spans = self._prompt_logprobs(rows, hidden[len(logit_rows) :]) if span_rows else {}
+        return StepOutput(tokens, logprobs, spans)
 
-    def _execute_fused(self, row: BatchRow) -> tuple[list[int], list[TokenLogprobs | None]] | None:
+    def _prompt_logprobs(
+        self, rows: list[BatchRow], hidden: torch.Tensor
+    ) -> dict[int, list[TokenLogprobs]]:
+        """hidden: [P, E], the span positions of the rows that ask, in row order."""
+        out: dict[int, list[TokenLogprobs]] = {}
+        at = 0
+        for i, row in enumerate(rows):
+            span = row.prompt_logprobs
+            if span is None:
+                continue
+            entries: list[TokenLogprobs] = []
+            for lo in range(span.lo, span.hi, PROMPT_LOGITS_SLICE):
+                hi = min(lo + PROMPT_LOGITS_SLICE, span.hi)
+                logits = self.model.compute_logits(hidden[at + lo - span.lo : at + hi - span.lo])
+                logp = torch.log_softmax(logits, dim=-1)
+                entries += top_logprobs(logp, row.token_ids[lo:hi], span.top_n)
+            out[i] = entries
+            at += span.hi - span.lo
+        return out
+
+    def _execute_fused(self, row: BatchRow) -> StepOutput | None:
         """A step of one token of one request through the fused C step; None where it does
         not run (the caller then takes the unfused path; nothing was written)."""
         if not self.fused.serves(self.kv_caches):
             return None
         out = self.fused.step(
-            row.token_ids[row.start], row.block_ids, row.start + 1, row.sample is not None
+            row.token_ids[row.start], row.block_ids, row.start + 1, bool(row.samples)
         )
         if out is None:
             return None
-        if row.sample is None:
-            return [], []
+        if not row.samples:
+            return StepOutput([], [], {})
         hidden, logits = out
         if logits is None:  # the output projection is not in GGUF blocks
             logits = self.model.compute_logits(hidden)
-        tokens = sample(logits, [row.sample])
-        return tokens, compute_logprobs(logits, tokens, [row.sample])
+        samples = list(row.samples)
+        tokens = sample(logits, samples)
+        return StepOutput(tokens, compute_logprobs(logits, tokens, samples), {})

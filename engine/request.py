@@ -6,6 +6,7 @@ import enum
 import time
 
 from engine.block_hash import BlockHash
+from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -38,7 +39,7 @@ FINISH_REASONS = {
 
 
 class Request:
-    """A prompt plus the tokens generated so far.
+    """A prompt plus the tokens generated so far: one sequence (one choice of a request).
 
     Invariant: num_computed_tokens <= num_tokens; the KV of token i is in the cache
     exactly when i < num_computed_tokens.
@@ -69,6 +70,16 @@ class Request:
         self.block_hashes: list[BlockHash] = []  # hashes of full blocks of token_ids
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        # Choices (sampling n): choice `index` of the request `parent_id` (its own id for
+        # choice 0). Choice 0 prefills; the other n - 1 fork off it at its first sample.
+        self.parent_id = request_id
+        self.index = 0
+        self.num_pending_forks = params.n - 1
+        # Prompt logprobs computed so far, by token index (None for the first token); None
+        # when not asked for, or once handed out with the first token.
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        if params.prompt_logprobs is not None and not params.num_prior_output_tokens:
+            self.prompt_logprobs = [None]
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +96,14 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some prompt token's logprob is still to be computed (such a request does
+        not read the prefix cache for its prompt: a cached position has no logits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_token_ids
+        )
 
     @property
     def generated_token_ids(self) -> list[int]:

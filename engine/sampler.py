@@ -115,10 +115,22 @@ def compute_logprobs(
         return out
     logp = torch.log_softmax(logits[rows], dim=-1)
     for j, i in enumerate(rows):
-        n = requests[i].params.logprobs
-        top: tuple[tuple[int, float], ...] = ()
-        if n:
-            vals, ids = torch.topk(logp[j], n)
-            top = tuple(zip(ids.tolist(), vals.tolist(), strict=True))
-        out[i] = TokenLogprobs(tokens[i], float(logp[j, tokens[i]]), top)
+        out[i] = top_logprobs(logp[j : j + 1], [tokens[i]], requests[i].params.logprobs)[0]
     return out
+
+
+def top_logprobs(logp: torch.Tensor, targets: Sequence[int], n: int) -> list[TokenLogprobs]:
+    """logp: [M, V] log-softmax rows -> M entries: targets[m]'s logprob and the top n."""
+    picked = logp.gather(1, torch.tensor(list(targets), device=logp.device)[:, None])[:, 0]
+    if n:
+        values, ids = torch.topk(logp, n, dim=-1)
+        tops = [
+            tuple(zip(i, v, strict=True))
+            for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+        ]
+    else:
+        tops = [()] * len(targets)
+    return [
+        TokenLogprobs(int(t), lp, top)
+        for t, lp, top in zip(targets, picked.tolist(), tops, strict=True)
+    ]

@@ -71,6 +71,11 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
+    def add_forked(self, request: Request) -> None:
+        """A choice forked off a running request, with its KV in place: runs as a decode."""
+        self.requests[request.request_id] = request
+        self.activate_remote(request)
+
     def hold(self, request: Request) -> None:
         """Track a request that may not run yet (its grammar is compiling)."""
         request.status = RequestStatus.WAITING_FOR_GRAMMAR
@@ -161,9 +166,15 @@ class Scheduler:
         out.preempted.append(req.request_id)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # A request with n choices takes n seats: the n - 1 forks join the running batch at
+        # its first sample.
+        seats = len(self.running) + sum(r.num_pending_forks for r in self.running)
+        while self.waiting and budget > 0:
             req = self.waiting[0]
-            hits = self.kv.get_computed_blocks(req)
+            if seats + 1 + req.num_pending_forks > self.config.max_num_seqs:
+                break
+            # Prompt logprobs need the logits of every prompt position: no cached prefix.
+            hits = [] if req.needs_prompt_logprobs else self.kv.get_computed_blocks(req)
             req.num_computed_tokens = len(hits) * self.kv.block_size
             n = self._chunk(req, budget, out.plan)
             if n <= 0 or not self.kv.allocate_slots(req, n, hits):
@@ -177,6 +188,7 @@ class Scheduler:
             out.requests.append(req)
             out.num_tokens[req.request_id] = n
             budget -= n
+            seats += 1 + req.num_pending_forks
 
     def update_after_step(self, out: SchedulerOutput) -> list[Request]:
         """Advance num_computed_tokens, cache newly full blocks; return rows that sample."""

@@ -34,9 +34,24 @@ class _SendJob:
     missing: tuple[int, ...]
     dst_block_ids: tuple[int, ...]
     first_token: int
-    sampling: dict
+    sampling: dict  # seed, params and what the prefill produced (first_tokens, logprobs...)
     num_prompt_tokens: int
     block_hashes: tuple[int, ...]
+
+
+def prefill_handoff(outs: list) -> dict:
+    """What a prefill hands the decode side besides the KV (plain values, in the transfer
+    descriptor's sampling dict): first_tokens (one per choice), their logprobs (None each
+    when not asked for) and the prompt logprobs (None when not asked for)."""
+    by_index = sorted(outs, key=lambda o: o.index)
+    prompt = next((o.prompt_logprobs for o in by_index if o.prompt_logprobs is not None), None)
+    return {
+        "first_tokens": [o.new_token_ids[0] for o in by_index],
+        "logprobs": [o.logprobs[0].to_wire() if o.logprobs else None for o in by_index],
+        "prompt_logprobs": None
+        if prompt is None
+        else [None if lp is None else lp.to_wire() for lp in prompt],
+    }
 
 
 class PrefillWorker(TransferEndpoint):
@@ -122,13 +137,17 @@ class PrefillWorker(TransferEndpoint):
                 seed=seed,
                 prefill_only=True,
             )
-            out = stream.get(timeout=timeout)
+            outs = [stream.get(timeout=timeout)]  # one per choice, the last finished
+            while not outs[-1].finished:
+                outs.append(stream.get(timeout=timeout))
         finally:
             self._computing.pop(rid, None)
+        out = next((o for o in outs if o.finish_reason != "prefilled"), outs[-1])
         if out.finish_reason != "prefilled":
             return PrefillResult(out.finish_reason, None, seed, out.num_cached_tokens, out.error)
+        handoff = prefill_handoff(outs)
         result = PrefillResult(
-            out.finish_reason, out.new_token_ids[0], seed, out.num_cached_tokens, out.error
+            out.finish_reason, handoff["first_tokens"][0], seed, out.num_cached_tokens, out.error
         )
         if decode_id is None:
             self.loop.run(self.engine.release_held, rid)
@@ -159,7 +178,7 @@ class PrefillWorker(TransferEndpoint):
                 missing,
                 tuple(reservation.dst_block_ids),
                 result.first_token,
-                {"seed": seed, "params": params},
+                {"seed": seed, "params": params, **handoff},
                 len(prompt),
                 hashes,
             )

@@ -291,3 +291,37 @@ def test_freed_request_starts_over_with_a_fresh_table():
     kv.cache_blocks(a, 9)
     assert [b.ref_cnt for b in pool.blocks[:4]] == [1, 1, 0, 1]
     pool.check_integrity()
+
+
+# ---- fork (sampling n > 1) -----------------------------------------------------------------
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    pool, kv = make(8)
+    parent = make_request("p", list(range(10)))  # blocks: [0..3] [4..7] [8, 9]
+    run_prefill(kv, parent)
+    assert kv.block_ids("p") == [0, 1, 2]
+    assert kv.fork("p", "c1", 10) == [(2, 3)]
+    assert kv.fork("p", "c2", 10) == [(2, 4)]
+    assert (kv.block_ids("c1"), kv.block_ids("c2")) == ([0, 1, 3], [0, 1, 4])
+    assert [b.ref_cnt for b in pool.blocks] == [3, 3, 1, 1, 1, 0, 0, 0]
+    pool.check_integrity()
+    for rid in ("c2", "p", "c1"):
+        kv.free_table(rid)
+    assert pool.num_free_blocks == 8
+    assert [b.ref_cnt for b in pool.blocks] == [0] * 8
+    pool.check_integrity()
+
+
+def test_fork_of_full_blocks_copies_nothing():
+    pool, kv = make(4)
+    run_prefill(kv, make_request("p", list(range(8))))
+    assert kv.fork("p", "c", 8) == []
+    assert kv.block_ids("c") == [0, 1] and [b.ref_cnt for b in pool.blocks] == [2, 2, 0, 0]
+    pool.check_integrity()
+
+
+def test_fork_without_a_free_block_changes_nothing():
+    pool, kv = make(3)
+    run_prefill(kv, make_request("p", list(range(10))))
+    before = snapshot(pool, kv, ["p"])
+    assert kv.fork("p", "c", 10) is None
+    assert snapshot(pool, kv, ["p"]) == before and kv.block_ids("c") == []
