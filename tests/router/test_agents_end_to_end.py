@@ -96,16 +96,6 @@ def aggregated_client(options, tokenizer):
         d.shutdown()
 
 
-# What the door shapes, but other parts do not send yet.
-FIRST_TOKEN_LOGPROBS = pytest.mark.xfail(
-    strict=True, reason="the prefill worker's first-token logprobs do not reach the router yet"
-)
-PROMPT_LOGPROBS = pytest.mark.xfail(
-    strict=True, reason="the engine computes no prompt_logprobs yet"
-)
-N_CHOICES = pytest.mark.xfail(strict=True, reason="the engine generates no n > 1 choices yet")
-
-
 def offline_text(offline, tokenizer, messages, tools=None, **sampling) -> tuple[str, list]:
     ids = ChatRenderer(tokenizer).render(messages, tools)
     out = offline.generate([ids], SamplingParams(temperature=0.0, **sampling))[0]
@@ -160,9 +150,7 @@ def test_required_tool_calls_validate_against_the_schema_streamed_and_not(client
     ]
 
 
-@pytest.mark.parametrize(
-    "mode", ["aggregated", pytest.param("disaggregated", marks=FIRST_TOKEN_LOGPROBS)]
-)
+@pytest.mark.parametrize("mode", ["aggregated", "disaggregated"])
 def test_chat_logprobs_are_the_offline_engines(mode, request, offline, tokenizer):
     client = request.getfixturevalue("client" if mode == "disaggregated" else "aggregated_client")
     reply = client.chat.completions.create(
@@ -187,9 +175,7 @@ def test_chat_logprobs_are_the_offline_engines(mode, request, offline, tokenizer
         assert got.top_logprobs[0].logprob >= got.logprob  # greedy took the best
 
 
-@PROMPT_LOGPROBS
-def test_completion_echo_returns_the_prompts_logprobs_first(aggregated_client, offline, tokenizer):
-    client = aggregated_client
+def test_completion_echo_returns_the_prompts_logprobs_first(client, offline, tokenizer):
     prompt = "the quick brown fox"
     reply = client.completions.create(
         model="tiny", prompt=prompt, echo=True, logprobs=2, max_tokens=3, temperature=0
@@ -206,8 +192,8 @@ def test_completion_echo_returns_the_prompts_logprobs_first(aggregated_client, o
     assert lp.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-4)
 
 
-@N_CHOICES
-def test_n_two_choices_with_usage_of_both(client):
+def test_n_two_choices_are_the_offline_engines_with_usage_of_both(client, offline, tokenizer):
+    sampling = dict(seed=11, temperature=1.0, max_tokens=5, ignore_eos=True)
     reply = client.chat.completions.create(
         model="tiny",
         messages=ASK,
@@ -215,11 +201,33 @@ def test_n_two_choices_with_usage_of_both(client):
         seed=11,
         temperature=1.0,
         max_completion_tokens=5,
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
     )
+    ids = ChatRenderer(tokenizer).render(ASK)
+    expected = offline.generate([ids], SamplingParams(n=2, **sampling))
     assert [c.index for c in reply.choices] == [0, 1]
+    assert [c.token_ids for c in reply.choices] == [o.token_ids for o in expected]
+    assert [c.message.content for c in reply.choices] == [o.text for o in expected]
+    assert expected[0].token_ids != expected[1].token_ids  # two draws, not one twice
     assert all(c.finish_reason == "length" for c in reply.choices)
     assert reply.usage.completion_tokens == 10
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            n=2,
+            seed=11,
+            temperature=1.0,
+            max_completion_tokens=5,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    got = {0: "", 1: ""}
+    for chunk in chunks:
+        for c in chunk.choices:
+            got[c.index] += c.delta.content or ""
+    assert [got[0], got[1]] == [o.text for o in expected]
 
 
 def test_responses_create_and_stream_answer_as_chat(client):
