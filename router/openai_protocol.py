@@ -82,7 +82,18 @@ REFUSED = {
 }
 
 
-class _Common(_Strict):
+class Unused(_Strict):
+    """Fields every generation endpoint accepts and does not use (they change no token)."""
+
+    user: str | None = Field(None, description="End-user id (accepted, not used).")
+    metadata: dict[str, Any] | None = Field(None, description="Accepted, not used.")
+    service_tier: str | None = Field(None, description="Accepted, not used.")
+    prompt_cache_key: str | None = Field(None, description="Accepted, not used.")
+    prompt_cache_retention: str | None = Field(None, description="Accepted, not used.")
+    safety_identifier: str | None = Field(None, description="Accepted, not used.")
+
+
+class _Common(Unused):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str = Field(description="The served model's name or one of its aliases.")
@@ -109,12 +120,6 @@ class _Common(_Strict):
     structured_outputs: StructuredOutputs | None = Field(
         None, description="Extension: json, regex, choice, grammar or structural_tag."
     )
-    user: str | None = Field(None, description="End-user id (accepted, not used).")
-    metadata: dict[str, Any] | None = Field(None, description="Accepted, not used.")
-    service_tier: str | None = Field(None, description="Accepted, not used.")
-    prompt_cache_key: str | None = Field(None, description="Accepted, not used.")
-    prompt_cache_retention: str | None = Field(None, description="Accepted, not used.")
-    safety_identifier: str | None = Field(None, description="Accepted, not used.")
     store: bool | None = Field(None, description="false or omitted: nothing is stored.")
     cache_salt: str | None = Field(
         None,

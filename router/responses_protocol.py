@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from router.openai_protocol import (
     ChatCompletionRequest,
     InvalidField,
+    Unused,
     field_errors,
     in_body_order,
     refusal,
@@ -142,8 +143,8 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = Field(None, description="Accepted, not used.")
 
 
-class ResponsesRequest(_Strict):
-    """POST /v1/responses."""
+class ResponsesRequest(Unused):
+    """POST /v1/responses (metadata is echoed back in the response)."""
 
     model: str = Field(description="The served model's name or one of its aliases.")
     input: str | list[InputItem] = Field(description="Text, or the conversation's items.")
@@ -165,12 +166,6 @@ class ResponsesRequest(_Strict):
     truncation: Literal["disabled"] | None = Field(None, description="Only 'disabled'.")
     reasoning: Reasoning | None = Field(None, description="Only without effort.")
     max_tool_calls: int | None = Field(None, description="Accepted, not used.")
-    user: str | None = Field(None, description="Accepted, not used.")
-    metadata: dict[str, Any] | None = Field(None, description="Accepted, echoed back.")
-    service_tier: str | None = Field(None, description="Accepted, not used.")
-    prompt_cache_key: str | None = Field(None, description="Accepted, not used.")
-    prompt_cache_retention: str | None = Field(None, description="Accepted, not used.")
-    safety_identifier: str | None = Field(None, description="Accepted, not used.")
     background: bool | None = Field(None, description="Only false: responses are not stored.")
 
     @field_validator("store", "background")

@@ -193,36 +193,20 @@ def test_completion_echo_returns_the_prompts_logprobs_first(client, offline, tok
 
 
 def test_n_two_choices_are_the_offline_engines_with_usage_of_both(client, offline, tokenizer):
-    sampling = dict(seed=11, temperature=1.0, max_tokens=5, ignore_eos=True)
-    reply = client.chat.completions.create(
-        model="tiny",
-        messages=ASK,
-        n=2,
-        seed=11,
-        temperature=1.0,
-        max_completion_tokens=5,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    )
+    request = dict(model="tiny", messages=ASK, n=2, seed=11, temperature=1.0)
+    request["max_completion_tokens"] = 5
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    reply = client.chat.completions.create(**request, extra_body=extra)
     ids = ChatRenderer(tokenizer).render(ASK)
-    expected = offline.generate([ids], SamplingParams(n=2, **sampling))
+    sampling = SamplingParams(n=2, seed=11, temperature=1.0, max_tokens=5, ignore_eos=True)
+    expected = offline.generate([ids], sampling)
     assert [c.index for c in reply.choices] == [0, 1]
     assert [c.token_ids for c in reply.choices] == [o.token_ids for o in expected]
     assert [c.message.content for c in reply.choices] == [o.text for o in expected]
     assert expected[0].token_ids != expected[1].token_ids  # two draws, not one twice
     assert all(c.finish_reason == "length" for c in reply.choices)
     assert reply.usage.completion_tokens == 10
-    chunks = list(
-        client.chat.completions.create(
-            model="tiny",
-            messages=ASK,
-            n=2,
-            seed=11,
-            temperature=1.0,
-            max_completion_tokens=5,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-    )
+    chunks = list(client.chat.completions.create(**request, stream=True, extra_body=extra))
     got = {0: "", 1: ""}
     for chunk in chunks:
         for c in chunk.choices:
