@@ -109,9 +109,8 @@ class OpenAIDoor:
             ids = await self.run(self.renderer.render, messages, tools, req.chat_template_kwargs)
             prompts = [ids]
         params = [sampling_for(req, len(ids), limit) for ids in prompts]
-        kind = "chat" if isinstance(req, ChatCompletionRequest) else "completion"
         options = choice_options(req, self.token_text)
-        return Prepared(kind, prompts, params, options, req.n, req.cache_salt, echo_texts)
+        return Prepared(prompts, params, options, req.n, req.cache_salt, echo_texts)
 
     async def _completion_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):

@@ -9,8 +9,10 @@ Accepted and not used (they do not change the tokens): `user`, `metadata`, `serv
 `prompt_cache_key` (routing is cache-aware anyway; `cache_salt` is the isolation key),
 `prompt_cache_retention`, `safety_identifier`, `store` (false or omitted: nothing is stored),
 `prediction` (a latency hint), `stream_options.include_obfuscation`, `modalities: ["text"]`,
-`response_format: {"type": "text"}`, `strict` of schemas and functions (schemas are always
-enforced), and in messages what the SDK echoes back (`refusal`, `annotations`, null `audio`).
+`response_format: {"type": "text"}`, `strict` of schemas and functions (a response_format
+schema is always enforced; a function's parameters are enforced whenever tool_choice requires
+a call, strict or not), and in messages what the SDK echoes back (`refusal`, `annotations`,
+null `audio`).
 
 Refused: `store: true`, `audio`, `web_search_options`, `reasoning_effort`, `verbosity`,
 `suffix`, `best_of` other than n, the legacy `functions` / `function_call` (use `tools` /

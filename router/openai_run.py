@@ -25,7 +25,6 @@ _SAMPLING_FIELD = re.compile(r"\bsampling\.([a-z_]+)|\b(structured_output)\b")
 class Prepared:
     """A request ready for the router: per prompt its ids, echo text and sampling dict."""
 
-    kind: str  # "chat" or "completion"
     prompts: list[list[int]]
     params: list[dict]
     options: ChoiceOptions
