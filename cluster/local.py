@@ -33,6 +33,7 @@ SERVE_FLAGS = {
     "migration_limit": ("router", "migration_limit"),
     "http_port": ("router", "http_port"),
     "max_pending_requests": ("router", "max_pending_requests"),
+    "chat_template": ("router", "chat_template"),
 }
 # `baton serve --api-key KEY` puts the key in this variable of the serving process (the
 # local cluster's router actor inherits it) and names it in spec.router.api_key_env: the
@@ -58,6 +59,7 @@ class LocalOptions:
     migration_limit: int | None = None  # moves of a request whose worker failed
     http_port: int | None = None  # the OpenAI-compatible HTTP front door
     max_pending_requests: int | None = None  # admission bound at the router
+    chat_template: str | None = None  # a Jinja file replacing the tokenizer's template
     api_key: str | None = None  # clients must send it (see API_KEY_ENV)
     resources: dict | None = None  # per worker; None: {"GPU": 1} if CUDA is visible
     transfer: dict = field(default_factory=dict)  # TransferSpec fields

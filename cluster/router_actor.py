@@ -114,6 +114,7 @@ class RouterActor:
         from engine.model_resolver import resolve_model
         from engine.tokenizer import load_tokenizer
         from router.admission import Admission, GrpcAdmissionInterceptor
+        from router.chat_template import read_chat_template
         from router.http_server import start_http_server
         from router.metrics_exposition import router_scrape
         from router.openai_http import create_app
@@ -148,6 +149,7 @@ class RouterActor:
             if o.get("skip_tokenizer")
             else await asyncio.to_thread(load_tokenizer, resolve_model(o["model"]))
         )
+        chat_template = read_chat_template(o.get("chat_template"))
         # Checked once, before a request reaches the router's queue: key, then admission.
         self.api_keys = ApiKeys(
             load_api_keys(env_var=o.get("api_key_env"), file=o.get("api_key_file"))
@@ -169,7 +171,13 @@ class RouterActor:
             GrpcAdmissionInterceptor(self.admission, (f"/{SERVICE}/Generate",)),
         ]
         self.server, port = await start_server(
-            self.router, o["host"], o["port"], tokenizer, interceptors=interceptors, tls=tls
+            self.router,
+            o["host"],
+            o["port"],
+            tokenizer,
+            interceptors=interceptors,
+            tls=tls,
+            chat_template=chat_template,
         )
         warn_if_exposed("gRPC", o["host"], self.api_keys)
         http_port = None
@@ -181,6 +189,7 @@ class RouterActor:
                 api_keys=self.api_keys,
                 admission=self.admission,
                 metrics_text=lambda: router_scrape(self.router),  # the whole cluster's series
+                chat_template=chat_template,
             )
             self.http_server, http_port = await start_http_server(
                 app, o["host"], o["http_port"], tls

@@ -34,6 +34,7 @@ ROUTER_SERVER_OPTIONS = (
     "api_key_file",
     "tls",
     "max_pending_requests",
+    "chat_template",
 )
 
 

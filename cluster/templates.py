@@ -83,6 +83,7 @@ def router_options(manifest: Manifest) -> dict:
         "api_key_file": spec.router.api_key_file,
         "tls": spec.router.tls.model_dump() if spec.router.tls else None,
         "max_pending_requests": spec.router.max_pending_requests,
+        "chat_template": spec.router.chat_template,
         "block_size": engine.block_size,
         "hash_seed": engine.hash_seed,
     }

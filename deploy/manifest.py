@@ -208,6 +208,14 @@ class RouterSpec(_Strict):
         description="admission: most requests waiting at the router for their first token; "
         "past it new requests get 429 / RESOURCE_EXHAUSTED at once (null: no bound)",
     )
+    chat_template: str | None = Field(
+        None,
+        min_length=1,
+        description="path on the head node of a Jinja chat template that replaces the "
+        "tokenizer's at both doors (one that uses `tools` renders tools itself; otherwise "
+        "tools are folded into the turns in the Hermes format; null: the tokenizer's, else "
+        "ChatML)",
+    )
 
 
 class ClusterSpecModel(_Strict):

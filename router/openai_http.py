@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front door: a second translation of Router.generate.
 
-POST /v1/completions and /v1/chat/completions (streamed as server-sent events or not),
+POST /v1/completions, /v1/chat/completions and /v1/responses (streamed as server-sent events
+or not),
 GET /v1/models, /health (open: 200 while both pools have a healthy worker) and /metrics.
 Each request is checked once before it reaches the router's queue: API key, body, model,
 prompt length, sampling values, then admission. Errors use OpenAI's shape with the status
@@ -21,12 +22,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.sampling_params import SamplingParams
+from engine.errors import InvalidRequestError
 from router.admission import Admission
+from router.chat_template import ChatRenderer
 from router.errors import Unauthenticated, UnknownModel, classify
+from router.openai_logprobs import TokenText
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, parse
-from router.openai_responses import Reply, UnknownRoute, error_body, raise_if_failed
+from router.openai_responses import Reply, UnknownRoute, error_body
+from router.openai_run import Prepared, Run, choice_options, sampling_for
+from router.responses_output import ResponseBuilder
+from router.responses_protocol import parse_responses
 from router.router import Router
 from router.security import ApiKeys
 from router.stream import TokenStream
@@ -46,12 +51,15 @@ class OpenAIDoor:
         tokenizer=None,
         api_keys: ApiKeys | None = None,
         admission: Admission | None = None,
+        chat_template: str | None = None,
     ) -> None:
         if not model_names:
             raise ValueError("model_names needs the served model's name")
         self.router = router
         self.model_names = list(model_names)
         self.tokenizer = tokenizer
+        self.renderer = ChatRenderer(tokenizer, chat_template) if tokenizer is not None else None
+        self.token_text = TokenText(tokenizer)
         self.api_keys = api_keys or ApiKeys()
         self.admission = admission or Admission()
         self.executor = ThreadPoolExecutor(STREAM_THREADS, thread_name_prefix="http-stream")
@@ -69,24 +77,49 @@ class OpenAIDoor:
         if not self.api_keys.check(request.headers.get("authorization")):
             raise Unauthenticated("missing or invalid API key (Authorization: Bearer <key>)")
 
-    async def prompt_ids(self, req) -> list[int]:
-        """The prompt as token ids: given ids, encoded text or the chat template's output."""
-        if isinstance(req, CompletionRequest):
-            prompt = req.prompt
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-                prompt = prompt[0]  # a one-element batch
-            if isinstance(prompt, list):
-                return list(prompt)
-            self._need_tokenizer("a text prompt")
-            return list(await self.run(self.tokenizer.encode, prompt)) if prompt else []
-        self._need_tokenizer("messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        ids = await self.run(
-            lambda: self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
+    async def body(self, request: Request) -> object:
+        """The request's JSON body, once its API key is checked."""
+        self.authorize(request)
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+
+    def check_model(self, model: str) -> None:
+        if model not in self.model_names:
+            raise UnknownModel(
+                f"model {model!r} is not served here; models: {', '.join(self.model_names)}"
             )
-        )
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    async def prepare(self, req) -> Prepared:
+        """Prompt ids, echo texts and sampling dicts of a parsed request."""
+        limit = self.router.max_model_len
+        echo_texts = None
+        if isinstance(req, CompletionRequest):
+            prompts = [await self._completion_ids(p) for p in req.prompts()]
+            if req.echo:
+                echo_texts = [
+                    p if isinstance(p, str) else await self._decode(ids)
+                    for p, ids in zip(req.prompts(), prompts, strict=True)
+                ]
+        else:
+            self._need_tokenizer("messages")
+            messages = [m.template_dict() for m in req.messages]
+            tools = list(req.plan.offered) or None
+            ids = await self.run(self.renderer.render, messages, tools, req.chat_template_kwargs)
+            prompts = [ids]
+        params = [sampling_for(req, len(ids), limit) for ids in prompts]
+        options = choice_options(req, self.token_text)
+        return Prepared(prompts, params, options, req.n, req.cache_salt, echo_texts)
+
+    async def _completion_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return list(prompt)
+        self._need_tokenizer("a text prompt")
+        return list(await self.run(self.tokenizer.encode, prompt)) if prompt else []
+
+    async def _decode(self, ids: list[int]) -> str:
+        return await self.run(self.tokenizer.decode, ids) if self.tokenizer is not None else ""
 
     def _need_tokenizer(self, what: str) -> None:
         if self.tokenizer is None:
@@ -94,94 +127,119 @@ class OpenAIDoor:
                 f"{what} needs a tokenizer; this server takes token-id prompts only"
             )
 
-    def sampling(self, req, n_prompt: int) -> dict:
-        """The validated sampling dict; the prompt must leave room for one new token."""
-        limit = self.router.max_model_len
-        if not n_prompt:
-            raise InvalidRequestError("prompt is empty")
-        if limit is not None and n_prompt >= limit:
-            raise PromptTooLongError(
-                f"prompt has {n_prompt} tokens; this model's maximum context length is "
-                f"{limit} tokens (including at least one generated token)"
-            )
-        max_tokens = req.max_tokens
-        if isinstance(req, ChatCompletionRequest):
-            max_tokens = req.max_completion_tokens or max_tokens
-            if max_tokens is None and limit is not None:
-                max_tokens = limit - n_prompt  # chat: until the end of the context
-        params = req.sampling(max_tokens)
-        SamplingParams(**params)  # raises InvalidRequestError naming the field
-        return params
-
-    async def generate(self, request: Request, kind: str) -> Response:
-        """Shared path of both generation endpoints."""
-        self.authorize(request)
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
-        req = parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, body)
-        if req.model not in self.model_names:
-            raise UnknownModel(
-                f"model {req.model!r} is not served here; models: {', '.join(self.model_names)}"
-            )
-        ids = await self.prompt_ids(req)
-        params = self.sampling(req, len(ids))
+    async def open(self, request: Request, prepared: Prepared, reply: Reply) -> Run:
+        """Admit the request and start its streams; returns once each has its first output
+        (a refusal before then raises its status)."""
         ticket = self.admission.admit()
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
-        stream = TokenStream(self.router, self.executor, request_id, ids, params, req.cache_salt)
-        reply = Reply(kind, request_id, req.model, len(ids), req.return_token_ids)
+        streams = []
         try:
-            # The first output comes before any byte is sent: a refusal (no worker, no KV)
-            # is still an HTTP status, also for a streamed request.
-            first = await _unless_disconnected(request, stream.next())
-            ticket.release()
-            if first is not None and first["finished"]:  # failed before any token: a status
-                raise_if_failed(request_id, first["finish_reason"], first.get("error"))
-            if req.stream:
-                return _EventStream(
-                    self._events(stream, reply, first, req.include_usage),
-                    on_close=stream.close,
-                    media_type="text/event-stream",
-                    headers={"x-request-id": request_id},
+            for i, (ids, params) in enumerate(zip(prepared.prompts, prepared.params, strict=True)):
+                request_id = (
+                    reply.request_id if len(prepared.prompts) == 1 else f"{reply.request_id}-{i}"
                 )
-            out = first
-            while out is not None:
-                reply.add(out)
-                out = await _unless_disconnected(request, stream.next())
-            reply.raise_if_failed()
-            return JSONResponse(reply.body(), headers=reply.headers())
+                streams.append(
+                    TokenStream(
+                        self.router, self.executor, request_id, ids, params, prepared.cache_salt
+                    )
+                )
+            run = Run(streams, reply, prepared)
+            await _unless_disconnected(request, run.start())
+            return run
         except BaseException:
-            stream.close()
+            for s in streams:
+                s.close()
             raise
         finally:
             ticket.release()
-            if not req.stream:
-                stream.close()
 
-    async def _events(
-        self, stream: TokenStream, reply: Reply, first: dict, usage: bool
-    ) -> AsyncIterator[str]:
-        """Server-sent events: chunks as outputs arrive, then `data: [DONE]`."""
+    async def generate(self, request: Request, kind: str) -> Response:
+        """Shared path of /v1/completions and /v1/chat/completions."""
+        cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        req = parse(cls, await self.body(request))
+        self.check_model(req.model)
+        prepared = await self.prepare(req)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        reply = Reply(
+            f"{prefix}-{uuid.uuid4().hex[:24]}",
+            req.model,
+            [len(ids) for ids in prepared.prompts],
+            prepared.options,
+            n=req.n,
+            with_token_ids=req.return_token_ids,
+        )
+        run = await self.open(request, prepared, reply)
+        if req.stream:
+            return _EventStream(
+                self._events(run, req.include_usage, req.continuous_usage),
+                on_close=run.close,
+                media_type="text/event-stream",
+                headers={"x-request-id": reply.request_id},
+            )
         try:
-            out = first
+            await collect(request, run)
+            return JSONResponse(reply.body(), headers=reply.headers())
+        finally:
+            run.close()
+
+    async def responses(self, request: Request) -> Response:
+        """POST /v1/responses: a chat request underneath, Responses items and events."""
+        req, chat = parse_responses(await self.body(request))
+        self.check_model(req.model)
+        prepared = await self.prepare(chat)
+        reply = Reply(
+            f"resp-{uuid.uuid4().hex[:24]}",
+            req.model,
+            [len(ids) for ids in prepared.prompts],
+            prepared.options,
+        )
+        run = await self.open(request, prepared, reply)
+        builder = ResponseBuilder(req, req.model)
+        if req.stream:
+            return _EventStream(
+                self._response_events(run, builder),
+                on_close=run.close,
+                media_type="text/event-stream",
+                headers={"x-request-id": reply.request_id},
+            )
+        try:
+            await collect(request, run, lambda delta: builder.feed(delta.events))
+            builder.finish(reply.choices[0].finish(), reply.usage())
+            return JSONResponse(builder.body(), headers=reply.headers())
+        finally:
+            run.close()
+
+    async def _response_events(self, run: Run, builder: ResponseBuilder) -> AsyncIterator[str]:
+        """The Responses API's server-sent events."""
+        try:
+            for event in builder.start():
+                yield _sse(event, event["type"])
+            async for _, delta in run.deltas():
+                for event in builder.feed(delta.events):
+                    yield _sse(event, event["type"])
+            reason = run.reply.choices[0].finish()
+            for event in builder.finish(reason, run.reply.usage()):
+                yield _sse(event, event["type"])
+        except Exception as exc:  # noqa: BLE001 - headers are sent: the error is an event
+            yield _sse(builder.error(error_body(exc)["error"]), "error")
+        finally:
+            run.close()
+
+    async def _events(self, run: Run, usage: bool, continuous: bool) -> AsyncIterator[str]:
+        """Server-sent events: chunks as outputs arrive, then `data: [DONE]`."""
+        reply = run.reply
+        try:
             if reply.kind == "chat":
-                yield _sse(reply.chunk(None, role=True))
-            while out is not None:
-                reply.add(out)
-                if out["finished"]:
-                    reply.raise_if_failed()
-                    yield _sse(reply.chunk(out, final=not usage))
-                    if usage:
-                        yield _sse(reply.usage_chunk())
-                else:
-                    yield _sse(reply.chunk(out))
-                out = await stream.next()
+                for chunk in reply.opening_chunks():
+                    yield _sse(chunk)
+            async for index, delta in run.deltas():
+                if not delta.empty():
+                    yield _sse(reply.chunk(index, delta, usage=continuous))
+            if usage:
+                yield _sse(reply.usage_chunk())
         except Exception as exc:  # noqa: BLE001 - headers are sent: the error is an event
             yield _sse(error_body(exc))
         finally:
-            stream.close()
+            run.close()
         yield "data: [DONE]\n\n"
 
     async def models(self, request: Request) -> Response:
@@ -216,11 +274,13 @@ def create_app(
     api_keys: ApiKeys | None = None,
     admission: Admission | None = None,
     metrics_text: Callable[[], str] | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The FastAPI app of the OpenAI-compatible API over `router`. model_names[0] is the
     served model's name, the rest its aliases; without a tokenizer prompts must be token
-    ids; metrics_text (None: /metrics is 404) returns the Prometheus exposition text."""
-    door = OpenAIDoor(router, model_names, tokenizer, api_keys, admission)
+    ids; metrics_text (None: /metrics is 404) returns the Prometheus exposition text;
+    chat_template (Jinja) replaces the tokenizer's (router/chat_template.py)."""
+    door = OpenAIDoor(router, model_names, tokenizer, api_keys, admission, chat_template)
     app = FastAPI(title="Baton", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.door = door
 
@@ -235,6 +295,10 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await _answer(door.generate(request, "chat"))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _answer(door.responses(request))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -299,10 +363,24 @@ async def _unless_disconnected(request: Request, work):
     return task.result()
 
 
+async def collect(request: Request, run: Run, on_delta: Callable | None = None) -> None:
+    """Take every output of a non-streamed request (the client leaving aborts it)."""
+    deltas = run.deltas().__aiter__()
+    while True:
+        try:
+            _, delta = await _unless_disconnected(request, deltas.__anext__())
+        except StopAsyncIteration:
+            break
+        if on_delta is not None:
+            on_delta(delta)
+    run.reply.raise_if_failed()
+
+
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
-def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+def _sse(data: dict, event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data, separators=(',', ':'))}\n\n"

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
+from router.chat_template import ChatRenderer
 from router.errors import grpc_status, is_known
 from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
@@ -33,10 +34,29 @@ STREAM_THREADS = 512
 _DONE = object()
 
 
+# Optional scalar fields of the proto's SamplingParams, passed as they are (floats rounded to
+# 6 digits: a proto float is 32-bit, so 0.7 arrives as 0.699999988).
+_SCALARS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "n",
+)
+
+
 def sampling_dict(msg: pb.SamplingParams) -> dict:
     """The proto's sampling message as SamplingParams keyword arguments (unset -> default)."""
     out: dict = {}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
+    for name in _SCALARS:
         if msg.HasField(name):
             value = getattr(msg, name)
             out[name] = round(value, 6) if isinstance(value, float) else value
@@ -44,16 +64,48 @@ def sampling_dict(msg: pb.SamplingParams) -> dict:
         out["stop"] = list(msg.stop)
     if msg.stop_token_ids:
         out["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.logit_bias:
+        out["logit_bias"] = {k: round(v, 6) for k, v in msg.logit_bias.items()}
+    if msg.HasField("structured_output"):
+        out["structured_output"] = structured_output_dict(msg.structured_output)
     out["ignore_eos"] = msg.ignore_eos
     return out
+
+
+def structured_output_dict(msg: pb.StructuredOutput) -> dict:
+    """The proto's constraint as the sampling dict's structured_output."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError(
+            "sampling.structured_output must set one of json, json_object, regex, choice, "
+            "grammar or structural_tag"
+        )
+    value = getattr(msg, kind)
+    out = {kind: list(value.choices) if kind == "choice" else value}
+    if msg.disable_any_whitespace:
+        out["disable_any_whitespace"] = True
+    return out
+
+
+def token_logprobs(entries) -> list[pb.TokenLogprob]:
+    """Worker logprob entries ([id, logprob, [[id, logprob], ...]]) as proto messages."""
+    return [
+        pb.TokenLogprob(
+            token_id=token_id,
+            logprob=logprob,
+            top=[pb.TopLogprob(token_id=i, logprob=lp) for i, lp in top],
+        )
+        for token_id, logprob, top in entries
+    ]
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
     """Implements baton.v1.Inference with a Router (blocking calls run in threads)."""
 
-    def __init__(self, router: Router, tokenizer=None):
+    def __init__(self, router: Router, tokenizer=None, chat_template: str | None = None):
         self.router = router
         self.tokenizer = tokenizer
+        self.renderer = ChatRenderer(tokenizer, chat_template) if tokenizer is not None else None
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")
@@ -67,13 +119,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             )
         if kind == "prompt":
             return self.tokenizer.encode(request.prompt) if request.prompt else []
-        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+            for m in request.messages.messages
+        ]
         if not messages:
             raise InvalidRequestError("messages is empty")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self.renderer.render(messages)
 
     async def Generate(self, request, context):  # noqa: N802 - gRPC method name
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
@@ -97,14 +149,19 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     return
                 completion += len(out["token_ids"])
                 reply = pb.GenerateResponse(
-                    request_id=request_id, token_ids=out["token_ids"], text=out.get("text") or ""
+                    request_id=request_id,
+                    token_ids=out["token_ids"],
+                    text=out.get("text") or "",
+                    index=out.get("index") or 0,
+                    logprobs=token_logprobs(out.get("logprobs") or []),
+                    prompt_logprobs=token_logprobs((out.get("prompt_logprobs") or [None])[1:]),
                 )
+                reply.finish_reason = out.get("finish_reason") or ""
                 if out["finished"]:
                     if out["finish_reason"] == "error":
                         await context.abort(
                             grpc.StatusCode.INTERNAL, f"request {request_id} failed: {out['error']}"
                         )
-                    reply.finish_reason = out["finish_reason"] or ""
                     reply.usage.CopyFrom(
                         pb.Usage(
                             prompt_tokens=len(ids),
@@ -154,17 +211,19 @@ async def start_server(
     tokenizer=None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     tls: TLSFiles | None = None,
+    chat_template: str | None = None,
 ) -> tuple[object, int]:
     """Start the aio server (TLS when given; interceptors such as router.security's key
-    check and router.admission's bound run before the servicer); returns (server, bound
-    port). Port 0 picks a free one."""
+    check and router.admission's bound run before the servicer; chat_template replaces the
+    tokenizer's); returns (server, bound port). Port 0 picks a free one."""
     # Every open stream holds a thread while it waits for its next tokens: asyncio's default
     # pool (cpus + 4 threads) would queue streams behind each other.
     asyncio.get_running_loop().set_default_executor(
         ThreadPoolExecutor(max_workers=STREAM_THREADS, thread_name_prefix="stream")
     )
     server = grpc.aio.server(interceptors=list(interceptors))
-    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(router, tokenizer), server)
+    servicer = InferenceServicer(router, tokenizer, chat_template)
+    pb_grpc.add_InferenceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

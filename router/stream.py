@@ -20,7 +20,8 @@ _background: set[asyncio.Task] = set()  # cleanups in flight (a task needs a ref
 
 
 class TokenStream:
-    """Router.generate(request_id, ...) as awaitable outputs; None when it ends."""
+    """Router.generate(request_id, ...) as awaitable outputs; None when it ends (the output
+    with finished=True is the request's last: with n > 1, every choice is done)."""
 
     def __init__(
         self,
@@ -81,3 +82,26 @@ class TokenStream:
             await run(self._outputs.close)
         except Exception:  # noqa: BLE001 - the client is gone; nothing to report it to
             logger.exception("cleanup of request %s failed", self.request_id)
+
+
+async def merged(streams: list[TokenStream], firsts: list[dict | None]):
+    """(position in `streams`, output) of several streams as each output arrives, starting
+    with `firsts` (each stream's first output, already taken); ends when all have ended."""
+    for i, out in enumerate(firsts):
+        if out is not None:
+            yield i, out
+    pending = {asyncio.ensure_future(s.next()): i for i, s in enumerate(streams) if not s.finished}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                i = pending.pop(task)
+                out = task.result()
+                if out is None:
+                    continue
+                yield i, out
+                if not streams[i].finished:
+                    pending[asyncio.ensure_future(streams[i].next())] = i
+    finally:
+        for task in pending:
+            task.cancel()

@@ -24,37 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crouter/proto/inference.proto\x12\x08\x62\x61ton.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"\x92\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seed\"\xdc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12.\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12*\n\x08messages\x18\x04 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x07\n\x05input\"\x7f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\"~\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x16\n\x14\x43lusterStatusRequest\"\x99\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x10\n\x08kv_usage\x18\x05 \x01(\x02\x12\x16\n\x0e\x63\x61\x63he_hit_rate\x18\x06 \x01(\x02\x12\x13\n\x0b\x66ree_blocks\x18\x07 \x01(\r\"X\n\x15\x43lusterStatusResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.baton.v1.WorkerStatus\x12\x16\n\x0e\x63\x61\x63he_hit_rate\x18\x02 \x01(\x02\x32\xdc\x01\n\tInference\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12P\n\rClusterStatus\x12\x1e.baton.v1.ClusterStatusRequest\x1a\x1f.baton.v1.ClusterStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crouter/proto/inference.proto\x12\x08\x62\x61ton.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\"\xc7\x01\n\x10StructuredOutput\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.baton.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x07 \x01(\x08\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xee\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12;\n\nlogit_bias\x18\r \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0e \x01(\rH\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\x0c\x88\x01\x01\x12\x35\n\x11structured_output\x18\x12 \x01(\x0b\x32\x1a.baton.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"\xdc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12.\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12*\n\x08messages\x18\x04 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x07\n\x05input\"\x7f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\"T\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.baton.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\xe8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.baton.v1.Usage\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12/\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x16\n\x14\x43lusterStatusRequest\"\x99\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x10\n\x08kv_usage\x18\x05 \x01(\x02\x12\x16\n\x0e\x63\x61\x63he_hit_rate\x18\x06 \x01(\x02\x12\x13\n\x0b\x66ree_blocks\x18\x07 \x01(\r\"X\n\x15\x43lusterStatusResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.baton.v1.WorkerStatus\x12\x16\n\x0e\x63\x61\x63he_hit_rate\x18\x02 \x01(\x02\x32\xdc\x01\n\tInference\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.baton.v1.AbortRequest\x1a\x17.baton.v1.AbortResponse\x12P\n\rClusterStatus\x12\x1e.baton.v1.ClusterStatusRequest\x1a\x1f.baton.v1.ClusterStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'router.proto.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=42
   _globals['_TOKENIDS']._serialized_end=65
   _globals['_CHATMESSAGE']._serialized_start=67
   _globals['_CHATMESSAGE']._serialized_end=111
   _globals['_CHATMESSAGES']._serialized_start=113
   _globals['_CHATMESSAGES']._serialized_end=168
-  _globals['_SAMPLINGPARAMS']._serialized_start=171
-  _globals['_SAMPLINGPARAMS']._serialized_end=445
-  _globals['_GENERATEREQUEST']._serialized_start=448
-  _globals['_GENERATEREQUEST']._serialized_end=668
-  _globals['_USAGE']._serialized_start=670
-  _globals['_USAGE']._serialized_end=797
-  _globals['_GENERATERESPONSE']._serialized_start=799
-  _globals['_GENERATERESPONSE']._serialized_end=925
-  _globals['_ABORTREQUEST']._serialized_start=927
-  _globals['_ABORTREQUEST']._serialized_end=961
-  _globals['_ABORTRESPONSE']._serialized_start=963
-  _globals['_ABORTRESPONSE']._serialized_end=993
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=995
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1017
-  _globals['_WORKERSTATUS']._serialized_start=1020
-  _globals['_WORKERSTATUS']._serialized_end=1173
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1175
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1263
-  _globals['_INFERENCE']._serialized_start=1266
-  _globals['_INFERENCE']._serialized_end=1486
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=171
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=370
+  _globals['_CHOICELIST']._serialized_start=372
+  _globals['_CHOICELIST']._serialized_end=401
+  _globals['_SAMPLINGPARAMS']._serialized_start=404
+  _globals['_SAMPLINGPARAMS']._serialized_end=1154
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=916
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=964
+  _globals['_GENERATEREQUEST']._serialized_start=1157
+  _globals['_GENERATEREQUEST']._serialized_end=1377
+  _globals['_USAGE']._serialized_start=1379
+  _globals['_USAGE']._serialized_end=1506
+  _globals['_TOKENLOGPROB']._serialized_start=1508
+  _globals['_TOKENLOGPROB']._serialized_end=1592
+  _globals['_TOPLOGPROB']._serialized_start=1594
+  _globals['_TOPLOGPROB']._serialized_end=1641
+  _globals['_GENERATERESPONSE']._serialized_start=1644
+  _globals['_GENERATERESPONSE']._serialized_end=1876
+  _globals['_ABORTREQUEST']._serialized_start=1878
+  _globals['_ABORTREQUEST']._serialized_end=1912
+  _globals['_ABORTRESPONSE']._serialized_start=1914
+  _globals['_ABORTRESPONSE']._serialized_end=1944
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1946
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1968
+  _globals['_WORKERSTATUS']._serialized_start=1971
+  _globals['_WORKERSTATUS']._serialized_end=2124
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2126
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2214
+  _globals['_INFERENCE']._serialized_start=2217
+  _globals['_INFERENCE']._serialized_end=2437
 # @@protoc_insertion_point(module_scope)

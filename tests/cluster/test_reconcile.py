@@ -118,7 +118,7 @@ def test_only_a_change_of_what_the_servers_run_with_restarts_the_router():
     moved = copy.deepcopy(spec)
     moved["spec"]["router"]["port"] = 5051
     assert router_key(router_options(parse_manifest(moved))) != base
-    assert base == ("tiny", True, "127.0.0.1", 0, 0, ["tiny"], None, None, None, None)
+    assert base == ("tiny", True, "127.0.0.1", 0, 0, ["tiny"], None, None, None, None, None)
 
 
 def test_router_addresses():

@@ -86,6 +86,41 @@ def test_streamed_tokens_equal_offline_engine_and_usage(server):
     assert again[-1].usage.cached_tokens == 28  # 7 full blocks, last token recomputed
 
 
+def test_n_choices_with_logprobs_equal_the_offline_engines(server):
+    stub, _, options, _ = server
+    prompt = random_prompts([12], seed=305)[0]
+    params = dict(max_tokens=4, temperature=1.0, seed=3, ignore_eos=True, logprobs=2)
+    expected = LLM(**options).generate([prompt], SamplingParams(n=2, prompt_logprobs=1, **params))
+    replies = generate(stub, prompt, n=2, prompt_logprobs=1, **params)
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    logprobs: dict[int, list[tuple]] = {0: [], 1: []}
+    for r in replies:
+        tokens[r.index] += r.token_ids
+        logprobs[r.index] += [
+            (lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+            for lp in r.logprobs
+        ]
+    assert [tokens[0], tokens[1]] == [o.token_ids for o in expected]
+    for index, out in enumerate(expected):
+        want = [lp.to_wire() for lp in out.logprobs]
+        assert [t for t, _, _ in logprobs[index]] == [t for t, _, _ in want]
+        assert [lp for _, lp, _ in logprobs[index]] == pytest.approx(
+            [lp for _, lp, _ in want], abs=1e-4
+        )
+        assert [[i for i, _ in top] for _, _, top in logprobs[index]] == [
+            [i for i, _ in top] for _, _, top in want
+        ]
+    prompt_logprobs = [(p.token_id, p.logprob) for p in replies[0].prompt_logprobs]
+    want = [e.to_wire() for e in expected[0].prompt_logprobs[1:]]
+    assert [t for t, _ in prompt_logprobs] == [t for t, _, _ in want] == prompt[1:]
+    assert [lp for _, lp in prompt_logprobs] == pytest.approx([lp for _, lp, _ in want], abs=1e-4)
+    assert sorted((r.index, r.finish_reason) for r in replies if r.finish_reason) == [
+        (0, "length"),
+        (1, "length"),
+    ]
+    assert replies[-1].usage.completion_tokens == 8
+
+
 @pytest.mark.parametrize(
     ("request_kwargs", "code", "text"),
     [

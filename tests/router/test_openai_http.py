@@ -34,12 +34,13 @@ MAX_LEN = 1024
 class WordTokenizer:
     """Stands in for a Hugging Face tokenizer: one id per character, a plain chat template."""
 
-    def encode(self, text: str) -> list[int]:
+    chat_template = "{{ messages }}"  # read only for whether it uses `tools`
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [3 + ord(c) % 500 for c in text]
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool, tokenize: bool):
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
-        return self.encode(text)
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, **_):
+        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +167,7 @@ def test_streamed_completion_equals_offline_engine_and_ends_with_usage(client, o
 
 def test_chat_applies_the_template_streamed_and_not(client, offline):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    ids = WordTokenizer().apply_chat_template(messages, True, True)
+    ids = WordTokenizer().encode(WordTokenizer().apply_chat_template(messages))
     expected = offline([ids], 5)[0]
     reply = client.chat.completions.create(
         model="tiny", messages=messages, max_completion_tokens=5, temperature=0, extra_body=EXTRA
@@ -220,13 +221,15 @@ GOOD = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
         ("/v1/completions", GOOD, {"Authorization": "Bearer wrong"}, 401, "invalid_api_key"),
         ("/v1/completions", GOOD, {}, 401, "invalid_api_key"),
         ("/v1/completions", {**GOOD, "model": "gpt-4"}, AUTH, 404, "model_not_found"),
-        ("/v1/completions", {**GOOD, "n": 2}, AUTH, 400, "n"),
+        ("/v1/completions", {**GOOD, "n": 0}, AUTH, 400, "n"),
         ("/v1/completions", {**GOOD, "tools": []}, AUTH, 400, "tools"),
         ("/v1/completions", {**GOOD, "best_of": 2}, AUTH, 400, "best_of"),
         ("/v1/completions", {**GOOD, "temperature": -1}, AUTH, 400, "temperature"),
         ("/v1/completions", {**GOOD, "max_tokens": "many"}, AUTH, 400, "max_tokens"),
-        ("/v1/completions", {**GOOD, "logprobs": 1}, AUTH, 400, "logprobs"),
-        ("/v1/completions", {**GOOD, "presence_penalty": 0.5}, AUTH, 400, "presence_penalty"),
+        ("/v1/completions", {**GOOD, "logprobs": 6}, AUTH, 400, "logprobs"),
+        ("/v1/completions", {**GOOD, "presence_penalty": 3}, AUTH, 400, "presence_penalty"),
+        ("/v1/completions", {**GOOD, "suffix": "x"}, AUTH, 400, "suffix"),
+        ("/v1/completions", {**GOOD, "store": True}, AUTH, 400, "store"),
         ("/v1/completions", {**GOOD, "prompt": []}, AUTH, 400, None),
         (
             "/v1/completions",
@@ -240,10 +243,17 @@ GOOD = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
         ("/v1/chat/completions", {"model": "tiny", "messages": []}, AUTH, 400, "messages"),
         (
             "/v1/chat/completions",
-            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
             AUTH,
             400,
-            "logprobs",
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "audio": {}},
+            AUTH,
+            400,
+            "audio",
         ),
     ],
 )
