@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import grpc
 
 from engine.errors import CapacityError, InvalidRequestError, NoFreeBlocksError, PromptTooLongError
-from router.migration import MigrationLimitExceeded
 from router.policy import NoWorkerAvailable
+from router.worker_failures import MigrationLimitExceeded
 
 
 class Unauthenticated(Exception):

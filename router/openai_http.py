@@ -201,7 +201,7 @@ class OpenAIDoor:
 
     def healthy(self) -> tuple[bool, str]:
         """(both pools have a healthy worker, why not)."""
-        health = getattr(self.router, "_healthy", {})  # the controller's view; unknown = ok
+        health = self.router.pools.health()  # the controller's view; unknown = ok
         for role, pool in (("prefill", self.router.prefill), ("decode", self.router.decode)):
             if not any(health.get(w, True) for w in pool):
                 return False, f"no healthy {role} worker"
