@@ -165,9 +165,10 @@ class RouterActor:
             "Requests refused because max_pending_requests were already waiting.",
             lambda: self.admission.num_refused,
         )
+        metrics = self.router.metrics  # both doors count every error answer there
         interceptors = [
-            GrpcKeyInterceptor(self.api_keys),
-            GrpcAdmissionInterceptor(self.admission, (f"/{SERVICE}/Generate",)),
+            GrpcKeyInterceptor(self.api_keys, metrics),
+            GrpcAdmissionInterceptor(self.admission, (f"/{SERVICE}/Generate",), metrics),
         ]
         self.server, port = await start_server(
             self.router, s.host, s.port, tokenizer, interceptors=interceptors, tls=tls
@@ -241,6 +242,8 @@ class RouterActor:
             "aggregated": self.router.aggregated,
             "prompt_tokens": self.router.num_prompt_tokens,
             "cached_tokens": self.router.num_cached_tokens,
+            # Whether a new request can be served now, as /health and gRPC health answer.
+            "readiness": self.router.readiness().body(),
             # Seconds since the controller's last health report (None: none yet); grows
             # while the controller is down, the router serving on meanwhile.
             "health_age_s": None

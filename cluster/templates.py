@@ -63,9 +63,9 @@ def worker_templates(manifest: Manifest) -> dict[str, WorkerTemplate]:
 
 def router_settings(manifest: Manifest) -> RouterSettings:
     """What the router actor runs with (block size and hash seed: the pools', which the
-    manifest guarantees are the same)."""
+    manifest guarantees are the same; read from the decode pool, which every shape has)."""
     spec = manifest.spec
-    router, engine = spec.router, spec.engine_for("prefill")
+    router, engine = spec.router, spec.engine_for("decode")
     return RouterSettings(
         model=spec.model.path,
         skip_tokenizer=spec.model.skip_tokenizer_init,

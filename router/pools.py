@@ -23,6 +23,7 @@ from engine.errors import InvalidRequestError
 from kvtransfer.worker_api import DecodeAPI, PrefillAPI, Role, WorkerStats
 from router.kv_index import KVIndex
 from router.policy import LoadTracker
+from router.readiness import PoolHealth, Readiness, readiness
 
 # Where one request runs: (prefill id, worker) or None when its decode worker prefills it,
 # and (decode id, worker).
@@ -171,6 +172,16 @@ class WorkerPools:
         """The health each worker was last marked with (a worker never marked is healthy)."""
         with self._lock:
             return dict(self._healthy)
+
+    def readiness(self) -> Readiness:
+        """Whether a new request can be served now (router/readiness.py)."""
+        with self._lock:
+            prefill, decode = (
+                PoolHealth(sum(self._healthy.get(w, True) for w in pool), len(pool))
+                for pool in (self.prefill, self.decode)
+            )
+            aggregated = self.aggregated
+        return readiness(aggregated, prefill, decode)
 
     def view(self, failed: Mapping[str, int]) -> PoolView:
         """The pools for one choice; `failed` maps the workers a request failed on to the

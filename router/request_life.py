@@ -34,7 +34,7 @@ from typing import TypeVar
 from engine.block_hash import hash_prompt_blocks
 from engine.errors import NoFreeBlocksError
 from router.handoff import generate_disaggregated, generate_local
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, tap
 from router.policy import NoWorkerAvailable
 from router.pools import WorkerPools
 from router.worker_choice import CAPACITY_POLL_S, Choice, WorkerChooser
@@ -274,26 +274,21 @@ class Progress:
         )
 
     def track(self, outputs: Generator[dict, None, T]) -> Generator[dict, None, T]:
-        """`outputs` of one attempt as the client sees them (tokens counted, the first
-        attempt's cached-token count and the original prompt length kept); returns what the
-        attempt returns, and closes it when closed."""
-        try:
-            while True:
-                try:
-                    out = next(outputs)
-                except StopIteration as stop:
-                    return stop.value
-                self.generated += out["token_ids"]
-                if self.num_cached_tokens is None:
-                    self.num_cached_tokens = out["num_cached_tokens"]
-                if self.failures:
-                    out["num_cached_tokens"] = self.num_cached_tokens
-                if out["finished"]:
-                    out["prompt_tokens"] = len(self.prompt_token_ids)
-                    out["num_migrations"] = len(self.failures)
-                yield out
-        finally:
-            outputs.close()
+        """`outputs` of one attempt as the client sees them; returns what the attempt
+        returns, and closes it when closed."""
+        return tap(outputs, self._seen)
+
+    def _seen(self, out: dict) -> None:
+        """Count the output's tokens; keep the first attempt's cached-token count and the
+        client's prompt length in what the client is told."""
+        self.generated += out["token_ids"]
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = out["num_cached_tokens"]
+        if self.failures:
+            out["num_cached_tokens"] = self.num_cached_tokens
+        if out["finished"]:
+            out["prompt_tokens"] = len(self.prompt_token_ids)
+            out["num_migrations"] = len(self.failures)
 
 
 class Tally:

@@ -23,6 +23,7 @@ from router.kv_index import KVIndex
 from router.metrics import RouterMetrics
 from router.policy import Policy
 from router.pools import Placement, WorkerPools, WorkerStatus
+from router.readiness import Readiness
 from router.request_life import RequestLife, RequestRules, RouterParts, Tally
 from router.worker_choice import WorkerChooser
 
@@ -161,6 +162,10 @@ class Router:
     def status(self) -> list[WorkerStatus]:
         """Every worker's stats with its role and health (healthy: it answered)."""
         return self.pools.status()
+
+    def readiness(self) -> Readiness:
+        """Whether a new request can be served now: what /health and gRPC health answer."""
+        return self.pools.readiness()
 
     def hit_rate(self) -> float:
         """Prompt tokens served from prefill workers' prefix caches / all prompt tokens."""
