@@ -2,8 +2,8 @@
 over a KVIndex (FastKVIndex: the same answers, one walk per query) fed by the workers' own KV
 events, with its LoadTracker; KV moves in latency + bytes / bandwidth.
 
-Request path (router/router.py `_attempt`): choose prefill P (policy) and decode D
-(choose_decode); local when aggregated or the uncached tail on D is at most
+Request path (router/worker_choice.py `WorkerChooser`, router/request_life.py
+`RequestLife`): choose prefill P (policy) and decode D (choose_decode); local when aggregated or the uncached tail on D is at most
 local_prefill_tokens. Local: D prefills and decodes. Remote: D reserves blocks (its own
 cached prefix + new ones; a reservation that does not fit waits on D), P prefills in chunks
 and samples the first token, the blocks D lacks travel, then (between two of D's steps, as
