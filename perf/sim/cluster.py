@@ -16,7 +16,7 @@ shared_cores set (a cluster of CPU workers on one machine, as the experiments ru
 that starts while more workers compute than there are cores takes busy / cores times its
 profiled time: each worker was profiled with a core of its own. step_time_scale multiplies
 every step (a machine that runs steps slower or faster now than when it was profiled: a real
-run's engine step seconds over the simulated ones, benchmarks/sim_validation.py). """
+run's engine step seconds over the simulated ones, benchmarks/sim_validation.py)."""
 
 from __future__ import annotations
 
