@@ -116,7 +116,8 @@ class EngineOptions:
     kv_tier_path: str | None = option(
         None,
         "directory of the disk KV tier, one per engine (locked while open; kept across "
-        "restarts, re-indexed on start-up)",
+        "restarts, re-indexed on start-up); in a cluster the parent directory: each worker "
+        "uses <kv_tier_path>/<worker id>",
         min_length=1,
     )
     skip_tokenizer_init: bool = option(

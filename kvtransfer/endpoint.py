@@ -103,11 +103,19 @@ class TransferEndpoint:
         self.loop.run(self.engine.check_integrity)
 
     def shutdown(self) -> None:
+        """Leave the peers, stop the engine loop and close the engine (a disk KV tier first
+        receives the blocks the KV cache holds, then its directory is unlocked)."""
         for peer_id in list(self._peers):
             self._disconnect(peer_id)
-        self.loop.stop()
+        stopped = self.loop.stop()
         self.registry.close()
         self._notifier.shutdown(wait=False, cancel_futures=True)
+        if stopped:
+            self.engine.close()
+        else:  # a step still runs: the process exit releases the tier
+            logger.warning(
+                "worker %s: the engine loop did not stop; engine not closed", self.worker_id
+            )
 
     def _role_stats(self) -> dict:
         """The role's own WorkerStats fields."""
