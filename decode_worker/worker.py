@@ -107,15 +107,19 @@ class DecodeWorker(TransferEndpoint):
         rid = request.request_id
         self._drop_orphan_streams()
         stream = self.loop.open_stream(rid)
-        try:
-            ids, hits = self.loop.run(
-                self.engine.reserve_remote,
+
+        def reserve() -> tuple[list[int], int, int]:
+            ids, hits = self.engine.reserve_remote(
                 rid,
                 list(request.prompt_token_ids),
                 SamplingParams(**request.params),
                 request.seed,
                 request.cache_salt,
             )
+            return ids, hits, self.engine.num_tier_blocks(rid)
+
+        try:
+            ids, hits, tier_blocks = self.loop.run(reserve)
         except Exception:
             self.loop.close_stream(rid)
             raise
@@ -124,7 +128,10 @@ class DecodeWorker(TransferEndpoint):
             self._expect[rid] = _Expected(prefill_id, tuple(ids[hits:]))
         self.leases.grant(rid, prefill_id or "", self.options.lease_seconds)
         return Reservation(
-            num_hit_blocks=hits, dst_block_ids=tuple(ids[hits:]), num_blocks=len(ids)
+            num_hit_blocks=hits,
+            dst_block_ids=tuple(ids[hits:]),
+            num_blocks=len(ids),
+            num_tier_blocks=tier_blocks,
         )
 
     def renew(self, request_id: str) -> bool:

@@ -12,7 +12,7 @@ from engine.choices import ChoiceGroup, choice_id, is_choice_of
 from engine.chunk_budget import ChunkBudget
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.disaggregation import DisaggregationHooks, HeldBlocks
+from engine.disaggregation import REMOTE_TIER_WAIT_S, DisaggregationHooks, HeldBlocks
 from engine.errors import CapacityError, GrammarRejected, InvalidRequestError, PromptTooLongError
 from engine.grammar import GrammarManager
 from engine.kv_cache_manager import KVCacheManager
@@ -98,6 +98,8 @@ class LLMEngine(DisaggregationHooks, RequestOutputs):
         # reads the block ids without waiting for a step to end
         self._held: dict[str, HeldBlocks] = {}
         self._went_on_from: float | None = None  # end of the last step, if work was left
+        # decode side: the longest complete_remote waits for a tier load still running
+        self.remote_tier_wait_s = REMOTE_TIER_WAIT_S
         self._grammar: GrammarManager | None = None  # made at the first structured request
 
     @property

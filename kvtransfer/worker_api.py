@@ -88,11 +88,13 @@ class PromptRequest:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reservation:
     """Blocks a decode worker reserved for a prompt: it holds the first num_hit_blocks
-    already; the prefill worker fills dst_block_ids with the rest, in prompt order."""
+    already (its KV cache's, then its KV tier's: loading while the prefill runs); the
+    prefill worker fills dst_block_ids with the rest, in prompt order."""
 
     num_hit_blocks: int
     dst_block_ids: tuple[int, ...]
     num_blocks: int  # the whole prompt's
+    num_tier_blocks: int = 0  # of num_hit_blocks, those loading from the KV tier
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
