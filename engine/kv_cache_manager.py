@@ -72,6 +72,42 @@ class KVCacheManager:
         self.pool.stats.hits += len(hits)
         return hits
 
+    def cached_run(self, request: Request, start: int, stop: int) -> list[KVBlock]:
+        """The cached blocks of request's blocks [start, stop), up to the first miss (takes no
+        references; request.block_hashes must cover them)."""
+        if not self.pool.enable_caching:
+            return []
+        run: list[KVBlock] = []
+        for i in range(start, min(stop, len(request.block_hashes))):
+            block = self.pool.lookup(request.block_hashes[i], self._hash_key(request, i))
+            if block is None:
+                break
+            run.append(block)
+        return run
+
+    def pin(self, table_id: str, blocks: list[KVBlock], num_new: int = 0) -> bool:
+        """Give table_id a table of `blocks` (one more reference each), then num_new fresh
+        blocks; False (nothing changed) when the pool cannot supply them."""
+        if table_id in self._tables:
+            raise KeyError(f"{table_id!r} already holds a block table")
+        leaving = num_new + sum(1 for b in blocks if b.ref_cnt == 0)
+        if leaving > self.pool.num_free_blocks:
+            return False
+        self.pool.touch(blocks)
+        self._tables[table_id] = list(blocks) + self.pool.allocate(num_new)
+        return True
+
+    def cache_range(self, table_id: str, request: Request, start: int, stop: int) -> int:
+        """Register table_id's blocks [start, stop) as request's blocks of the same indices
+        (their KV is in place); returns how many took the hash (a block already cached under
+        it elsewhere stays the canonical one)."""
+        table = self._tables[table_id]
+        n = 0
+        for i in range(start, stop):
+            self.pool.cache_block(table[i], request.block_hashes[i], self._hash_key(request, i))
+            n += table[i].block_hash == request.block_hashes[i]
+        return n
+
     def num_blocks_needed(
         self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
     ) -> int:

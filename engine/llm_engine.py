@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from engine.block_exchange import BlockExchangeHooks
 from engine.block_pool import BlockPool, KVEvent
 from engine.choices import ChoiceGroup, choice_id, is_choice_of
 from engine.chunk_budget import ChunkBudget
@@ -33,7 +34,7 @@ TIER_IDLE_WAIT_S = 0.01  # a step with nothing to run waits this long for a KV t
 GRAMMAR_WAIT_S = 0.005  # an empty step waits this long for a compiling grammar
 
 
-class LLMEngine(DisaggregationHooks, RequestOutputs):
+class LLMEngine(DisaggregationHooks, BlockExchangeHooks, RequestOutputs):
     """The engine step loop: schedule, run the model, process outputs.
 
     Outputs are keyed by the choice's engine id (engine.choices.choice_id: the request id
@@ -97,6 +98,8 @@ class LLMEngine(DisaggregationHooks, RequestOutputs):
         # prefilled request id -> its hold (prefill role); the prefill worker's sender thread
         # reads the block ids without waiting for a step to end
         self._held: dict[str, HeldBlocks] = {}
+        # exchange id -> its token run: blocks pinned for a pull (engine/block_exchange.py)
+        self._exchanges: dict[str, Request] = {}
         self._went_on_from: float | None = None  # end of the last step, if work was left
         # decode side: the longest complete_remote waits for a tier load still running
         self.remote_tier_wait_s = REMOTE_TIER_WAIT_S
@@ -298,7 +301,12 @@ class LLMEngine(DisaggregationHooks, RequestOutputs):
     def check_integrity(self) -> None:
         """Raise AssertionError if the block accounting is inconsistent."""
         self.pool.check_integrity()
-        stray = set(self.kv.table_ids()) - set(self.scheduler.requests) - set(self._held)
+        stray = (
+            set(self.kv.table_ids())
+            - set(self.scheduler.requests)
+            - set(self._held)
+            - set(self._exchanges)
+        )
         if stray:
             raise AssertionError(f"block tables of unknown requests: {sorted(stray)[:5]}")
         in_tables: dict[int, int] = {}

@@ -84,8 +84,24 @@ class TransferEndpoint:
             num_blocks=eng.pool.num_blocks,
             cache_queries=eng.pool.stats.queries,
             cache_hits=eng.pool.stats.hits,
+            **self._tier_stats(),
             **self._role_stats(),
         )
+
+    def _tier_stats(self) -> dict:
+        """The KV tier's WorkerStats fields (none without a tier)."""
+        if self.engine.kv_tier is None:
+            return {}
+        t = self.engine.kv_tier.stats()
+        return {
+            "tier_medium": t.medium,
+            "tier_capacity_bytes": t.capacity_bytes,
+            "tier_usage_bytes": t.usage_bytes,
+            "tier_blocks": t.num_blocks,
+            "tier_queries": t.queries,
+            "tier_hits": t.hits,
+            "tier_blocks_read": t.blocks_read,
+        }
 
     def kv_events(self) -> list[KVEvent]:
         """Take the stored/removed block-hash events since the last call, oldest first."""

@@ -18,6 +18,7 @@ import enum
 import functools
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import msgpack
@@ -50,6 +51,7 @@ __all__ = [
     "PrefillAPI",
     "PrefillResult",
     "PromptRequest",
+    "PullResult",
     "Reservation",
     "Role",
     "TokenOutput",
@@ -110,6 +112,24 @@ class PrefillResult:
     @property
     def prefilled(self) -> bool:
         return self.finish_reason == "prefilled"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PullResult:
+    """What a pull left in a prefill worker's KV cache: of the token run's num_blocks full
+    blocks it held num_present already (leading ones), and num_pulled more (those after
+    them) arrived from the decode worker and are cached now; a prefill computes the rest."""
+
+    num_blocks: int
+    num_present: int
+    num_pulled: int
+    payload_bytes: int = 0
+    seconds: float = 0.0  # the exchange with the decode worker (ask -> blocks in place)
+
+    @property
+    def num_cached(self) -> int:
+        """Leading blocks of the run in the prefill worker's KV cache now."""
+        return self.num_present + self.num_pulled
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -184,11 +204,26 @@ class WorkerStats:
     num_waiting_for_kv: int = 0  # decode: reservations whose KV has not arrived
     bytes_received: int = 0
     blocks_received: int = 0
+    blocks_pulled: int = 0  # prefill: blocks pulled from decode workers (PrefillAPI.pull_blocks)
+    blocks_served: int = 0  # decode: blocks sent to prefill workers' pulls
+    # The KV tier below the KV cache (engine/kv_tier); tier_medium "" without one.
+    tier_medium: str = ""
+    tier_capacity_bytes: int = 0
+    tier_usage_bytes: int = 0
+    tier_blocks: int = 0  # blocks the tier holds
+    tier_queries: int = 0  # blocks looked up in the tier past the KV cache's hits
+    tier_hits: int = 0
+    tier_blocks_read: int = 0  # blocks loaded back into the KV cache
 
     @property
     def hit_rate(self) -> float:
         """Prefix-cache hits / lookups (0.0 before the first lookup)."""
         return self.cache_hits / self.cache_queries if self.cache_queries else 0.0
+
+    @property
+    def tier_hit_rate(self) -> float:
+        """KV tier hits / lookups (0.0 before the first lookup or without a tier)."""
+        return self.tier_hits / self.tier_queries if self.tier_queries else 0.0
 
     @property
     def num_in_flight(self) -> int:
@@ -197,8 +232,13 @@ class WorkerStats:
         return self.num_requests + self.num_held + self.num_waiting_for_kv
 
     def summary(self) -> dict:
-        """Every field as a plain value, plus cache_hit_rate (for status output)."""
-        return {**to_wire(self), "cache_hit_rate": self.hit_rate}
+        """Every field as a plain value, plus cache_hit_rate and tier_hit_rate (for status
+        output)."""
+        return {
+            **to_wire(self),
+            "cache_hit_rate": self.hit_rate,
+            "tier_hit_rate": self.tier_hit_rate,
+        }
 
 
 # ---- the interfaces ------------------------------------------------------------------------
@@ -244,6 +284,21 @@ class PrefillAPI(WorkerAPI, Protocol):
 
     def ack(self, request_id: str) -> bool:
         """The decode side has the KV: release the held blocks (they stay cached)."""
+
+    def pull_blocks(
+        self,
+        decode_id: str,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        timeout: float = 30.0,
+    ) -> PullResult:
+        """Obtain from paired decode worker decode_id the KV of the full blocks of token_ids
+        (a prompt and its output: the next turn's prefix) that this worker's KV cache lacks,
+        from its first miss on, and cache it: the next prefill of a prompt starting with
+        these tokens computes only the rest. The decode worker sends the leading blocks it
+        holds from there (re-checked against the tokens). Raises UnknownPeer (not paired),
+        InvalidRequestError (bad token ids) or a TransferError (lost peer, timeout: nothing
+        was cached and every block it took is free again; prefill as without it)."""
 
 
 class DecodeAPI(WorkerAPI, Protocol):
