@@ -121,6 +121,7 @@ class DecodeWorker(TransferEndpoint):
                 SamplingParams(**request.params),
                 request.seed,
                 request.cache_salt,
+                retention=request.retention(),
             )
             return ids, hits, self.engine.num_tier_blocks(rid)
 
@@ -158,6 +159,7 @@ class DecodeWorker(TransferEndpoint):
             SamplingParams(**request.params),
             cache_salt=request.cache_salt,
             seed=request.seed,
+            retention=request.retention(),
         )
         with self._lock:
             self._streams[request.request_id] = stream

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from engine.errors import InvalidRequestError, NoFreeBlocksError
 from engine.request import Request, RequestStatus
+from engine.retention import Retention
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -35,6 +36,7 @@ class HeldBlocks(NamedTuple):
 
     since: float  # monotonic time its prefill ended
     block_ids: tuple[int, ...]  # fixed while held
+    retention: Retention | None = None  # the request's: applies when they are released
 
 
 class DisaggregationHooks:
@@ -51,10 +53,12 @@ class DisaggregationHooks:
         return list(held.block_ids)
 
     def release_held(self, request_id: str) -> bool:
-        """Free a prefilled request's blocks (they stay in the prefix cache)."""
-        if self._held.pop(request_id, None) is None:
+        """Free a prefilled request's blocks (they stay in the prefix cache, retained for
+        its session if it asked)."""
+        held = self._held.pop(request_id, None)
+        if held is None:
             return False
-        self.kv.free_table(request_id)
+        self.kv.free_table(request_id, held.retention)
         return True
 
     def held_since(self, request_id: str) -> float | None:
@@ -76,6 +80,7 @@ class DisaggregationHooks:
         seed: int,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        retention: Retention | None = None,
     ) -> tuple[list[int], int]:
         """Reserve blocks for a prompt whose KV will arrive from a prefill engine.
 
@@ -84,9 +89,11 @@ class DisaggregationHooks:
         blocks already present or loading); the rest must be received.
         Raises NoFreeBlocksError when the blocks are not free now.
         """
+        self._check_retention(retention)
         req = self._new_request(
             request_id, prompt_token_ids, params, cache_salt, arrival_time, seed, False
         )
+        req.retention = retention
         req.prompt_logprobs = None  # the prefill engine computes them (complete_remote)
         hits = self.kv.get_computed_blocks(req)
         tier = self.scheduler.tier

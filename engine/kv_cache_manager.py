@@ -8,6 +8,7 @@ from __future__ import annotations
 from engine.block_hash import hash_prompt_blocks, root_hash
 from engine.block_pool import BlockPool, HashKey, KVBlock
 from engine.request import Request
+from engine.retention import Retention
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -172,16 +173,23 @@ class KVCacheManager:
         self._num_hashed[child_id] = min(self._num_hashed.get(parent_id, 0), full)
         return copies
 
-    def free(self, request: Request) -> None:
-        """Release all of the request's blocks, tail first (evicted before the head)."""
-        self.free_table(request.request_id)
+    def free(self, request: Request, finished: bool = False) -> None:
+        """Release all of the request's blocks, tail first (evicted before the head); a
+        finished request's are retained for its session if it asked (request.retention)."""
+        self.free_table(request.request_id, request.retention if finished else None)
 
-    def free_table(self, request_id: str) -> None:
-        """Release the blocks held under request_id (no-op if there are none)."""
+    def free_table(self, request_id: str, retention: Retention | None = None) -> None:
+        """Release the blocks held under request_id (no-op if there are none), with
+        `retention`: kept for that session, from now on, for retention.seconds."""
         table = self._tables.pop(request_id, None)
         self._num_hashed.pop(request_id, None)
-        if table:
-            self.pool.free(list(reversed(table)))
+        if not table:
+            return
+        session = None
+        if retention is not None:
+            session = retention.session_id
+            self.pool.retain(session, self.pool.clock() + retention.seconds)
+        self.pool.free(list(reversed(table)), session)
 
     def table_ids(self) -> list[str]:
         """Ids of every request that holds a block table (live or held for transfer)."""

@@ -24,6 +24,7 @@ from engine.model_runner import BatchRow, ModelRunner, PromptLogprobsSpan
 from engine.outputs import RequestOutput, StepResult
 from engine.request import Request, RequestStatus
 from engine.request_outputs import RequestOutputs, finished_last
+from engine.retention import Retention
 from engine.sampler import SampleRequest, choice_seed
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -153,16 +154,20 @@ class LLMEngine(DisaggregationHooks, BlockExchangeHooks, RequestOutputs):
         arrival_time: float | None = None,
         seed: int | None = None,
         prefill_only: bool = False,
+        retention: Retention | None = None,
     ) -> Request:
         """Queue a tokenized prompt; raises InvalidRequestError/CapacityError on bad input.
 
         seed overrides the sampling seed (a request moved between engines keeps its seed).
         prefill_only: finish after the first token and hold the blocks until release_held();
         with n > 1 its n first tokens are sampled (one output per choice).
+        retention: once it finished, its blocks are kept for its session (engine/retention.py).
         """
+        self._check_retention(retention)
         req = self._new_request(
             request_id, prompt_token_ids, params, cache_salt, arrival_time, seed, prefill_only
         )
+        req.retention = retention
         if req.params.structured_output is not None:
             self.grammar.submit(request_id, req.params.structured_output)
             self.scheduler.hold(req)  # schedulable once its grammar is compiled
@@ -234,6 +239,11 @@ class LLMEngine(DisaggregationHooks, BlockExchangeHooks, RequestOutputs):
         if params.n > 1:
             self._groups[request_id] = ChoiceGroup(params.n)
         return req
+
+    def _check_retention(self, retention: Retention | None) -> None:
+        """InvalidRequestError unless a request's retention is within max_retention_seconds."""
+        if retention is not None:
+            retention.check(self.config.max_retention_seconds)
 
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(

@@ -113,7 +113,7 @@ class Scheduler:
             self.tier.cancel(request)  # returns once a load writes its blocks no more
         request.status = status
         if free_blocks:
-            self.kv.free(request)
+            self.kv.free(request, finished=True)
         self.requests.pop(request.request_id, None)
 
     def has_unfinished(self) -> bool:

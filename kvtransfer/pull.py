@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -34,10 +34,40 @@ from kvtransfer.pair import PeerGroup
 from kvtransfer.transfer_stats import TransferStats, stats_of
 from kvtransfer.wire import blocking
 
-if TYPE_CHECKING:
-    from kvtransfer.transfer import KVTransfer
-
 ANSWER_SLICE_S = 0.25  # longest single blocking wait for an answer
+
+
+class PayloadSteps(Protocol):
+    """The steps of a transfer that a pull reuses (kvtransfer.transfer.KVTransfer)."""
+
+    def announce(
+        self,
+        group: PeerGroup,
+        kv_cache: Sequence[torch.Tensor],
+        desc: TransferDescriptor,
+        epoch: int,
+        timeout: float,
+    ) -> Announcement:
+        """Queue desc's announcement for the peer; the frame sent."""
+
+    def send_payload(
+        self,
+        group: PeerGroup,
+        kv_cache: Sequence[torch.Tensor],
+        frame: Announcement,
+        timeout: float,
+    ) -> tuple[int, int]:
+        """Send an announced frame's payload; (messages, payload bytes)."""
+
+    def recv_payload(
+        self,
+        group: PeerGroup,
+        kv_cache: Sequence[torch.Tensor],
+        frame: Announcement,
+        timeout: float,
+        drain: bool,
+    ) -> tuple[int, int]:
+        """Receive an announced frame's payload into its dst blocks."""
 
 
 class PullServer(Protocol):
@@ -52,7 +82,7 @@ class PullServer(Protocol):
 
 
 def ask_pull(
-    xfer: KVTransfer,
+    xfer: PayloadSteps,
     group: PeerGroup,
     kv_cache: Sequence[torch.Tensor],
     pull: PullAsk,
@@ -94,7 +124,7 @@ def ask_pull(
 
 
 def answer_pull(
-    xfer: KVTransfer,
+    xfer: PayloadSteps,
     group: PeerGroup,
     kv_cache: Sequence[torch.Tensor],
     pull: PullAsk,

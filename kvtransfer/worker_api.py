@@ -33,6 +33,7 @@ from engine.errors import (
     NoFreeBlocksError,
     PromptTooLongError,
 )
+from engine.retention import Retention
 from kvtransfer.errors import (
     AddressError,
     DescriptorError,
@@ -75,16 +76,27 @@ class Role(enum.StrEnum):
 @dataclasses.dataclass(frozen=True, slots=True)
 class PromptRequest:
     """One request as the workers see it. For a disaggregated request the router fixes
-    params["seed"], so that prefill and decode draw the same random stream."""
+    params["seed"], so that prefill and decode draw the same random stream.
+
+    session_id / retention_seconds: the request belongs to a conversation that comes back;
+    once it finished, the blocks of its prompt and output are evicted last on every worker
+    that held them, for retention_seconds (engine/retention.py; bounded by the engine option
+    max_retention_seconds, else InvalidRequestError naming both)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: dict[str, Any]  # SamplingParams keyword arguments (msgpack-able values)
     cache_salt: str | None = None
+    session_id: str | None = None
+    retention_seconds: float | None = None
 
     @property
     def seed(self) -> int | None:
         return self.params.get("seed")
+
+    def retention(self) -> Retention | None:
+        """The engine's retention of this request (InvalidRequestError on bad fields)."""
+        return Retention.of(self.session_id, self.retention_seconds)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -145,6 +145,7 @@ class PrefillWorker(TransferEndpoint):
         ack() or the lease ends.
         """
         rid, prompt, params = request.request_id, list(request.prompt_token_ids), request.params
+        retention = request.retention()
         if decode_id is not None:
             self._sender(decode_id)  # not paired (yet): fail before any prefill work
         seed = request.seed if request.seed is not None else random.getrandbits(63)
@@ -158,6 +159,7 @@ class PrefillWorker(TransferEndpoint):
                 cache_salt=request.cache_salt,
                 seed=seed,
                 prefill_only=True,
+                retention=retention,
             )
             outs = [stream.get(timeout=timeout)]  # one per choice, the last finished
             while not outs[-1].finished:

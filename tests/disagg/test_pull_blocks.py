@@ -123,6 +123,22 @@ def test_pulls_need_a_paired_decode_worker_and_valid_tokens(workers):
     assert prefill.client.pull_blocks("d0", [1, 2, 3]) == PullResult(0, 0, 0)  # no full block
 
 
+def test_retention_fields_are_checked_by_the_workers(workers):
+    prefill, decode = workers
+    params = {"max_tokens": 1, "temperature": 0.0, "seed": 1}
+    too_long = PromptRequest("r", (5,) * 9, params, None, "chat", 601.0)
+    with pytest.raises(InvalidRequestError, match="at most max_retention_seconds=600"):
+        decode.client.reserve(too_long, "p0")
+    with pytest.raises(InvalidRequestError, match="at most max_retention_seconds=600"):
+        prefill.client.prefill(too_long)
+    no_session = PromptRequest("r", (5,) * 9, params, None, None, 60.0)
+    with pytest.raises(InvalidRequestError, match="retention_seconds needs a session_id"):
+        decode.client.local_generate(no_session)
+    kept = PromptRequest("kept", (5,) * 9, params, None, "chat", 60.0)
+    assert prefill.client.prefill(kept).prefilled
+    check_clean(prefill, decode)
+
+
 def test_a_decode_worker_that_dies_mid_pull_leaves_no_block_taken(tiny_llama):
     prefill = start_worker("prefill", "p0", engine_options(tiny_llama), TRANSFER)
     decode = start_worker("decode", "d0", engine_options(tiny_llama), TRANSFER)
