@@ -10,6 +10,14 @@ cluster counts each transfer once:
       side (measured on the prefill worker's clock, so it includes the ack's one-way trip)
   kv_transfer_failures_total   the receiver (decode worker): requests that failed because
       their KV did not arrive (a broken or timed-out transfer, or a lease that ran out)
+Pulls (decode -> prefill, PrefillAPI.pull_blocks) are recorded on both sides, each under its
+own names:
+  kv_pull_seconds / kv_pull_blocks_total / kv_pull_bytes_total / kv_pull_failures_total
+      the prefill worker: per pull, ask -> blocks in place (the histogram's count is the
+      pulls), the blocks and payload bytes that arrived, pulls that failed (nothing cached)
+  kv_pull_served_seconds / _blocks_total / _bytes_total / kv_pull_served_failures_total
+      the decode worker: per answered ask, pinning -> payload sent, what it sent, answers
+      that failed
 """
 
 from __future__ import annotations
@@ -42,6 +50,57 @@ class TransferMetrics:
             buckets=KV_TRANSFER_BUCKETS,
             registry=r,
         )
+
+        self.pull_time = Histogram(
+            f"{PREFIX}kv_pull_seconds",
+            "Histogram of pulls from decode workers, ask -> blocks in place, in seconds.",
+            buckets=KV_TRANSFER_BUCKETS,
+            registry=r,
+        )
+        self.pull_blocks = Counter(
+            f"{PREFIX}kv_pull_blocks", "KV blocks pulled from decode workers.", registry=r
+        )
+        self.pull_bytes = Counter(
+            f"{PREFIX}kv_pull_bytes", "KV payload bytes pulled from decode workers.", registry=r
+        )
+        self.pull_failures = Counter(
+            f"{PREFIX}kv_pull_failures",
+            "Pulls from decode workers that failed (nothing cached; the prefill computes).",
+            registry=r,
+        )
+        self.served_time = Histogram(
+            f"{PREFIX}kv_pull_served_seconds",
+            "Histogram of pulls answered for prefill workers, pinning -> payload sent, in seconds.",
+            buckets=KV_TRANSFER_BUCKETS,
+            registry=r,
+        )
+        self.served_blocks = Counter(
+            f"{PREFIX}kv_pull_served_blocks",
+            "KV blocks sent to prefill workers' pulls.",
+            registry=r,
+        )
+        self.served_bytes = Counter(
+            f"{PREFIX}kv_pull_served_bytes",
+            "KV payload bytes sent to prefill workers' pulls.",
+            registry=r,
+        )
+        self.served_failures = Counter(
+            f"{PREFIX}kv_pull_served_failures",
+            "Answers to prefill workers' pulls that failed.",
+            registry=r,
+        )
+
+    def pulled(self, num_blocks: int, payload_bytes: int, seconds: float) -> None:
+        """A pull into this (prefill) worker finished."""
+        self.pull_time.observe(max(0.0, seconds))
+        self.pull_blocks.inc(num_blocks)
+        self.pull_bytes.inc(payload_bytes)
+
+    def served(self, num_blocks: int, payload_bytes: int, seconds: float) -> None:
+        """This (decode) worker answered a pull."""
+        self.served_time.observe(max(0.0, seconds))
+        self.served_blocks.inc(num_blocks)
+        self.served_bytes.inc(payload_bytes)
 
     def sent(self, num_blocks: int, payload_bytes: int) -> None:
         """One transfer left this (sending) worker."""
