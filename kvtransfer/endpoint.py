@@ -38,7 +38,7 @@ class TransferEndpoint:
         self.worker_id = worker_id
         self.options = TransferOptions(**(transfer or {}))
         self.engine = LLMEngine(**(engine_options or {}))
-        self.loop = EngineLoop(self.engine).start()
+        self.loop = EngineLoop(self.engine)  # started below, once its step hook is in place
         self.registry = GroupRegistry(
             self.engine.runner.device,
             self.options.backend,
@@ -56,7 +56,10 @@ class TransferEndpoint:
         self._notifier = ThreadPoolExecutor(
             NOTIFY_THREADS, thread_name_prefix=f"notify-{worker_id}"
         )
+        # Before the loop starts: its first idle tick carries the KV events of start-up (a
+        # disk tier's re-indexed blocks), which must reach self._events.
         self.loop.add_step_hook(self._after_step)
+        self.loop.start()
 
     def info(self) -> WorkerInfo:
         """Identity and cache geometry; constant while the worker runs."""
