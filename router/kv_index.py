@@ -1,9 +1,15 @@
-"""KVIndex: which block hashes each worker holds, rebuilt from the workers' own KV events.
+"""KVIndex: which block hashes each worker holds, and where, rebuilt from the workers' own KV
+events.
 
 The index is never guessed from routing decisions: a worker's entry changes only when one
-of its `stored` / `removed` events is applied. Two maps are kept in step:
-    _blocks[worker]  the set of hashes that worker holds
-    _holders[hash]   the set of workers holding that hash (never an empty set)
+of its `stored` / `removed` events is applied. An entry is keyed by (hash, medium): an event's
+`medium` says whether it is about the worker's KV cache ("device") or its KV tier ("host",
+"disk"), so a tier eviction never drops a hash the device still holds, and a device eviction
+never drops the tier's copy. The device entries are two maps kept in step:
+    _blocks[worker]  the set of hashes that worker's KV cache holds
+    _holders[hash]   the set of workers whose KV cache holds that hash (never an empty set)
+and the tier entries one:
+    _tier[worker]    medium -> the set of hashes that worker's tier of that medium holds
 so that a query costs O(prompt blocks) set lookups, independent of the cache sizes.
 """
 
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from engine.block_hash import BlockHash
@@ -18,27 +25,51 @@ from engine.block_hash import BlockHash
 WorkerId = str
 
 _KINDS = ("stored", "removed")
+DEVICE = "device"  # the KV cache's medium; any other medium is a KV tier's
+# Tier media whose blocks outlive the worker process: a restarted worker reopens them (its
+# disk tier directory) and announces what it kept, so their entries survive a restart.
+PERSISTENT_MEDIA = frozenset({"disk"})
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHits:
+    """A prompt's leading blocks on one worker as its engine would find them: `device` in its
+    KV cache, then `tier` more in its KV tier right after them (loaded, not computed)."""
+
+    device: int = 0
+    tier: int = 0
+    medium: str | None = None  # the tier's medium when tier > 0
+
+    @property
+    def blocks(self) -> int:
+        """Leading blocks the worker need not compute."""
+        return self.device + self.tier
 
 
 class UnknownWorker(KeyError):
     """Events arrived for a worker the index was not told about (add_worker first)."""
 
 
-def _normalize(event: Any) -> tuple[str, tuple[BlockHash, ...]]:
-    """(kind, block hashes) of a KVEvent or of its plain-dict form from RPC / Ray."""
+def _normalize(event: Any) -> tuple[str, tuple[BlockHash, ...], str]:
+    """(kind, block hashes, medium) of a KVEvent or of its plain-dict form from RPC / Ray; an
+    event without a medium is the KV cache's."""
     if isinstance(event, Mapping):
         missing = [k for k in ("kind", "block_hashes") if k not in event]
         if missing:
             raise ValueError(f"KV event {event!r} lacks field(s) {', '.join(missing)}")
         kind, hashes = event["kind"], event["block_hashes"]
+        medium = event.get("medium") or DEVICE
     else:
         try:
             kind, hashes = event.kind, event.block_hashes
         except AttributeError as exc:
             raise ValueError(f"not a KV event (need kind and block_hashes): {event!r}") from exc
+        medium = getattr(event, "medium", None) or DEVICE
     if kind not in _KINDS:
         raise ValueError(f"KV event kind must be one of {_KINDS}, got {kind!r}")
-    return kind, tuple(hashes)
+    if not isinstance(medium, str):
+        raise ValueError(f"KV event medium must be a string, got {medium!r}")
+    return kind, tuple(hashes), medium
 
 
 class KVIndex:
@@ -54,6 +85,7 @@ class KVIndex:
     def __init__(self) -> None:
         self._blocks: dict[WorkerId, set[BlockHash]] = {}
         self._holders: dict[BlockHash, set[WorkerId]] = {}
+        self._tier: dict[WorkerId, dict[str, set[BlockHash]]] = {}  # keys: _blocks' keys
         self._lock = threading.Lock()
 
     # ---- membership ----------------------------------------------------------------------
@@ -61,15 +93,29 @@ class KVIndex:
         """Register a worker with an empty cache; a known worker keeps its entries."""
         with self._lock:
             self._blocks.setdefault(worker_id, set())
+            self._tier.setdefault(worker_id, {})
 
     def remove_worker(self, worker_id: WorkerId) -> None:
-        """Forget a worker and every block it held (no-op for an unknown worker).
-
-        A restarted worker starts with an empty cache: remove it, then add it again.
-        """
+        """Forget a worker and every block it held, in every medium (no-op for an unknown
+        worker)."""
         with self._lock:
             for h in self._blocks.pop(worker_id, ()):
                 self._drop_holder(h, worker_id)
+            self._tier.pop(worker_id, None)
+
+    def restart_worker(self, worker_id: WorkerId) -> None:
+        """A worker restarted: its KV cache and any host tier are empty, its PERSISTENT_MEDIA
+        entries stay (the restarted worker re-announces what its disk tier kept, and those
+        events may arrive before the restart is reported). No-op for an unknown worker."""
+        with self._lock:
+            if worker_id not in self._blocks:
+                return
+            for h in self._blocks[worker_id]:
+                self._drop_holder(h, worker_id)
+            self._blocks[worker_id] = set()
+            tiers = self._tier[worker_id]
+            for medium in [m for m in tiers if m not in PERSISTENT_MEDIA]:
+                del tiers[medium]
 
     def workers(self) -> list[WorkerId]:
         """Registered worker ids, sorted."""
@@ -92,8 +138,12 @@ class KVIndex:
                     f"KV events for unknown worker {worker_id!r}; "
                     f"call add_worker({worker_id!r}) first"
                 )
-            for kind, hashes in batch:
-                if kind == "stored":
+            tiers = self._tier[worker_id]
+            for kind, hashes, medium in batch:
+                if medium != DEVICE:
+                    media = tiers.setdefault(medium, set())
+                    (media.update if kind == "stored" else media.difference_update)(hashes)
+                elif kind == "stored":
                     for h in hashes:
                         if h not in held:
                             held.add(h)
@@ -112,7 +162,8 @@ class KVIndex:
 
     # ---- queries -------------------------------------------------------------------------
     def prefix_hits(self, worker_id: WorkerId, block_hashes: Sequence[BlockHash]) -> int:
-        """Number of leading prompt blocks the worker holds (0 for an unknown worker).
+        """Number of leading prompt blocks the worker's KV cache holds (0 for an unknown
+        worker).
 
         Counting stops at the first miss: a prefix cache only helps contiguously from the
         start of the prompt.
@@ -125,6 +176,24 @@ class KVIndex:
                     break
                 n += 1
             return n
+
+    def hits(self, worker_id: WorkerId, block_hashes: Sequence[BlockHash]) -> PrefixHits:
+        """The worker's leading prompt blocks as its engine finds them: prefix_hits in the KV
+        cache, then the run its KV tier holds from the first device miss on (a worker has one
+        tier; were there several, the one holding the longest run)."""
+        device = self.prefix_hits(worker_id, block_hashes)
+        rest = block_hashes[device:]
+        best = PrefixHits(device)
+        with self._lock:
+            for medium, held in sorted(self._tier.get(worker_id, {}).items()):
+                n = 0
+                for h in rest:
+                    if h not in held:
+                        break
+                    n += 1
+                if n > best.tier:
+                    best = PrefixHits(device, n, medium)
+        return best
 
     def best(self, block_hashes: Sequence[BlockHash]) -> dict[WorkerId, int]:
         """prefix_hits of every registered worker, most hits first (ties by worker id)."""
@@ -139,10 +208,12 @@ class KVIndex:
                     hits[w] = i + 1
         return dict(sorted(hits.items(), key=lambda kv: (-kv[1], kv[0])))
 
-    def num_blocks(self, worker_id: WorkerId) -> int:
-        """How many block hashes the worker holds (0 for an unknown worker)."""
+    def num_blocks(self, worker_id: WorkerId, medium: str = DEVICE) -> int:
+        """How many block hashes the worker holds in `medium` (0 for an unknown worker)."""
         with self._lock:
-            return len(self._blocks.get(worker_id, ()))
+            if medium == DEVICE:
+                return len(self._blocks.get(worker_id, ()))
+            return len(self._tier.get(worker_id, {}).get(medium, ()))
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless the per-worker and per-hash maps agree exactly."""
@@ -153,3 +224,5 @@ class KVIndex:
                 raise AssertionError(f"index maps disagree on {len(pairs ^ inverse)} entries")
             if any(not ws for ws in self._holders.values()):
                 raise AssertionError("a hash has an empty holder set")
+            if set(self._tier) != set(self._blocks):
+                raise AssertionError("the tier map and the device map name other workers")

@@ -139,14 +139,13 @@ class WorkerPools:
 
     # ---- health ------------------------------------------------------------------------
     def update_membership(self, health: dict) -> None:
-        """Apply the controller's check_health(): restarted workers start with an empty cache,
-        unhealthy ones get no new requests."""
+        """Apply the controller's check_health(): restarted workers start with an empty KV
+        cache (their disk tier's blocks stay indexed), unhealthy ones get no new requests."""
         with self._changed:
             known = {*self.prefill, *self.decode}
             for worker_id in health.get("restarted", []):
-                if worker_id in known:
-                    self.index.remove_worker(worker_id)
-                    self.index.add_worker(worker_id)
+                if worker_id in known:  # its KV cache is empty; a disk tier's blocks stay
+                    self.index.restart_worker(worker_id)
                     self.load.forget(worker_id)
             self._num_reports += 1
             for worker_id, ok in health.get("healthy", {}).items():

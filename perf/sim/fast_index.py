@@ -31,6 +31,10 @@ class FastKVIndex(KVIndex):
         self._query = None
         super().remove_worker(worker_id)
 
+    def restart_worker(self, worker_id: WorkerId) -> None:
+        self._query = None
+        super().restart_worker(worker_id)
+
     def prefix_hits(self, worker_id: WorkerId, block_hashes: Sequence[BlockHash]) -> int:
         key = (len(block_hashes), block_hashes[-1] if block_hashes else None)
         if key != self._query:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from engine.block_hash import hash_prompt_blocks
 from engine.block_pool import BlockPool, KVEvent
-from router.kv_index import KVIndex, UnknownWorker
+from router.kv_index import KVIndex, PrefixHits, UnknownWorker
 
 SEED = "router-test-seed"
 BS = 4
@@ -145,16 +145,91 @@ def test_best_orders_workers_by_hits_then_id():
     assert index.best([]) == {"p0": 0, "p1": 0, "p2": 0, "p3": 0}
 
 
+# ---- media: the KV cache ("device") and the KV tier ("host", "disk") -----------------------
+def on(medium: str, kind: str, hashes: list[int]) -> KVEvent:
+    return KVEvent(kind, tuple(hashes), medium=medium)
+
+
+def test_a_block_evicted_to_the_tier_is_a_tier_hit_after_the_device_run():
+    index = index_with(d0=A[:6])
+    # The KV cache evicts blocks 3..5; the tier stores them (as an engine's events say).
+    index.apply("d0", [on("device", "removed", A[3:6]), on("disk", "stored", A[3:6])])
+    assert index.hits("d0", A) == PrefixHits(device=3, tier=3, medium="disk")
+    assert index.prefix_hits("d0", A) == 3  # the KV cache's run alone
+    assert (index.num_blocks("d0"), index.num_blocks("d0", "disk")) == (3, 3)
+    # The tier run starts where the device run stops: block 0 only in the tier is no hit
+    # for a prompt whose device run is 0 ... unless the tier holds block 0 too.
+    index.apply("d0", [on("device", "removed", A[:1])])
+    assert index.hits("d0", A) == PrefixHits(0, 0, None)
+    index.apply("d0", [on("disk", "stored", A[:3])])
+    assert index.hits("d0", A) == PrefixHits(0, 6, "disk")
+    index.check_integrity()
+
+
+def test_a_tier_eviction_keeps_the_device_copy_and_vice_versa():
+    index = index_with(d0=[])
+    index.apply(
+        "d0",
+        [
+            on("device", "stored", A[:4]),
+            on("host", "stored", A[:4]),  # written back while still cached
+            on("host", "removed", A[:2]),  # the tier evicts its copies of blocks 0, 1
+        ],
+    )
+    assert index.hits("d0", A) == PrefixHits(4, 0, None)  # the device still holds all four
+    index.apply("d0", [on("device", "removed", A[2:4])])
+    assert index.hits("d0", A) == PrefixHits(2, 2, "host")  # blocks 2, 3: the tier's copies
+    index.apply("d0", [on("device", "removed", A[:2]), on("device", "stored", A[:1])])
+    assert index.hits("d0", A) == PrefixHits(1, 0, None)  # block 1 is nowhere now
+    assert (index.num_blocks("d0"), index.num_blocks("d0", "host")) == (1, 2)
+    index.check_integrity()
+
+
+def test_dict_events_carry_their_medium():
+    index = index_with(d0=[])
+    wire = msgpack.unpackb(msgpack.packb([dataclasses.asdict(on("disk", "stored", A[:3]))]))
+    index.apply("d0", wire)
+    index.apply("d0", [{"kind": "stored", "block_hashes": [A[0]]}])  # no medium: device
+    assert index.hits("d0", A) == PrefixHits(1, 2, "disk")
+    with pytest.raises(ValueError, match="medium must be a string"):
+        index.apply("d0", [{"kind": "stored", "block_hashes": [A[5]], "medium": 3}])
+
+
+def test_a_restart_empties_the_device_and_host_entries_but_keeps_the_disk_ones():
+    index = index_with(d0=A[:2], p0=A[:3])
+    index.apply("d0", [on("disk", "stored", A[2:5])])
+    index.apply("p0", [on("host", "stored", A[3:5])])
+    # The restarted d0 re-announces what its disk tier kept before the restart is reported.
+    index.apply("d0", [on("disk", "stored", A[:2])])
+    index.restart_worker("d0")
+    index.restart_worker("p0")
+    assert index.hits("d0", A) == PrefixHits(0, 5, "disk")
+    assert index.hits("p0", A) == PrefixHits(0, 0, None)
+    assert (index.num_blocks("d0"), index.num_blocks("p0", "host")) == (0, 0)
+    index.restart_worker("nobody")  # no-op
+    index.remove_worker("d0")
+    index.add_worker("d0")
+    assert index.hits("d0", A) == PrefixHits(0, 0, None)  # removal forgets every medium
+    index.check_integrity()
+
+
 # ---- equivalence with a brute-force replay ---------------------------------------------------
 POOL = A + B[3:]  # 13 distinct hashes; A and B share their first 3
 WORKERS = ["w0", "w1", "w2"]
+MEDIA = ["device", "disk"]
 op = st.one_of(
     st.tuples(
         st.sampled_from(["stored", "removed"]),
         st.sampled_from(WORKERS),
         st.lists(st.sampled_from(POOL), max_size=5),
+        st.sampled_from(MEDIA),
     ),
-    st.tuples(st.sampled_from(["add", "drop"]), st.sampled_from(WORKERS), st.just([])),
+    st.tuples(
+        st.sampled_from(["add", "drop", "restart"]),
+        st.sampled_from(WORKERS),
+        st.just([]),
+        st.just(""),
+    ),
 )
 
 
@@ -164,32 +239,44 @@ op = st.one_of(
     queries=st.lists(st.lists(st.sampled_from(POOL), max_size=8), max_size=4),
 )
 def test_index_equals_brute_force_replay(ops, queries):
-    index, model = KVIndex(), {}
-    for kind, worker, hashes in ops:
+    index, model = KVIndex(), {}  # model: worker -> medium -> hashes
+    for kind, worker, hashes, medium in ops:
         if kind == "add":
             index.add_worker(worker)
-            model.setdefault(worker, set())
+            model.setdefault(worker, {m: set() for m in MEDIA})
         elif kind == "drop":
             index.remove_worker(worker)
             model.pop(worker, None)
+        elif kind == "restart":
+            index.restart_worker(worker)
+            if worker in model:
+                model[worker]["device"] = set()
         elif worker not in model:
             with pytest.raises(UnknownWorker):
-                index.apply(worker, [KVEvent(kind, tuple(hashes))])
+                index.apply(worker, [KVEvent(kind, tuple(hashes), medium=medium)])
         else:
-            index.apply(worker, [KVEvent(kind, tuple(hashes))])
-            for h in hashes:
-                (model[worker].add if kind == "stored" else model[worker].discard)(h)
+            index.apply(worker, [KVEvent(kind, tuple(hashes), medium=medium)])
+            held = model[worker][medium]
+            (held.update if kind == "stored" else held.difference_update)(hashes)
     index.check_integrity()
 
-    def brute(worker: str, prompt: list[int]) -> int:
+    def run(held: set, prompt: list[int]) -> int:
         n = 0
-        while n < len(prompt) and prompt[n] in model.get(worker, ()):
+        while n < len(prompt) and prompt[n] in held:
             n += 1
         return n
 
+    def brute(worker: str, prompt: list[int]) -> PrefixHits:
+        media = model.get(worker, {m: set() for m in MEDIA})
+        device = run(media["device"], prompt)
+        tier = run(media["disk"], prompt[device:])
+        return PrefixHits(device, tier, "disk" if tier else None)
+
     assert index.workers() == sorted(model)
     for prompt in [A, B, *queries]:
-        assert index.best(prompt) == {w: brute(w, prompt) for w in model}
+        assert index.best(prompt) == {w: brute(w, prompt).device for w in model}
         for w in WORKERS:
-            assert index.prefix_hits(w, prompt) == brute(w, prompt)
-            assert index.num_blocks(w) == len(model.get(w, ()))
+            assert index.hits(w, prompt) == brute(w, prompt)
+            assert index.prefix_hits(w, prompt) == brute(w, prompt).device
+            for m in MEDIA:
+                assert index.num_blocks(w, m) == len(model.get(w, {}).get(m, ()))
