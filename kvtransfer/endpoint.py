@@ -13,6 +13,7 @@ from typing import Any
 from engine import LLMEngine
 from engine.engine_loop import EngineLoop
 from engine.metrics import snapshot
+from engine.step_model import FALLBACK, StepShape, find_step_model
 from kvtransfer.group import GroupRegistry
 from kvtransfer.lease import LeaseTable
 from kvtransfer.metrics import TransferMetrics
@@ -38,6 +39,8 @@ class TransferEndpoint:
         self.worker_id = worker_id
         self.options = TransferOptions(**(transfer or {}))
         self.engine = LLMEngine(**(engine_options or {}))
+        self._block_bytes = self.engine.runner.block_bytes()
+        self._prefill_token_seconds = prefill_token_seconds(self.engine)
         self.loop = EngineLoop(self.engine)  # started below, once its step hook is in place
         self.registry = GroupRegistry(
             self.engine.runner.device,
@@ -87,6 +90,8 @@ class TransferEndpoint:
             num_blocks=eng.pool.num_blocks,
             cache_queries=eng.pool.stats.queries,
             cache_hits=eng.pool.stats.hits,
+            kv_block_bytes=self._block_bytes,
+            prefill_token_seconds=self._prefill_token_seconds,
             **self._tier_stats(),
             **self._role_stats(),
         )
@@ -104,6 +109,8 @@ class TransferEndpoint:
             "tier_queries": t.queries,
             "tier_hits": t.hits,
             "tier_blocks_read": t.blocks_read,
+            "tier_bytes_read": t.bytes_read,
+            "tier_load_seconds": t.load_seconds,
         }
 
     def kv_events(self) -> list[KVEvent]:
@@ -177,3 +184,14 @@ class TransferEndpoint:
 
     def _expire_leases(self) -> None:
         """Runs on the loop thread after every step; subclasses free what expired."""
+
+
+def prefill_token_seconds(engine: LLMEngine) -> float:
+    """Seconds per prompt token of one chunk_size-token prefill step on an idle engine, as its
+    step-time profile predicts it (engine/step_model.py; the built-in fallback without one)."""
+    try:
+        model = find_step_model(engine.config.step_profile, engine.step_profile_key())
+    except (OSError, ValueError):
+        model = FALLBACK
+    n = engine.config.chunk_size
+    return model.predict(StepShape.of(chunks=[(0, n)])) / n

@@ -226,6 +226,11 @@ class WorkerStats:
     tier_queries: int = 0  # blocks looked up in the tier past the KV cache's hits
     tier_hits: int = 0
     tier_blocks_read: int = 0  # blocks loaded back into the KV cache
+    tier_bytes_read: int = 0  # their bytes
+    tier_load_seconds: float = 0.0  # summed over loads (start -> blocks in place)
+    # What the router's cost model needs of the engine (router/kv_cost.py; 0: unknown).
+    kv_block_bytes: int = 0  # one KV block's bytes across layers, keys and values
+    prefill_token_seconds: float = 0.0  # the step-time profile's prefill seconds per token
 
     @property
     def hit_rate(self) -> float:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import random
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple
 
 from engine.block_hash import BlockHash
 from kvtransfer.worker_api import Role
-from router.kv_index import KVIndex, WorkerId
+from router.kv_cost import CostBook, WorkerRates
+from router.kv_index import KVIndex, PrefixHits, WorkerId
 from router.policy_names import DEFAULT_POLICY, POLICY_NAMES
 
 
@@ -64,22 +65,45 @@ class DecodeChoice(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class PromptInfo:
-    """What a policy may know about the prompt; `cached_tokens` reads the index."""
+    """What a policy may know about the prompt; `hits` reads the index, `cost` the rates.
+
+    affinity: prompt tokens a worker is credited for holding the prompt's session (the
+    worker its previous turn ran on, router/sessions.py); empty without a session."""
 
     block_hashes: Sequence[BlockHash]
     block_size: int
     num_tokens: int
     index: KVIndex
+    costs: CostBook | None = None  # None: the default rates (router/kv_cost.py)
+    affinity: Mapping[WorkerId, int] = field(default_factory=dict)
 
     @property
     def max_hit_blocks(self) -> int:
         """Blocks an engine may take from cache: its last token is always computed."""
         return min(len(self.block_hashes), (self.num_tokens - 1) // self.block_size)
 
+    def hits(self, worker_id: WorkerId) -> PrefixHits:
+        """The worker's leading cached blocks of the prompt: KV cache, then KV tier."""
+        return self.index.hits(worker_id, self.block_hashes[: self.max_hit_blocks])
+
     def cached_tokens(self, worker_id: WorkerId) -> int:
-        """Prompt tokens the worker holds as a leading run of cached blocks."""
-        hashes = self.block_hashes[: self.max_hit_blocks]
-        return self.index.prefix_hits(worker_id, hashes) * self.block_size
+        """Prompt tokens the worker need not compute (its KV cache's and its tier's)."""
+        return self.hits(worker_id).blocks * self.block_size
+
+    def rates(self, worker_id: WorkerId) -> WorkerRates:
+        return self.costs.rates(worker_id) if self.costs is not None else WorkerRates()
+
+    def cost_tokens(self, worker_id: WorkerId) -> float:
+        """The prompt's prefill on the worker in prefill tokens: the uncached tokens, each
+        tier-hit token at its tier cost (router/kv_cost.py), less the session affinity."""
+        h = self.hits(worker_id)
+        uncached = self.num_tokens - h.blocks * self.block_size
+        tier = (
+            h.tier
+            * self.block_size
+            * self.rates(worker_id).tier_token_cost(h.medium, self.block_size)
+        )
+        return uncached + tier - self.affinity.get(worker_id, 0)
 
 
 class Policy(ABC):
@@ -97,17 +121,19 @@ class Policy(ABC):
 class CacheAware(Policy):
     """The worker that would finish this prompt's prefill soonest.
 
-    score = uncached prompt tokens + queued prefill tokens, so the longest cached prefix
-    wins unless that worker's queue is longer than what its cache saves. Ties go to the
-    shorter queue, then to the worker caching fewer blocks (a new prompt family goes where
-    it displaces least and spreads the families over the pool), then the lower worker id.
+    score = (PromptInfo.cost_tokens + queued prefill tokens) x the worker's prefill seconds
+    per token: uncached tokens count whole, tier hits at their tier cost (between a device
+    hit's 0 and 1), so the longest cached prefix wins unless that worker's queue is longer
+    than what its cache saves. Ties go to the shorter queue, then to the worker caching fewer
+    blocks (a new prompt family goes where it displaces least and spreads the families over
+    the pool), then the lower worker id.
     """
 
     def choose(self, prompt: PromptInfo, loads: list[WorkerLoad]) -> WorkerLoad:
-        def key(w: WorkerLoad) -> tuple[int, int, int, str]:
-            uncached = prompt.num_tokens - prompt.cached_tokens(w.worker_id)
+        def key(w: WorkerLoad) -> tuple[float, int, int, str]:
+            cost = prompt.cost_tokens(w.worker_id) + w.queued_prefill_tokens
             return (
-                uncached + w.queued_prefill_tokens,
+                cost * prompt.rates(w.worker_id).prefill_token_s,
                 w.queued_prefill_tokens,
                 prompt.index.num_blocks(w.worker_id),
                 w.worker_id,
@@ -203,11 +229,14 @@ def choose_prefill(
     index: KVIndex,
     *,
     num_prompt_tokens: int | None = None,
+    costs: CostBook | None = None,
+    affinity: Mapping[WorkerId, int] | None = None,
 ) -> PrefillChoice:
     """Pick a healthy prefill worker with `policy` (a name in POLICIES or an instance).
 
     Without num_prompt_tokens the prompt is taken to end in a partial block after its
-    full ones; pass it to apply the engine's cap (the last token is never cached).
+    full ones; pass it to apply the engine's cap (the last token is never cached). costs:
+    the workers' measured rates (None: the defaults); affinity: PromptInfo's.
     """
     if isinstance(policy, str):
         if policy in POLICIES and POLICIES[policy].stateful:
@@ -219,7 +248,9 @@ def choose_prefill(
     if num_prompt_tokens is None:
         num_prompt_tokens = len(prompt_block_hashes) * block_size + 1
     _check_prompt(prompt_block_hashes, block_size, num_prompt_tokens)
-    prompt = PromptInfo(prompt_block_hashes, block_size, num_prompt_tokens, index)
+    prompt = PromptInfo(
+        prompt_block_hashes, block_size, num_prompt_tokens, index, costs, affinity or {}
+    )
     chosen = policy.choose(prompt, _healthy(loads, Role.PREFILL))
     return PrefillChoice(chosen.worker_id, prompt.cached_tokens(chosen.worker_id))
 
@@ -230,11 +261,17 @@ def choose_decode(
     block_size: int,
     loads: Sequence[DecodeLoad],
     index: KVIndex,
+    *,
+    costs: CostBook | None = None,
+    affinity: Mapping[WorkerId, int] | None = None,
 ) -> DecodeChoice:
-    """Pick a healthy decode worker: room for the prompt, then the longest own cached prefix
-    (from the worker's KV events), then fewer running requests, then fewer cached blocks (a
-    new prompt family goes where it displaces least, spreading families over the pool, as
-    CacheAware does), then the lower id. In aggregated mode this is the only choice made.
+    """Pick a healthy decode worker: room for the prompt, then the most prefill its own
+    cached prefix saves (from the worker's KV events: its KV cache's tokens whole, its tier's
+    at 1 - their tier cost, plus the session affinity), then fewer running requests, then
+    fewer cached blocks (a new prompt family goes where it displaces least, spreading
+    families over the pool, as CacheAware does), then the lower id. In aggregated mode this
+    is the only choice made. hit_blocks counts the KV cache's and the tier's blocks (a
+    reservation counts both).
 
     A worker "fits" when its free blocks cover every block of the prompt (its own hits may
     be evictable blocks that the reservation takes off the free queue too). If none fits,
@@ -243,20 +280,26 @@ def choose_decode(
     _check_prompt(prompt_block_hashes, block_size, num_prompt_tokens)
     healthy = _healthy(loads, Role.DECODE)
     needed = -(-num_prompt_tokens // block_size)
-    prompt = PromptInfo(prompt_block_hashes, block_size, num_prompt_tokens, index)
-    hits = {w.worker_id: prompt.cached_tokens(w.worker_id) // block_size for w in healthy}
+    prompt = PromptInfo(
+        prompt_block_hashes, block_size, num_prompt_tokens, index, costs, affinity or {}
+    )
+    hits = {w.worker_id: prompt.hits(w.worker_id) for w in healthy}
+    # prefill tokens each worker's own cache saves (as PromptInfo.cost_tokens counts them)
+    saved = {w: num_prompt_tokens - prompt.cost_tokens(w) for w in hits}
     best = min(
         healthy,
         key=lambda w: (
             w.free_blocks < needed,
-            -hits[w.worker_id],
+            -saved[w.worker_id],
             w.running_requests,
             index.num_blocks(w.worker_id),
             w.worker_id,
         ),
     )
     later = any(w.total_blocks is None or w.total_blocks >= needed for w in healthy)
-    return DecodeChoice(best.worker_id, hits[best.worker_id], best.free_blocks >= needed, later)
+    return DecodeChoice(
+        best.worker_id, hits[best.worker_id].blocks, best.free_blocks >= needed, later
+    )
 
 
 class LoadTracker:
