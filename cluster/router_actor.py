@@ -146,6 +146,7 @@ class RouterActor:
             wait_for_workers_s=s.wait_for_workers_s,
             aggregated=s.aggregated,
             migration_limit=s.migration_limit,
+            max_retention_seconds=s.max_retention_seconds,
         )
         tokenizer = (
             None
@@ -230,6 +231,7 @@ class RouterActor:
             settings.wait_for_workers_s,
             settings.aggregated,
             settings.migration_limit,
+            settings.max_retention_seconds,
         )
 
     async def node_id(self) -> str:

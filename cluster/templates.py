@@ -94,6 +94,10 @@ def router_settings(manifest: Manifest) -> RouterSettings:
         aggregated=spec.prefill.replicas == 0,
         wait_for_workers_s=router.wait_for_workers_seconds,
         migration_limit=router.migration_limit,
+        max_retention_seconds=min(
+            spec.engine_for(role).max_retention_seconds
+            for role in (("prefill", "decode") if spec.prefill.replicas else ("decode",))
+        ),
         block_size=engine.block_size,
         hash_seed=engine.hash_seed,
     )

@@ -13,6 +13,7 @@ kvtransfer.worker_client (over RPC or Ray). What it yields are the router's outp
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from collections.abc import Iterator
@@ -20,8 +21,18 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from kvtransfer.errors import UnknownPeer
-from kvtransfer.worker_api import DecodeAPI, PrefillAPI, PrefillResult, PromptRequest, Reservation
+from kvtransfer.worker_api import (
+    DecodeAPI,
+    PrefillAPI,
+    PrefillResult,
+    PromptRequest,
+    PullResult,
+    Reservation,
+)
+from router.sessions import SessionHint
 from router.worker_failures import PairNotReady, is_worker_failure, kv_never_arrived
+
+logger = logging.getLogger(__name__)
 
 # How often a request waiting for its prefill checks that the decode worker still holds its
 # reservation; the calls themselves run on this pool (a frozen worker's call may outlive it).
@@ -55,6 +66,7 @@ def generate_disaggregated(
     cache_salt: str | None = None,
     timeout: float = 600.0,
     poll_s: float = 0.5,
+    session: SessionHint | None = None,
 ) -> Iterator[dict]:
     """Yield the decode worker's output dicts for one request; the last has finished=True.
 
@@ -63,7 +75,7 @@ def generate_disaggregated(
     params = dict(params)
     if params.get("seed") is None:
         params["seed"] = random.getrandbits(63)
-    request = PromptRequest(request_id, tuple(prompt_token_ids), params, cache_salt)
+    request = prompt_request(request_id, prompt_token_ids, params, cache_salt, session)
     reservation = decode.reserve(request, prefill_id)
     early: list[dict] = []  # decode outputs that came while the prefill call ran
     try:
@@ -150,11 +162,50 @@ def generate_local(
     cache_salt: str | None = None,
     timeout: float = 600.0,
     poll_s: float = 0.5,
+    session: SessionHint | None = None,
 ) -> Iterator[dict]:
     """Conditional disaggregation: the decode worker prefills the prompt itself (its uncached
     tail is short), so no KV moves. Yields output dicts like generate_disaggregated."""
-    decode.local_generate(PromptRequest(request_id, tuple(prompt_token_ids), params, cache_salt))
+    decode.local_generate(
+        prompt_request(request_id, prompt_token_ids, params, cache_salt, session)
+    )
     yield from stream_outputs(decode, request_id, timeout, poll_s)
+
+
+def prompt_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: dict,
+    cache_salt: str | None,
+    session: SessionHint | None,
+) -> PromptRequest:
+    """The request as the workers see it, with its session's fields when it has one."""
+    return PromptRequest(
+        request_id,
+        tuple(prompt_token_ids),
+        params,
+        cache_salt,
+        session.session_id if session is not None else None,
+        session.retention_seconds if session is not None else None,
+    )
+
+
+def pull_prefix(
+    prefill: PrefillAPI,
+    source_id: str,
+    token_ids: list[int],
+    cache_salt: str | None,
+    timeout: float,
+) -> PullResult | None:
+    """prefill.pull_blocks(source_id, token_ids): the blocks of token_ids it lacks come from
+    decode worker source_id; None when the pull failed (nothing was cached: the prefill
+    computes those tokens, as without a pull). A dead prefill worker is found by the prefill
+    call that follows."""
+    try:
+        return prefill.pull_blocks(source_id, token_ids, cache_salt, timeout)
+    except Exception as exc:  # noqa: BLE001 - a failed pull only costs the recompute
+        logger.warning("pull of %d tokens from %s failed: %s", len(token_ids), source_id, exc)
+        return None
 
 
 def stream_outputs(

@@ -9,6 +9,11 @@
   router_decisions_total        worker choices by policy and prefill="local" | "remote"
   prefix_cache_*_total          prompt tokens routed / tokens the chosen worker's cache served
                                 (the cached_tokens clients are told), once per request
+  router_cached_tokens_total    those cached tokens by medium: "device" (KV cache, pulled
+                                blocks included), or the KV tier's ("host", "disk") for the
+                                tier hits the router's index expected on the chosen worker
+  router_pull_decisions_total   by decision="pull" | "local" | "recompute": prompts whose
+                                longest cached prefix was on a decode worker (router/kv_cost.py)
   request_errors_total          requests a front door answered with an error, by door ("http"
                                 or "grpc"), code (the HTTP status or the gRPC code name) and
                                 reason (router/errors.py: error_reason, e.g. invalid_request,
@@ -75,6 +80,19 @@ class RouterMetrics:
         self.cache_hits = Counter(
             f"{PREFIX}prefix_cache_hits", "Prefix cache hits, in tokens served.", registry=r
         )
+        self.cached_tokens = Counter(
+            f"{PREFIX}router_cached_tokens",
+            "Prompt tokens served from cache, by the medium the router's index had them in.",
+            ["medium"],
+            registry=r,
+        )
+        self.pull_decisions = Counter(
+            f"{PREFIX}router_pull_decisions",
+            "Prompts whose longest cached prefix was on a decode worker, by what the router "
+            "did: pull the blocks to the prefill worker, prefill locally, or recompute.",
+            ["decision"],
+            registry=r,
+        )
         self.errors = Counter(
             f"{PREFIX}request_errors",
             "Requests answered with an error, by front door, status code and reason.",
@@ -95,6 +113,14 @@ class RouterMetrics:
         """A request's prompt tokens and the cached tokens its prefill was served."""
         self.cache_queries.inc(queries)
         self.cache_hits.inc(hits)
+
+    def cached_by_medium(self, medium: str, tokens: int) -> None:
+        """Cached prompt tokens of one request from one medium (device, host, disk)."""
+        self.cached_tokens.labels(medium=medium).inc(tokens)
+
+    def pull_decided(self, decision: str) -> None:
+        """One pull / local / recompute decision (router/kv_cost.py: choose_pull)."""
+        self.pull_decisions.labels(decision=decision).inc()
 
     def request_error(self, door: str, code: str | int, reason: str) -> None:
         """One request a front door answered with an error (door "http" or "grpc"; code the

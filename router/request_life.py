@@ -22,6 +22,7 @@ exactly. The client's stream goes on as if nothing happened.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import threading
@@ -33,11 +34,13 @@ from typing import TypeVar
 
 from engine.block_hash import hash_prompt_blocks
 from engine.errors import NoFreeBlocksError
-from router.handoff import generate_disaggregated, generate_local
+from kvtransfer.worker_api import PrefillAPI
+from router.handoff import generate_disaggregated, generate_local, pull_prefix
 from router.metrics import RouterMetrics, tap
 from router.policy import NoWorkerAvailable
 from router.pools import WorkerPools
-from router.worker_choice import CAPACITY_POLL_S, Choice, WorkerChooser
+from router.sessions import SessionHint
+from router.worker_choice import CAPACITY_POLL_S, Choice, PullOrder, WorkerChooser
 from router.worker_failures import (
     MigrationLimitExceeded,
     PairNotReady,
@@ -59,6 +62,7 @@ class RequestRules:
     # blocks, counted from its arrival and again from each move.
     wait_for_workers_s: float = 0.0
     migration_limit: int = 3  # moves to other workers after a worker failed
+    pull_timeout: float = 30.0  # a pull decode -> prefill before the prefill (then recompute)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,11 +88,13 @@ class RequestLife:
         prompt_token_ids: list[int],
         params: dict,
         cache_salt: str | None = None,
+        session: SessionHint | None = None,
     ) -> None:
         self.parts = parts
         self.rules = rules
         self.request_id = request_id
         self.cache_salt = cache_salt
+        self.session = session
         self.progress = Progress(prompt_token_ids, params, rules.migration_limit)
         # Workers this request failed on -> the health reports seen then: it goes back to one
         # only after a later report found it healthy again.
@@ -118,10 +124,14 @@ class RequestLife:
         again, raises WorkerFailed when a worker failed under it."""
         pools, n = self.parts.pools, len(prompt)
         hashes = hash_prompt_blocks(prompt, pools.block_size, pools.hash_seed, self.cache_salt)
-        choice = self.parts.chooser.choose(hashes, n, self.failed_at, self.deadline)
+        choice = self.parts.chooser.choose(
+            hashes, n, self.failed_at, self.deadline, self.session
+        )
         if not pools.register(self.request_id, (choice.prefill, choice.decode)):
             return True  # a chosen worker left the pools meanwhile: choose among the new ones
         self.parts.metrics.decided(choice.policy, choice.local)
+        if choice.pull_decision is not None:
+            self.parts.metrics.pull_decided(choice.pull_decision)
         if choice.prefill is not None:  # a prefill worker's load counts from dispatch
             pools.load.dispatched(choice.prefill[0], choice.uncached_tokens)
         prefilled = False  # the first output came
@@ -136,6 +146,10 @@ class RequestLife:
                         decode_worker=choice.decode[0],
                         prompt_tokens=n,
                     )
+                    if self.session is not None and out["finish_reason"] != "error":
+                        self.parts.chooser.sessions.remember(
+                            self.session, choice.prefill and choice.prefill[0], choice.decode[0]
+                        )
                 yield out
             return False
         except WorkerFailed as exc:
@@ -175,9 +189,10 @@ class RequestLife:
                 params,
                 cache_salt=self.cache_salt,
                 timeout=self.rules.timeout,
+                session=self.session,
             )
         prefill_id, prefill = choice.prefill
-        return generate_disaggregated(
+        outputs = generate_disaggregated(
             prefill,
             decode,
             self.request_id,
@@ -187,13 +202,40 @@ class RequestLife:
             decode_id=decode_id,
             cache_salt=self.cache_salt,
             timeout=self.rules.timeout,
+            session=self.session,
         )
+        if choice.pull is None:
+            return outputs
+        return itertools.chain(self._pull(prefill_id, prefill, choice.pull, prompt), outputs)
+
+    def _pull(
+        self, prefill_id: str, prefill: PrefillAPI, order: PullOrder, prompt: list[int]
+    ) -> Iterator[dict]:
+        """Before the prefill (as the attempt's first step; yields nothing): the prefill worker
+        pulls the blocks it lacks of the prompt's prefix from the decode worker holding it.
+        What moved feeds the pair's bandwidth; a failed pull leaves the prefill to compute."""
+        tokens = prompt[: order.num_blocks * self.parts.pools.block_size]
+        result = pull_prefix(
+            prefill, order.source, tokens, self.cache_salt, self.rules.pull_timeout
+        )
+        if result is not None:
+            self.parts.chooser.costs.observe_pull(prefill_id, order.source, result)
+        yield from ()
 
     def _prefilled(self, choice: Choice, prompt_tokens: int, cached_tokens: int) -> None:
-        """The prompt was prefilled: off its prefill worker's queue, into the hit rate."""
+        """The prompt was prefilled: off its prefill worker's queue, into the hit rate (by
+        medium: the device hits the index expected first, the rest from the tier it expected,
+        else the device: pulled blocks are in the prefill worker's KV cache)."""
         if choice.prefill is not None:
             self.parts.pools.load.prefilled(choice.prefill[0], choice.uncached_tokens)
         self.parts.metrics.prefix_cache(prompt_tokens, cached_tokens)
+        device_expected, tier_expected = choice.cached
+        tier = min(tier_expected, max(0, cached_tokens - device_expected))
+        if choice.pull is not None or choice.tier_medium is None:
+            tier = 0
+        self.parts.metrics.cached_by_medium("device", cached_tokens - tier)
+        if tier:
+            self.parts.metrics.cached_by_medium(choice.tier_medium, tier)
         self.parts.tally.prompt(prompt_tokens, cached_tokens)
 
     def _abort(self, exc: WorkerFailed, choice: Choice) -> None:

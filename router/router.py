@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+from engine.options import EngineOptions
 from kvtransfer.worker_api import DecodeAPI, PrefillAPI
 from router.kv_index import KVIndex
 from router.metrics import RouterMetrics
@@ -25,9 +26,12 @@ from router.policy import Policy
 from router.pools import Placement, WorkerPools, WorkerStatus
 from router.readiness import Readiness
 from router.request_life import RequestLife, RequestRules, RouterParts, Tally
+from router.sessions import AFFINITY_TOKENS, SessionBook, SessionHint
 from router.worker_choice import WorkerChooser
 
 __all__ = ["Router", "WorkerStatus"]
+
+MAX_RETENTION_S = EngineOptions().max_retention_seconds  # the engine option's default
 
 
 class Router:
@@ -47,6 +51,9 @@ class Router:
         wait_for_workers_s: float = 0.0,
         aggregated: bool = False,
         migration_limit: int = 3,
+        max_retention_seconds: float = MAX_RETENTION_S,
+        sessions: SessionBook | None = None,
+        affinity_tokens: int = AFFINITY_TOKENS,
     ) -> None:
         self.pools = WorkerPools(
             prefill,
@@ -58,7 +65,11 @@ class Router:
         )
         # Workers are asked side by side (each call may be a network round trip).
         calls = ThreadPoolExecutor(max_workers=16, thread_name_prefix="router-call")
-        self.chooser = WorkerChooser(self.pools, calls, policy, local_prefill_tokens)
+        self.chooser = WorkerChooser(
+            self.pools, calls, policy, local_prefill_tokens, sessions, affinity_tokens
+        )
+        # the bound of a request's retention_seconds: the workers' max_retention_seconds
+        self.max_retention_seconds = max_retention_seconds
         self.rules = RequestRules(timeout, wait_for_workers_s, migration_limit)
         self.tally = Tally()
         self.metrics = RouterMetrics()  # router/metrics.py; the scrape: metrics_exposition
@@ -76,17 +87,29 @@ class Router:
         prompt_token_ids: list[int],
         params: dict,
         cache_salt: str | None = None,
+        session: SessionHint | None = None,
     ) -> Iterator[dict]:
         """Output dicts of one request; the last carries prefill_worker and decode_worker.
+
+        A session (router/sessions.py) is checked first (InvalidRequestError naming the field),
+        goes to the workers (they keep its blocks for retention_seconds) and steers the next
+        turn towards the workers that ran this one.
 
         Up to wait_for_workers_s, a request waits for a healthy worker in each pool and for a
         decode worker with enough free KV blocks for its prompt (running requests free them
         as they finish), instead of failing. When a worker fails under it, it moves: prompt
         + the tokens streamed so far go to other workers, the client's stream goes on; after
         migration_limit moves it fails with MigrationLimitExceeded (router/request_life.py)."""
+        if session is not None:
+            self.check_session(session)
         yield from RequestLife(
-            self._parts, self.rules, request_id, prompt_token_ids, params, cache_salt
+            self._parts, self.rules, request_id, prompt_token_ids, params, cache_salt, session
         ).run()
+
+    def check_session(self, session: SessionHint) -> None:
+        """InvalidRequestError naming the field unless the session's fields are valid here
+        (the front doors call it before a request is admitted)."""
+        session.check(self.max_retention_seconds)
 
     def abort(self, request_id: str) -> bool:
         """Abort a running request on its decode worker (which tells the prefill worker)."""
@@ -131,11 +154,14 @@ class Router:
         wait_for_workers_s: float,
         aggregated: bool = False,
         migration_limit: int | None = None,
+        max_retention_seconds: float | None = None,
     ) -> None:
         """Change the prefill policy, the conditional-disaggregation threshold, the wait for
-        workers, aggregated mode and the migration limit (None: unchanged) in place; requests
-        that arrive from now on live by them."""
+        workers, aggregated mode, the migration limit and the retention bound (None:
+        unchanged) in place; requests that arrive from now on live by them."""
         self.chooser.configure(policy, local_prefill_tokens)
+        if max_retention_seconds is not None:
+            self.max_retention_seconds = max_retention_seconds
         self.rules = replace(
             self.rules,
             wait_for_workers_s=wait_for_workers_s,

@@ -44,6 +44,9 @@ class RouterSettings:
     aggregated: bool = False  # 0 prefill workers: every request prefills on its decode worker
     wait_for_workers_s: float = 120.0  # a request's wait for a healthy worker and free KV
     migration_limit: int = 3  # moves of a request whose worker failed
+    # the most retention_seconds a request may ask for: the workers' engine option
+    # max_retention_seconds (the smaller of the two pools'), checked at the door
+    max_retention_seconds: float = 600.0
     # ---- the pools' (the manifest guarantees both pools hash blocks alike) -------------
     block_size: int = 16
     hash_seed: str = "baton"

@@ -33,6 +33,7 @@ CONFIGURED_IN_PLACE = {
     "aggregated",
     "wait_for_workers_s",
     "migration_limit",
+    "max_retention_seconds",
 }
 POOLS = {"block_size", "hash_seed", "health_period_s"}
 
@@ -67,20 +68,20 @@ def test_every_field_restarts_the_doors_or_changes_in_place():
 
 def test_built_from_a_manifest():
     tls = {"cert_file": "/etc/c.pem", "key_file": "/etc/k.pem"}
-    m = parse_manifest(
-        manifest(
-            policy="round_robin",
-            port=0,
-            http_port=None,
-            served_model_name="served",
-            model_aliases=["alias"],
-            local_prefill_tokens=64,
-            wait_for_workers_seconds=5.0,
-            migration_limit=1,
-            tls=tls,
-            max_pending_requests=7,
-        )
+    data = manifest(
+        policy="round_robin",
+        port=0,
+        http_port=None,
+        served_model_name="served",
+        model_aliases=["alias"],
+        local_prefill_tokens=64,
+        wait_for_workers_seconds=5.0,
+        migration_limit=1,
+        tls=tls,
+        max_pending_requests=7,
     )
+    data["spec"]["engine"]["max_retention_seconds"] = 90.0  # the bound of retention_seconds
+    m = parse_manifest(data)
     assert router_settings(m) == RouterSettings(
         model="tiny",
         skip_tokenizer=True,
@@ -95,6 +96,7 @@ def test_built_from_a_manifest():
         aggregated=True,
         wait_for_workers_s=5.0,
         migration_limit=1,
+        max_retention_seconds=90.0,
         block_size=8,
         hash_seed="seed-1",
     )
