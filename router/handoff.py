@@ -166,9 +166,7 @@ def generate_local(
 ) -> Iterator[dict]:
     """Conditional disaggregation: the decode worker prefills the prompt itself (its uncached
     tail is short), so no KV moves. Yields output dicts like generate_disaggregated."""
-    decode.local_generate(
-        prompt_request(request_id, prompt_token_ids, params, cache_salt, session)
-    )
+    decode.local_generate(prompt_request(request_id, prompt_token_ids, params, cache_salt, session))
     yield from stream_outputs(decode, request_id, timeout, poll_s)
 
 

@@ -124,9 +124,7 @@ class RequestLife:
         again, raises WorkerFailed when a worker failed under it."""
         pools, n = self.parts.pools, len(prompt)
         hashes = hash_prompt_blocks(prompt, pools.block_size, pools.hash_seed, self.cache_salt)
-        choice = self.parts.chooser.choose(
-            hashes, n, self.failed_at, self.deadline, self.session
-        )
+        choice = self.parts.chooser.choose(hashes, n, self.failed_at, self.deadline, self.session)
         if not pools.register(self.request_id, (choice.prefill, choice.decode)):
             return True  # a chosen worker left the pools meanwhile: choose among the new ones
         self.parts.metrics.decided(choice.policy, choice.local)
