@@ -31,7 +31,7 @@ from router.errors import Unauthenticated, UnknownModel, classify, error_reason
 from router.openai_logprobs import TokenText
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, parse
 from router.openai_responses import Reply, UnknownRoute, error_body
-from router.openai_run import Prepared, Run, choice_options, sampling_for
+from router.openai_run import Prepared, Run, choice_options, sampling_for, session_for
 from router.responses_output import ResponseBuilder
 from router.responses_protocol import parse_responses
 from router.router import Router
@@ -112,7 +112,8 @@ class OpenAIDoor:
             prompts = [ids]
         params = [sampling_for(req, len(ids), limit) for ids in prompts]
         options = choice_options(req, self.token_text)
-        return Prepared(prompts, params, options, req.n, req.cache_salt, echo_texts)
+        session = session_for(req, self.router)
+        return Prepared(prompts, params, options, req.n, req.cache_salt, echo_texts, session)
 
     async def _completion_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -141,7 +142,13 @@ class OpenAIDoor:
                 )
                 streams.append(
                     TokenStream(
-                        self.router, self.executor, request_id, ids, params, prepared.cache_salt
+                        self.router,
+                        self.executor,
+                        request_id,
+                        ids,
+                        params,
+                        prepared.cache_salt,
+                        prepared.session,
                     )
                 )
             run = Run(streams, reply, prepared)

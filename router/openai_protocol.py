@@ -22,7 +22,9 @@ Refused: `store: true`, `audio`, `web_search_options`, `reasoning_effort`, `verb
 Served extensions (as vLLM): `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `return_token_ids`,
 `cache_salt`, `structured_outputs`, `chat_template_kwargs`,
-`stream_options.continuous_usage_stats` (a running usage on every chunk).
+`stream_options.continuous_usage_stats` (a running usage on every chunk), and Baton's
+`session_id` / `retention_seconds` (router/sessions.py: the conversation's next turn goes
+back to the workers holding its context, which keep its blocks that long).
 """
 
 from __future__ import annotations
@@ -127,6 +129,20 @@ class _Common(Unused):
         None,
         description="Extension: prefix-cache tenant; requests share cached blocks only "
         "with requests of the same salt.",
+    )
+    session_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="Extension: the conversation this request belongs to; its next turn is "
+        "routed to the workers that hold its context.",
+    )
+    retention_seconds: float | None = Field(
+        None,
+        gt=0,
+        description="Extension: keep the session's blocks at the lowest eviction priority "
+        "this long after the request (needs session_id; at most the workers' "
+        "max_retention_seconds).",
     )
     ignore_eos: bool = Field(False, description="Extension: keep going past end-of-sequence.")
     stop_token_ids: list[int] | None = Field(None, description="Extension: ids that end it.")

@@ -15,6 +15,7 @@ from router.openai_choices import ChoiceOptions
 from router.openai_logprobs import TokenText
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, InvalidField
 from router.openai_responses import Reply, raise_if_failed
+from router.sessions import SessionFieldError, SessionHint, session_hint
 from router.stream import TokenStream, merged
 
 # SamplingParams names a bad field `sampling.<name>` (structured_output's: `structured_output.`)
@@ -31,6 +32,7 @@ class Prepared:
     n: int
     cache_salt: str | None
     echo_texts: list[str] | None = None  # completions' echo: each prompt's text
+    session: SessionHint | None = None  # the session_id / retention_seconds extension
 
 
 class Run:
@@ -72,6 +74,18 @@ class Run:
     def close(self) -> None:
         for s in self.streams:
             s.close()
+
+
+def session_for(req, router) -> SessionHint | None:
+    """The request's session_id / retention_seconds, checked against the router's bound
+    (InvalidField naming the field)."""
+    try:
+        session = session_hint(req.session_id, req.retention_seconds)
+        if session is not None:
+            router.check_session(session)
+    except SessionFieldError as exc:
+        raise InvalidField(exc.field, str(exc)) from None
+    return session
 
 
 def check_prompt(n_prompt: int, limit: int | None) -> None:

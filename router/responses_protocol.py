@@ -167,6 +167,12 @@ class ResponsesRequest(Unused):
     reasoning: Reasoning | None = Field(None, description="Only without effort.")
     max_tool_calls: int | None = Field(None, description="Accepted, not used.")
     background: bool | None = Field(None, description="Only false: responses are not stored.")
+    session_id: str | None = Field(
+        None, min_length=1, max_length=256, description="Extension: as on chat completions."
+    )
+    retention_seconds: float | None = Field(
+        None, gt=0, description="Extension: as on chat completions."
+    )
 
     @field_validator("store", "background")
     @classmethod
@@ -233,7 +239,7 @@ def _responses_name(param: str | None) -> str | None:
 
 def _chat_body(req: ResponsesRequest) -> dict:
     body: dict = {"model": req.model, "messages": messages(req)}
-    for name in ("temperature", "top_p", "parallel_tool_calls"):
+    for name in ("temperature", "top_p", "parallel_tool_calls", "session_id", "retention_seconds"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
     if req.max_output_tokens is not None:

@@ -30,6 +30,7 @@ from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
 from router.router import Router
 from router.security import TLSFiles, add_port
+from router.sessions import SessionHint, session_hint
 
 logger = logging.getLogger(__name__)
 SERVICE = "baton.v1.Inference"
@@ -102,6 +103,14 @@ def token_logprobs(entries) -> list[pb.TokenLogprob]:
     ]
 
 
+def session_of(request: pb.GenerateRequest) -> SessionHint | None:
+    """The request's session_id / retention_seconds (InvalidRequestError naming the field)."""
+    return session_hint(
+        request.session_id if request.HasField("session_id") else None,
+        request.retention_seconds if request.HasField("retention_seconds") else None,
+    )
+
+
 class InferenceServicer(pb_grpc.InferenceServicer):
     """Implements baton.v1.Inference with a Router (blocking calls run in threads)."""
 
@@ -141,10 +150,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             limit = self.router.max_model_len
             if limit is not None and len(ids) >= limit:
                 raise PromptTooLongError(f"prompt has {len(ids)} tokens; max_model_len is {limit}")
+            session = session_of(request)
+            if session is not None:
+                self.router.check_session(session)
         except InvalidRequestError as exc:
             self._count(exc)
             await context.abort(grpc_status(exc), str(exc))
-        stream = self.router.generate(request_id, ids, params, request.cache_salt or None)
+        stream = self.router.generate(request_id, ids, params, request.cache_salt or None, session)
         completion = 0
         try:
             while True:

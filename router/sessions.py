@@ -26,6 +26,14 @@ AFFINITY_TOKENS = 256  # the credit of the session's workers, in prompt tokens
 MAX_SESSIONS = 100_000  # past this many, the least recently used session is forgotten
 
 
+class SessionFieldError(InvalidRequestError):
+    """A session field is invalid; `field` names it (session_id or retention_seconds)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True, slots=True)
 class SessionHint:
     """A request's conversation: its id and how long its blocks should be kept (None: the
@@ -35,18 +43,22 @@ class SessionHint:
     retention_seconds: float | None = None
 
     def check(self, max_retention_seconds: float) -> None:
-        """InvalidRequestError naming the field: session_id of 1 to 256 characters,
+        """SessionFieldError naming the field: session_id of 1 to 256 characters,
         retention_seconds > 0 and at most max_retention_seconds."""
         if not isinstance(self.session_id, str) or not (
             0 < len(self.session_id) <= MAX_SESSION_ID_CHARS
         ):
-            raise InvalidRequestError(
+            raise SessionFieldError(
+                "session_id",
                 f"session_id={self.session_id!r} is invalid: a string of 1 to "
-                f"{MAX_SESSION_ID_CHARS} characters"
+                f"{MAX_SESSION_ID_CHARS} characters",
             )
-        retention = Retention.of(self.session_id, self.retention_seconds)
-        if retention is not None:
-            retention.check(max_retention_seconds)
+        try:
+            retention = Retention.of(self.session_id, self.retention_seconds)
+            if retention is not None:
+                retention.check(max_retention_seconds)
+        except InvalidRequestError as exc:
+            raise SessionFieldError("retention_seconds", str(exc)) from None
 
 
 def session_hint(session_id: str | None, retention_seconds: float | None) -> SessionHint | None:
@@ -54,8 +66,9 @@ def session_hint(session_id: str | None, retention_seconds: float | None) -> Ses
     a session_id is refused."""
     if session_id is None:
         if retention_seconds is not None:
-            raise InvalidRequestError(
-                "retention_seconds needs a session_id (the blocks are kept for a session)"
+            raise SessionFieldError(
+                "retention_seconds",
+                "retention_seconds needs a session_id (the blocks are kept for a session)",
             )
         return None
     return SessionHint(session_id, retention_seconds)

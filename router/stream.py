@@ -13,6 +13,7 @@ import logging
 from concurrent.futures import Executor, Future
 
 from router.router import Router
+from router.sessions import SessionHint
 
 logger = logging.getLogger(__name__)
 _DONE = object()
@@ -31,12 +32,13 @@ class TokenStream:
         prompt_token_ids: list[int],
         params: dict,
         cache_salt: str | None,
+        session: SessionHint | None = None,
     ) -> None:
         self.router = router
         self.request_id = request_id
         self.finished = False
         self._executor = executor
-        self._outputs = router.generate(request_id, prompt_token_ids, params, cache_salt)
+        self._outputs = router.generate(request_id, prompt_token_ids, params, cache_salt, session)
         self._pending: Future | None = None
         self._closed = False
 

@@ -31,6 +31,7 @@ class ScriptedRouter:
         self.step = step
         self.finish = finish
         self.calls: list[tuple[list[int], dict]] = []
+        self.sessions: list = []  # every call's SessionHint (None without one)
         self.metrics = RouterMetrics()  # the door counts its error answers there
 
     def readiness(self) -> Readiness:
@@ -51,8 +52,12 @@ class ScriptedRouter:
         out[-1]["finish_reason"] = self.finish
         return out
 
-    def generate(self, request_id, prompt_token_ids, params, cache_salt=None):
+    def check_session(self, session) -> None:
+        session.check(600.0)  # the engine's default max_retention_seconds
+
+    def generate(self, request_id, prompt_token_ids, params, cache_salt=None, session=None):
         self.calls.append((list(prompt_token_ids), dict(params)))
+        self.sessions.append(session)
         n = params.get("n", 1)
         texts = list(itertools.islice(itertools.cycle(self.texts), n))
         per_choice = [self.choice_outputs(i, t, params) for i, t in enumerate(texts)]

@@ -347,7 +347,7 @@ class ScriptedRouter:
         self.exc = exc
         self.metrics = RouterMetrics()  # the door counts its error answers there
 
-    def generate(self, request_id, prompt_token_ids, params, cache_salt=None):
+    def generate(self, request_id, prompt_token_ids, params, cache_salt=None, session=None):
         if self.exc is not None:
             raise self.exc
         yield {
@@ -390,7 +390,7 @@ class EndlessRouter(ScriptedRouter):
         super().__init__(None)
         self.aborted: list[str] = []
 
-    def generate(self, request_id, prompt_token_ids, params, cache_salt=None):
+    def generate(self, request_id, prompt_token_ids, params, cache_salt=None, session=None):
         while request_id not in self.aborted:
             time.sleep(0.02)
             yield {"token_ids": [5], "text": "", "finished": False, "num_cached_tokens": 0}
