@@ -258,9 +258,13 @@ class OpenAIDoor:
         return Response(await self.run(metrics_text), media_type=METRICS_CONTENT_TYPE)
 
     def healthy(self) -> tuple[bool, str]:
-        """(both pools have a healthy worker, why not)."""
+        """(every pool requests need has a healthy worker, why not): the decode pool, and the
+        prefill pool unless the router is aggregated (it has no prefill pool)."""
         health = getattr(self.router, "_healthy", {})  # the controller's view; unknown = ok
-        for role, pool in (("prefill", self.router.prefill), ("decode", self.router.decode)):
+        pools = [("decode", self.router.decode)]
+        if not getattr(self.router, "aggregated", False):
+            pools.insert(0, ("prefill", self.router.prefill))
+        for role, pool in pools:
             if not any(health.get(w, True) for w in pool):
                 return False, f"no healthy {role} worker"
         return True, "ok"
