@@ -199,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint)")
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers (0: aggregated)")
     parser.add_argument("--aiperf", default="aiperf", help="the aiperf command")
-    parser.add_argument("--requests", type=int, default=Load.requests)
-    parser.add_argument("--concurrency", type=int, default=Load.concurrency)
-    parser.add_argument("--output-tokens", type=int, default=Load.output_tokens)
+    parser.add_argument("--requests", type=int, default=Load().requests)
+    parser.add_argument("--concurrency", type=int, default=Load().concurrency)
+    parser.add_argument("--output-tokens", type=int, default=Load().output_tokens)
     args = parser.parse_args(argv)
     load = Load(args.requests, args.concurrency, output_tokens=args.output_tokens)
     with tempfile.TemporaryDirectory() as tmp:
