@@ -38,34 +38,14 @@ from router.proto import inference_pb2_grpc as pb_grpc
 from router.tool_calls import call_text, structural_tag
 from tests.cluster.clients import AnswerAfterTool, loglikelihoods, write_task
 from tests.cluster.manifests import tiny_manifest
+from tests.router.test_agents_end_to_end import ASK, TOOLS, WEATHER, Pick, same_logprobs
 
 pytestmark = pytest.mark.ray
 
 MODEL = "tiny"
 ENGINE = dict(block_size=16, num_kv_blocks=1024, chunk_size=512, max_model_len=4096)
 SHAPES = {"aggregated": 0, "disaggregated": 1}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Oslo", "Lima"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
-PICK = {
-    "type": "object",
-    "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
-    "required": ["color", "ok"],
-    "additionalProperties": False,
-}
-
-
-class Pick(BaseModel):
-    color: Literal["red", "green", "blue"]
-    ok: bool
+PICK = to_strict_json_schema(Pick)
 
 
 class Forecast(BaseModel):
@@ -115,8 +95,7 @@ def test_openai_parse_returns_the_pydantic_model(client, offline, tokenizer):
     assert reply.choices[0].finish_reason == "stop"
     assert isinstance(message.parsed, Pick)
     assert Pick.model_validate_json(message.content) == message.parsed
-    schema = {"json": to_strict_json_schema(Pick)}
-    want = offline_reply(offline, tokenizer, ASK, max_tokens=300, structured_output=schema)
+    want = offline_reply(offline, tokenizer, ASK, max_tokens=300, structured_output={"json": PICK})
     assert message.content == want.text
 
 
@@ -159,12 +138,7 @@ def test_chat_logprobs_are_the_offline_engines(client, offline, tokenizer):
         extra_body={"ignore_eos": True},
     )
     out = offline_reply(offline, tokenizer, ASK, max_tokens=6, logprobs=3, ignore_eos=True)
-    content = reply.choices[0].logprobs.content
-    assert [c.token for c in content] == [tokenizer.decode([t]) for t in out.token_ids]
-    for got, (_, logprob, top) in zip(content, [lp.to_wire() for lp in out.logprobs], strict=True):
-        assert got.logprob == pytest.approx(logprob, abs=1e-4)
-        assert [t.token for t in got.top_logprobs] == [tokenizer.decode([i]) for i, _ in top]
-        assert [t.logprob for t in got.top_logprobs] == pytest.approx([p for _, p in top], abs=1e-4)
+    same_logprobs(reply.choices[0].logprobs.content, out, tokenizer)
 
 
 def test_n_two_choices_with_a_seed_are_reproducible(client, offline, tokenizer):
