@@ -322,10 +322,10 @@ class DecodeWorker(TransferEndpoint):
         """The answer to a pull ended: unpin its blocks, count it."""
         self.loop.run(self.engine.release_exchange, desc.request_id)
         if stats is None:
-            self.transfer_metrics.served_failures.inc()
+            self.transfer_metrics.served.failures.inc()
             return
         self.blocks_served += stats.num_blocks
-        self.transfer_metrics.served(stats.num_blocks, stats.payload_bytes, stats.seconds)
+        self.transfer_metrics.served.done(stats.num_blocks, stats.payload_bytes, stats.seconds)
 
     def _fail_receiving(self, prefill_id: str, error: object) -> bool:
         """Fail the request whose transfer from prefill_id broke; True if there was one."""

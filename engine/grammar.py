@@ -66,13 +66,12 @@ class GrammarManager:
 
     def _compile(self, spec: StructuredOutput):
         c = self._compiler
-        any_whitespace = not spec.disable_any_whitespace
         match spec.kind:
             case "json":
-                return c.compile_json_schema(spec.json, any_whitespace=any_whitespace)
+                return c.compile_json_schema(spec.json, **spec.json_options())
             case "json_object":
                 return c.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=any_whitespace, strict_mode=False
+                    '{"type": "object"}', strict_mode=False, **spec.json_options()
                 )
             case "regex":
                 return c.compile_regex(spec.regex)

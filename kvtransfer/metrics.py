@@ -50,57 +50,13 @@ class TransferMetrics:
             buckets=KV_TRANSFER_BUCKETS,
             registry=r,
         )
-
-        self.pull_time = Histogram(
-            f"{PREFIX}kv_pull_seconds",
-            "Histogram of pulls from decode workers, ask -> blocks in place, in seconds.",
-            buckets=KV_TRANSFER_BUCKETS,
-            registry=r,
+        # Pulls, decode -> prefill (kvtransfer.pull): each side's own families.
+        self.pulls = ExchangeMetrics(
+            "kv_pull", "pulled from decode workers", "pulls from decode workers", r
         )
-        self.pull_blocks = Counter(
-            f"{PREFIX}kv_pull_blocks", "KV blocks pulled from decode workers.", registry=r
+        self.served = ExchangeMetrics(
+            "kv_pull_served", "sent to prefill workers' pulls", "answers to pulls", r
         )
-        self.pull_bytes = Counter(
-            f"{PREFIX}kv_pull_bytes", "KV payload bytes pulled from decode workers.", registry=r
-        )
-        self.pull_failures = Counter(
-            f"{PREFIX}kv_pull_failures",
-            "Pulls from decode workers that failed (nothing cached; the prefill computes).",
-            registry=r,
-        )
-        self.served_time = Histogram(
-            f"{PREFIX}kv_pull_served_seconds",
-            "Histogram of pulls answered for prefill workers, pinning -> payload sent, in seconds.",
-            buckets=KV_TRANSFER_BUCKETS,
-            registry=r,
-        )
-        self.served_blocks = Counter(
-            f"{PREFIX}kv_pull_served_blocks",
-            "KV blocks sent to prefill workers' pulls.",
-            registry=r,
-        )
-        self.served_bytes = Counter(
-            f"{PREFIX}kv_pull_served_bytes",
-            "KV payload bytes sent to prefill workers' pulls.",
-            registry=r,
-        )
-        self.served_failures = Counter(
-            f"{PREFIX}kv_pull_served_failures",
-            "Answers to prefill workers' pulls that failed.",
-            registry=r,
-        )
-
-    def pulled(self, num_blocks: int, payload_bytes: int, seconds: float) -> None:
-        """A pull into this (prefill) worker finished."""
-        self.pull_time.observe(max(0.0, seconds))
-        self.pull_blocks.inc(num_blocks)
-        self.pull_bytes.inc(payload_bytes)
-
-    def served(self, num_blocks: int, payload_bytes: int, seconds: float) -> None:
-        """This (decode) worker answered a pull."""
-        self.served_time.observe(max(0.0, seconds))
-        self.served_blocks.inc(num_blocks)
-        self.served_bytes.inc(payload_bytes)
 
     def sent(self, num_blocks: int, payload_bytes: int) -> None:
         """One transfer left this (sending) worker."""
@@ -115,3 +71,29 @@ class TransferMetrics:
         """Requests that failed because their KV did not arrive (receiving side)."""
         if num_requests:
             self.failures.inc(num_requests)
+
+
+class ExchangeMetrics:
+    """One side's record of pulls: <name>_seconds (a histogram: its count is the pulls),
+    <name>_blocks_total, <name>_bytes_total and <name>_failures_total."""
+
+    def __init__(self, name: str, moved: str, each: str, registry: CollectorRegistry) -> None:
+        self.time = Histogram(
+            f"{PREFIX}{name}_seconds",
+            f"Histogram of {each}, start -> blocks in place or sent, in seconds.",
+            buckets=KV_TRANSFER_BUCKETS,
+            registry=registry,
+        )
+        self.blocks = Counter(f"{PREFIX}{name}_blocks", f"KV blocks {moved}.", registry=registry)
+        self.bytes = Counter(
+            f"{PREFIX}{name}_bytes", f"KV payload bytes {moved}.", registry=registry
+        )
+        self.failures = Counter(
+            f"{PREFIX}{name}_failures", f"{each.capitalize()} that failed.", registry=registry
+        )
+
+    def done(self, num_blocks: int, payload_bytes: int, seconds: float) -> None:
+        """One pull ended with these blocks moved."""
+        self.time.observe(max(0.0, seconds))
+        self.blocks.inc(num_blocks)
+        self.bytes.inc(payload_bytes)

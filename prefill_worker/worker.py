@@ -331,11 +331,11 @@ class PrefillWorker(TransferEndpoint):
             )
         except Exception as exc:  # noqa: BLE001 - a failed pull: free its blocks, recompute
             logger.warning("pull %s from %s failed: %s", job.ask.pull_id, job.decode_id, exc)
-            self.transfer_metrics.pull_failures.inc()
+            self.transfer_metrics.pulls.failures.inc()
             self._end_pull(job, exc)
             return
         self.blocks_pulled += desc.num_blocks
-        self.transfer_metrics.pulled(desc.num_blocks, stats.payload_bytes, stats.seconds)
+        self.transfer_metrics.pulls.done(desc.num_blocks, stats.payload_bytes, stats.seconds)
         num_blocks = len(job.ask.block_hashes)
         job.result.set_result(
             PullResult(

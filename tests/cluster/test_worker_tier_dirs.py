@@ -72,3 +72,47 @@ def test_serve_flags_of_the_kv_tier_are_checked_like_the_manifest():
     assert kv_tier.choices == ("none", "host", "disk")
     path = next(a for a in parser._actions if a.dest == "kv_tier_path")
     assert "each worker uses <kv_tier_path>/<worker id>" in path.help
+
+
+@pytest.mark.ray
+def test_on_ray_each_worker_opens_its_directory_and_writes_it_when_removed(tiny_llama, tmp_path):
+    pytest.importorskip("ray")
+    import grpc
+    import ray
+
+    from cluster.local import LocalCluster
+    from cluster.ray_helpers import NAMESPACE
+    from router.proto import inference_pb2 as pb
+    from router.proto import inference_pb2_grpc as pb_grpc
+    from tests.helpers import random_prompts
+
+    parent = tmp_path / "tiers"
+    extra = {"skip_tokenizer_init": True, "num_kv_blocks": 256}
+    options = LocalOptions(
+        model=tiny_llama,
+        port=0,
+        http_port=0,
+        block_size=4,
+        chunk_size=16,
+        kv_tier="disk",
+        kv_tier_path=str(parent),
+        kv_tier_bytes=1 << 20,
+        engine_extra=extra,
+    )
+    cluster = LocalCluster(options)
+    try:
+        cluster.start(log=lambda _m: None)
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(cluster.address))
+        prompt = random_prompts([30], seed=411)[0]  # 7 full blocks of 4
+        sampling = pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+        assert [t for r in stub.Generate(request, timeout=60) for t in r.token_ids]
+        for worker_id in ("prefill-0", "decode-0"):
+            assert (parent / worker_id / ".lock").is_file()  # opened, locked by the worker
+            stats = ray.get(ray.get_actor(worker_id, namespace=NAMESPACE).stats.remote())
+            assert (stats.tier_medium, stats.tier_capacity_bytes) == ("disk", 1 << 20)
+    finally:
+        cluster.close()  # removes the workers: each writes its KV cache's blocks first
+    for worker_id in ("prefill-0", "decode-0"):
+        blocks = list((parent / worker_id).glob("*.kvb"))
+        assert len(blocks) >= 7, worker_id  # the prompt's full blocks, at least

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
+from engine.kv_tier import KVTier
 from tests.engine.test_remote_kv import copy_blocks
 from tests.helpers import random_prompts, run_to_completion
 
@@ -126,11 +127,16 @@ def test_without_a_tier_the_decode_side_counts_its_device_hits_only(tiny_llama):
     assert run.tokens == expected_tokens(tiny_llama)
 
 
-def test_a_load_still_running_when_the_kv_arrives_is_waited_for(tiny_llama):
-    run = Handoff(tiny_llama, kv_tier="host", kv_tier_bytes=1 << 20)
+def paused(model: str) -> tuple[Handoff, KVTier]:
+    """The first turns done on a decode engine with a host tier whose loads are paused."""
+    run = Handoff(model, kv_tier="host", kv_tier_bytes=1 << 20)
     run.first_turns()
-    tier = run.decode.kv_tier
-    tier.pause_loads()
+    run.decode.kv_tier.pause_loads()
+    return run, run.decode.kv_tier
+
+
+def test_a_load_still_running_when_the_kv_arrives_is_waited_for(tiny_llama):
+    run, tier = paused(tiny_llama)
     _, _, n_hit = run.reserve("a2", A2)
     assert n_hit == 6
     threading.Timer(0.2, tier.resume_loads).start()
@@ -142,10 +148,7 @@ def test_a_load_still_running_when_the_kv_arrives_is_waited_for(tiny_llama):
 
 
 def test_a_load_that_does_not_finish_in_time_is_stopped_and_its_blocks_computed(tiny_llama):
-    run = Handoff(tiny_llama, kv_tier="host", kv_tier_bytes=1 << 20)
-    run.first_turns()
-    tier = run.decode.kv_tier
-    tier.pause_loads()
+    run, tier = paused(tiny_llama)
     run.decode.remote_tier_wait_s = 0.0
     _, _, n_hit = run.reserve("a2", A2)
     assert n_hit == 6  # the prefill engine sent blocks 6 and 7 only
@@ -160,10 +163,7 @@ def test_a_load_that_does_not_finish_in_time_is_stopped_and_its_blocks_computed(
 
 
 def test_abort_during_the_decode_sides_tier_load_frees_every_block(tiny_llama):
-    run = Handoff(tiny_llama, kv_tier="host", kv_tier_bytes=1 << 20)
-    run.first_turns()
-    tier = run.decode.kv_tier
-    tier.pause_loads()
+    run, tier = paused(tiny_llama)
     run.reserve("a2", A2)
     assert run.decode.abort("a2")  # the queued load is dropped before the blocks are freed
     out = run.decode.step().outputs["a2"]
