@@ -156,6 +156,8 @@ def format_status(status: dict) -> str:
     """The human-readable table of `baton deploy status`."""
     router = status.get("router") or {}
     replicas = status["replicas"]
+    # With a KV tier on some worker: its prefix hits by medium (blocks), KV cache then tier.
+    tiers = any(w.get("tier_medium") for w in status["workers"])
     lines = [
         f"cluster {status['name']}  generation {status['generation']}  "
         f"prefill {replicas['prefill']}  decode {replicas['decode']}  "
@@ -167,6 +169,7 @@ def format_status(status: dict) -> str:
         "",
         f"{'WORKER':<12}{'ROLE':<9}{'STATE':<10}{'HEALTHY':<9}{'REQUESTS':>9}"
         f"{'KV USAGE':>10}{'HIT RATE':>10}"
+        + (f"{'DEVICE HITS':>13}{'TIER HITS':>16}" if tiers else "")
         + ("  NODE" if any(w.get("node_id") for w in status["workers"]) else ""),
     ]
     for w in sorted(status["workers"], key=lambda w: (w["role"] != Role.PREFILL, w["worker_id"])):
@@ -174,10 +177,17 @@ def format_status(status: dict) -> str:
             f"{w['worker_id']:<12}{w['role']:<9}{w['state']:<10}"
             f"{'yes' if w['healthy'] else 'NO':<9}{w.get('num_requests', 0):>9}"
             f"{w.get('kv_usage', 0.0):>10.1%}{w.get('cache_hit_rate', 0.0):>10.2f}"
+            + (f"{w.get('cache_hits', 0):>13}{_tier_hits(w):>16}" if tiers else "")
             + (f"  {w['node_id'][:8]}" if w.get("node_id") else "")
         )
     lines += _health_lines(status)
     return "\n".join(lines)
+
+
+def _tier_hits(worker: dict) -> str:
+    """A worker's KV tier hits in blocks with the tier's medium ("-" without a tier)."""
+    medium = worker.get("tier_medium")
+    return f"{worker.get('tier_hits', 0)} {medium}" if medium else "-"
 
 
 def serving_line(router: dict | None) -> str:

@@ -83,6 +83,41 @@ def test_status_table_lists_every_worker_with_role_state_health_load_kv_and_hits
     assert lines[6].split() == ["decode-0", "decode", "active", "yes", "2", "12.5%", "0.25"]
 
 
+def test_status_table_shows_each_workers_hits_by_medium_when_a_tier_is_on():
+    status = {
+        "name": "local",
+        "generation": 1,
+        "replicas": {"prefill": 1, "decode": 1},
+        "router": {},
+        "workers": [
+            {
+                "worker_id": "decode-0",
+                "role": "decode",
+                "state": "active",
+                "healthy": True,
+                "cache_hits": 120,
+                "tier_medium": "disk",
+                "tier_hits": 48,
+            },
+            {
+                "worker_id": "prefill-0",
+                "role": "prefill",
+                "state": "active",
+                "healthy": True,
+                "cache_hits": 300,
+                "tier_medium": "host",
+                "tier_hits": 7,
+            },
+        ],
+    }
+    lines = format_status(status).splitlines()
+    assert lines[4].split()[-4:] == ["DEVICE", "HITS", "TIER", "HITS"]
+    assert lines[5].split()[-3:] == ["300", "7", "host"]
+    assert lines[6].split()[-3:] == ["120", "48", "disk"]
+    status["workers"][1].pop("tier_medium")
+    assert format_status(status).splitlines()[5].split()[-2:] == ["300", "-"]
+
+
 def test_serving_line_says_what_the_routers_health_says():
     from router.readiness import PoolHealth, readiness
 

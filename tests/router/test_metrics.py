@@ -86,6 +86,21 @@ def worker_snapshot(prompt_tokens: int, sent_bytes: int = 0) -> list[dict]:
     return msgpack.unpackb(msgpack.packb(snapshot(engine.registry, transfer.registry)))
 
 
+def tier_worker_snapshot() -> list[dict]:
+    """A worker's families with a real host KV tier's collector on its engine registry."""
+    from engine.kv_tier import HostTier
+    from engine.kv_tier.metrics import TierCollector
+    from tests.engine.kv_tier_helpers import IDENTITY
+
+    engine, transfer = EngineMetrics(), TransferMetrics()
+    tier = HostTier(IDENTITY, 1 << 20)
+    try:
+        engine.registry.register(TierCollector(tier))
+        return msgpack.unpackb(msgpack.packb(snapshot(engine.registry, transfer.registry)))
+    finally:
+        tier.close()
+
+
 def test_cluster_exposition_merges_families_once_with_worker_and_role_labels():
     router = RouterMetrics()
     router.prefix_cache(50, 8)
@@ -199,11 +214,25 @@ def test_the_grafana_dashboard_queries_only_series_the_cluster_exposes():
     router.read_counter("auth_failures", "Auth failures.", lambda: 0)
     router.read_counter("request_migrations", "Migrations.", lambda: 0)
     router.request_error("http", 400, "invalid_request")
-    text = cluster_metrics_text(router.registry, {"p0": ("prefill", worker_snapshot(1))})
+    router.cached_by_medium("disk", 16)
+    router.pull_decided("pull")
+    text = cluster_metrics_text(
+        router.registry,
+        {"p0": ("prefill", worker_snapshot(1)), "d0": ("decode", tier_worker_snapshot())},
+    )
     exposed = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     dashboard = Path(__file__).parents[2] / "deploy" / "grafana" / "baton-dashboard.json"
     panels = json.loads(dashboard.read_text())["panels"]
     exprs = [t["expr"] for p in panels for t in p.get("targets", [])]
     used = {name for e in exprs for name in re.findall(r"baton:[a-z0-9_]+", e)}
-    assert len(used) >= 18
+    assert len(used) >= 28
     assert used <= exposed, sorted(used - exposed)
+    for name in (
+        "baton:router_cached_tokens_total",
+        "baton:router_pull_decisions_total",
+        "baton:kv_tier_hits_total",
+        "baton:kv_tier_usage_bytes",
+        "baton:kv_pull_bytes_total",
+        "baton:kv_pull_served_bytes_total",
+    ):
+        assert name in used, name  # the tier and pull panels
