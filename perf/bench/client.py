@@ -2,7 +2,8 @@
 (perf/bench/timeline.py). GrpcClient uses only the public baton.v1.Inference API, HttpClient
 only the OpenAI-compatible /v1/completions (streamed, token-id prompts; router/openai_http.py).
 scrape_counters reads, from a /metrics page, the counters a run's summary takes the rise of: the
-KV bytes the prefill workers sent and each worker's engine steps and their time."""
+KV bytes the prefill workers sent, each worker's engine steps and their time, the bytes loaded
+from KV tiers and the decode -> prefill pulls (their count, bytes and the router's decisions)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,10 @@ class GrpcClient:
             ),
             cache_salt=spec.cache_salt or "",
         )
+        if spec.session_id is not None:  # unique per run, as the request ids are
+            request.session_id = f"{run_id}-{spec.session_id}"
+            if spec.retention_seconds is not None:
+                request.retention_seconds = spec.retention_seconds
         chunks: list[tuple[float, int]] = []
         answer: list[int] = []
         usage, status, error = None, OK, ""
@@ -134,6 +139,10 @@ class HttpClient:
         }
         if spec.cache_salt:
             body["cache_salt"] = spec.cache_salt
+        if spec.session_id is not None:  # unique per run, as the request ids are
+            body["session_id"] = f"{run_id}-{spec.session_id}"
+            if spec.retention_seconds is not None:
+                body["retention_seconds"] = spec.retention_seconds
         chunks: list[tuple[float, int]] = []
         answer: list[int] = []
         cached, workers, status, error = 0, {}, OK, ""
@@ -206,6 +215,13 @@ KV_SECONDS = "baton:kv_transfer_time_seconds_sum"
 KV_TRANSFERS = "baton:kv_transfer_time_seconds_count"
 STEP_SECONDS = "baton:engine_step_duration_seconds_sum"
 STEPS = "baton:engine_step_duration_seconds_count"
+# Summed over workers (by the label named, if any): the KV tier's and the pulls' figures.
+SUMMED = {
+    "tier_read_bytes": ("baton:kv_tier_read_bytes_total", None),
+    "pulls": ("baton:kv_pull_seconds_count", None),
+    "pull_bytes": ("baton:kv_pull_bytes_total", None),
+    "pull_decisions": ("baton:router_pull_decisions_total", "decision"),
+}
 
 
 async def scrape_counters(url: str, api_key: str | None = None, timeout: float = 30.0):
@@ -227,8 +243,14 @@ async def scrape_counters(url: str, api_key: str | None = None, timeout: float =
         print(f"no metrics: {url}: HTTP {reply.status_code}", file=sys.stderr)
         return None
     kv_bytes, kv_time, steps = None, [0.0, 0.0], {}
+    sums: dict[str, float] = {}  # SUMMED key (":" label value) -> total
+    by_name = {name: (key, label) for key, (name, label) in SUMMED.items()}
     for family in text_string_to_metric_families(reply.text):
         for sample in family.samples:
+            if sample.name in by_name:
+                key, label = by_name[sample.name]
+                key = f"{key}:{sample.labels.get(label, '')}" if label else key
+                sums[key] = sums.get(key, 0.0) + sample.value
             if sample.name == KV_BYTES:
                 kv_bytes = (kv_bytes or 0.0) + sample.value
             elif sample.name in (KV_TRANSFERS, KV_SECONDS):
@@ -236,7 +258,7 @@ async def scrape_counters(url: str, api_key: str | None = None, timeout: float =
             elif sample.name in (STEPS, STEP_SECONDS):
                 worker = steps.setdefault(sample.labels.get("worker", ""), [0.0, 0.0])
                 worker[sample.name == STEP_SECONDS] += sample.value
-    return {"kv_bytes": kv_bytes, "kv_time": kv_time, "steps": steps}
+    return {"kv_bytes": kv_bytes, "kv_time": kv_time, "steps": steps, "sums": sums}
 
 
 def counter_rise(before: dict, after: dict) -> dict:
@@ -252,9 +274,19 @@ def counter_rise(before: dict, after: dict) -> dict:
         n_before, seconds_before = before["steps"].get(worker, (0.0, 0.0))
         steps[worker] = {"steps": int(n - n_before), "busy_s": round(seconds - seconds_before, 6)}
     (transfers_before, kv_s_before), (transfers, kv_s) = before["kv_time"], after["kv_time"]
+    summed = {k: v - before.get("sums", {}).get(k, 0.0) for k, v in after.get("sums", {}).items()}
     return {
         "kv_bytes_moved": moved,
         "kv_transfers": int(transfers - transfers_before),
         "kv_transfer_s": round(kv_s - kv_s_before, 6),
         "engine_steps": steps,
+        # the KV tier's bytes loaded and the decode -> prefill pulls over the run
+        "tier_read_bytes": int(summed.get("tier_read_bytes", 0)),
+        "pulls": int(summed.get("pulls", 0)),
+        "pull_bytes": int(summed.get("pull_bytes", 0)),
+        "pull_decisions": {
+            k.partition(":")[2]: int(v)
+            for k, v in summed.items()
+            if k.startswith("pull_decisions:")
+        },
     }

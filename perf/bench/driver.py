@@ -2,11 +2,12 @@
 records every request (perf/bench/timeline.py). The CLI around it is perf/bench/command.py.
 
 Arrivals follow the request rate and burstiness (perf/bench/arrivals.py); each arrival starts a
-session, whose later turns are sent as soon as the previous answer is in. --max-concurrency
-caps the sessions (so the requests) in flight: an arrival that finds the cap reached waits for
-a slot, and its latencies count from when it is sent. The run stops starting sessions after
-num_requests requests (a session claims all its turns when it starts) or duration_s seconds,
-and waits for those in flight.
+session, whose later turns are sent as soon as the previous answer is in (after the turn's
+think_s, an agent's tool time). --max-concurrency caps the sessions (so the requests) in
+flight (a sized agent workload sets the cap itself: live_sessions); an arrival that finds the
+cap reached waits for a slot, and its latencies count from when it is sent. The run stops
+starting sessions after num_requests requests (a session claims all its turns when it starts)
+or duration_s seconds, and waits for those in flight.
 """
 
 from __future__ import annotations
@@ -89,7 +90,10 @@ async def run_bench(
     """Send the workload to the cluster; every request's record, in send order. Times count
     from client.start, which should be just before this call (t = 0: the first arrival)."""
     budget = Budget(config)
-    slots = asyncio.Semaphore(config.max_concurrency or 2**30)  # sessions in flight
+    # sessions in flight: --max-concurrency, else what a sized workload asks for
+    # (perf/bench/agent_workload.py: live_sessions), else no bound
+    sized = getattr(workload, "live_sessions", lambda: None)()
+    slots = asyncio.Semaphore(config.max_concurrency or sized or 2**30)
     oracle = OracleCache(config.block_size, config.hash_seed)
     run_id = uuid.uuid4().hex[:8]
     records: list[RequestRecord] = []
@@ -99,12 +103,16 @@ async def run_bench(
         the session's end, and gives back the turns it did not send."""
         try:
             for sent in range(turns):
+                if spec is not None and spec.think_s > 0:  # the agent's tool runs
+                    await asyncio.sleep(spec.think_s)
                 if spec is None or client.now() >= budget.until:
                     budget.left += turns - sent
                     return
                 hit = oracle.lookup_and_insert(spec.prompt_token_ids, spec.cache_salt)
                 record, answer = await client.generate(spec, run_id, config.timeout_s)
                 records.append(replace(record, oracle_cached_tokens=hit))
+                if record.ok:
+                    oracle.insert_answer(spec.prompt_token_ids, answer, spec.cache_salt)
                 if progress is not None:
                     progress.update(record)
                 spec = session.next_turn(answer) if record.ok else None
@@ -179,4 +187,8 @@ async def bench(
         summary["kv"]["transfers"] = rise["kv_transfers"]
         summary["kv"]["transfer_s"] = rise["kv_transfer_s"]
         summary["engine_steps"] = rise["engine_steps"]
+        summary["kv"]["tier_read_bytes"] = rise["tier_read_bytes"]
+        summary["kv"]["pulls"] = rise["pulls"]
+        summary["kv"]["pull_bytes"] = rise["pull_bytes"]
+        summary["kv"]["pull_decisions"] = rise["pull_decisions"]
     return summary, records

@@ -5,7 +5,9 @@ prompts: compare on a fresh cluster, or with a new --seed).
 
 It uses the cluster's own block hash (`engine.block_hash.hash_prompt_blocks`, same block size,
 seed and cache_salt), counts full blocks only, and, as the engine does, at most
-(prompt_tokens - 1) // block_size blocks: the last prompt token is always computed.
+(prompt_tokens - 1) // block_size blocks: the last prompt token is always computed. An answer's
+blocks are cached too once it is in (insert_answer): the engine that decoded it holds their KV
+(all but the last token's), and the next turn of a conversation starts with them.
 """
 
 from __future__ import annotations
@@ -32,3 +34,14 @@ class OracleCache:
             hits += 1
         self._cached.update(hashes)
         return hits * self.block_size
+
+    def insert_answer(
+        self, prompt: Sequence[int], answer: Sequence[int], cache_salt: str | None = None
+    ) -> None:
+        """Cache the full blocks of prompt + answer whose KV was computed (the last answer
+        token's never is)."""
+        tokens = list(prompt) + list(answer)
+        computed = tokens[: max(0, len(tokens) - 1)]
+        self._cached.update(
+            hash_prompt_blocks(computed, self.block_size, self.hash_seed, cache_salt)
+        )

@@ -8,7 +8,12 @@ Definitions (per request: see perf/bench/timeline.py for TTFT, TPOT, ITL and E2E
 - Goodput (DistServe): successful requests that meet every given SLO, per second. A one-token
   answer has no TPOT and meets a TPOT SLO.
 - Cached fraction: cached prompt tokens / prompt tokens; the oracle fraction is the same for
-  one infinite shared cache over the same request sequence (perf/bench/oracle.py).
+  one infinite shared cache over the same request sequence (perf/bench/oracle.py), and
+  of_oracle the cluster's cached tokens / the oracle's. Prefill tokens computed: prompt tokens
+  - cached tokens (what the cluster prefilled, local prefills included).
+- KV tier and pulls (from /metrics when the driver reaches it): bytes loaded from the workers'
+  KV tiers, decode -> prefill pulls and their bytes, and the router's pull / local /
+  recompute decisions.
 - By kind (when a workload mixes kinds, e.g. long-prompt's "chat" and "long"): TTFT, TPOT
   and ITL of each kind's successful requests apart, so a long prompt's price (its TTFT) and
   its effect on the others (their ITL) are read separately.
@@ -169,6 +174,8 @@ def summarize(
             oracle_cached_tokens=oracle,
             cached_fraction=cached / prompt if prompt else 0.0,
             oracle_fraction=oracle / prompt if prompt else 0.0,
+            of_oracle=cached / oracle if oracle else None,
+            prefill_tokens_computed=prompt - cached,
         ),
         load_balance=load_balance(records, workers or {}),
         kv=dict(
@@ -179,6 +186,10 @@ def summarize(
             kv_bytes_moved=None,
             transfers=None,  # KV transfers and their summed time (prefill done -> decode side
             transfer_s=None,  # acknowledges), from /metrics as well
+            tier_read_bytes=None,  # loaded from the workers' KV tiers, from /metrics
+            pulls=None,  # decode -> prefill pulls, their bytes and the router's decisions
+            pull_bytes=None,
+            pull_decisions=None,
         ),
         # {worker: {"steps", "busy_s"}}: the engines' steps and the seconds they took over the
         # run; the driver fills it from /metrics (baton:engine_step_duration_seconds), the
@@ -189,6 +200,10 @@ def summarize(
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
+
+
+def _mib(n: int) -> str:
+    return f"{n:,} ({n / 2**20:.1f} MiB)"
 
 
 def _ratio(value: float | None) -> str:
@@ -233,10 +248,14 @@ def table(summary: dict) -> str:
             label = f"{kind} ITL by long prefill ({beside['count']})"
             lines.append(f"  {label:<26}{cells}")
     c = summary["cache"]
+    of_oracle = c.get("of_oracle")
     lines.append(
         f"{'cached prompt tokens':<28}{c['cached_fraction']:.1%}"
-        f" (oracle {c['oracle_fraction']:.1%})"
+        f" (oracle {c['oracle_fraction']:.1%}"
+        + (f", {of_oracle:.1%} of it)" if of_oracle is not None else ")")
     )
+    if "prefill_tokens_computed" in c:
+        lines.append(f"{'prefill tokens computed':<28}{c['prefill_tokens_computed']:,}")
     for role, lb in summary["load_balance"].items():
         lines.append(
             f"{role + ' balance (max/mean)':<28}requests {_ratio(lb['requests_max_over_mean'])}, "
@@ -249,6 +268,14 @@ def table(summary: dict) -> str:
         f"{'KV bytes moved':<28}"
         + (f"{moved:,} ({moved / 2**20:.1f} MiB)" if moved is not None else "- (no /metrics)")
     )
+    if kv.get("tier_read_bytes") is not None:
+        lines.append(f"{'KV tier bytes loaded':<28}{_mib(kv['tier_read_bytes'])}")
+    if kv.get("pulls") is not None:
+        decided = ", ".join(f"{k} {v}" for k, v in sorted((kv.get("pull_decisions") or {}).items()))
+        lines.append(
+            f"{'pulls decode -> prefill':<28}{kv['pulls']} ({_mib(kv['pull_bytes'] or 0)})"
+            + (f"; decisions: {decided}" if decided else "")
+        )
     for worker, steps in summary.get("engine_steps", {}).items():
         mean_ms = 1000.0 * steps["busy_s"] / steps["steps"] if steps["steps"] else 0.0
         lines.append(
@@ -271,7 +298,14 @@ COMPARE_ROWS = (
     ),
     ("cached %", lambda s: f"{s['cache']['cached_fraction']:.1%}"),
     ("oracle %", lambda s: f"{s['cache']['oracle_fraction']:.1%}"),
+    ("prefill tokens", lambda s: s["cache"].get("prefill_tokens_computed", "-")),
+    ("tier MiB loaded", lambda s: _mib_or_dash(s["kv"].get("tier_read_bytes"))),
+    ("pulls", lambda s: s["kv"].get("pulls") if s["kv"].get("pulls") is not None else "-"),
 )
+
+
+def _mib_or_dash(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
 
 
 def compare_table(runs: dict[str, dict]) -> str:

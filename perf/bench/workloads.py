@@ -20,90 +20,36 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Protocol
 
+from perf.bench.agent_workload import AgentWorkload
+from perf.bench.specs import (
+    OneShot,
+    RequestSpec,
+    Session,
+    TokenSpace,
+    Workload,
+    stand_in_answer,
+)
+from perf.bench.specs import around as _around
+from perf.bench.specs import rng_for as _rng
 
-@dataclass(frozen=True, slots=True)
-class RequestSpec:
-    """One request of a workload. arrival_s (seconds from the start) is set only where the
-    workload owns time (trace replay); otherwise the driver's arrival process decides."""
-
-    session: str  # unique per run; the request id is f"{session}-{turn}"
-    turn: int
-    prompt_token_ids: tuple[int, ...]
-    max_tokens: int
-    kind: str = "chat"  # chat | turn | long | trace: lets reports mark e.g. long prompts
-    tenant: str = ""
-    cache_salt: str | None = None
-    arrival_s: float | None = None
-
-    @property
-    def request_id(self) -> str:
-        return f"{self.session}-{self.turn}"
-
-
-@dataclass(frozen=True, slots=True)
-class TokenSpace:
-    """Ids drawn uniformly from [low, high) minus `exclude` (special tokens)."""
-
-    low: int = 100
-    high: int = 49152  # SmolLM2's vocabulary
-    exclude: frozenset[int] = frozenset()
-
-    @classmethod
-    def from_tokenizer(cls, tokenizer, low: int = 100) -> TokenSpace:
-        """The tokenizer's vocabulary above `low`, without its special tokens."""
-        special = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
-        return cls(low=low, high=len(tokenizer), exclude=special)
-
-    def draw(self, rng: random.Random, n: int) -> list[int]:
-        out: list[int] = []
-        while len(out) < n:
-            t = rng.randrange(self.low, self.high)
-            if t not in self.exclude:
-                out.append(t)
-        return out
-
-
-def _rng(seed: int, *key: object) -> random.Random:
-    """An independent, reproducible stream per (seed, key): str seeds hash with SHA-512."""
-    return random.Random(":".join(map(str, (seed, *key))))
-
-
-def _around(rng: random.Random, mean: int, range_ratio: float) -> int:
-    """A length uniform in [mean * (1 - r), mean * (1 + r)] (vLLM's range ratio), at least 1."""
-    lo, hi = int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))
-    return max(1, rng.randint(lo, max(lo, hi)))
-
-
-def stand_in_answer(spec: RequestSpec, tokens: TokenSpace, seed: int = 0) -> list[int]:
-    """A deterministic answer of exactly max_tokens tokens, for runs without a server."""
-    return tokens.draw(_rng(seed, "answer", spec.request_id), spec.max_tokens)
-
-
-class Session(Protocol):
-    """A sequence of turns; next_turn(answer to the previous turn, None at first) returns the
-    next request, or None when the session is over. A multi-turn session also has `num_turns`
-    (the driver claims that many requests of its budget when the session starts)."""
-
-    def next_turn(self, previous_answer: Sequence[int] | None) -> RequestSpec | None: ...
-
-
-class OneShot:
-    """A session of one request."""
-
-    def __init__(self, spec: RequestSpec) -> None:
-        self._spec: RequestSpec | None = spec
-
-    def next_turn(self, previous_answer: Sequence[int] | None) -> RequestSpec | None:
-        spec, self._spec = self._spec, None
-        return spec
-
-
-class Workload(Protocol):
-    """Options as dataclass fields; sessions() is a deterministic (possibly endless) stream."""
-
-    def sessions(self, tokens: TokenSpace, seed: int) -> Iterator[Session]: ...
+__all__ = [
+    "WORKLOADS",
+    "AgentWorkload",
+    "AgenticWorkload",
+    "LongPromptWorkload",
+    "OneShot",
+    "PrefixRepetitionWorkload",
+    "RandomWorkload",
+    "RequestSpec",
+    "Session",
+    "TokenSpace",
+    "TraceWorkload",
+    "Workload",
+    "make_workload",
+    "replay",
+    "stand_in_answer",
+]
 
 
 # ---- single-turn workloads -------------------------------------------------------------------
@@ -275,6 +221,7 @@ class TraceWorkload:
 
 
 WORKLOADS: dict[str, type] = {
+    "agent": AgentWorkload,
     "agentic": AgenticWorkload,
     "prefix-repetition": PrefixRepetitionWorkload,
     "random": RandomWorkload,

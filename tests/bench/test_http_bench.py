@@ -147,7 +147,9 @@ def test_counter_rise_over_a_run_per_worker():
         "kv_bytes": 612.0,
         "kv_time": [3.0, 0.5],
         "steps": {"p0": [5.0, 0.75], "d0": [30.0, 4.0], "d1": [2.0, 0.2]},
+        "sums": {"tier_read_bytes": 4096.0, "pulls": 3.0, "pull_decisions:pull": 3.0},
     }
+    before["sums"] = {"pulls": 1.0, "pull_decisions:pull": 1.0}
     assert counter_rise(before, after) == {
         "kv_bytes_moved": 512,
         "kv_transfers": 2,
@@ -157,6 +159,10 @@ def test_counter_rise_over_a_run_per_worker():
             "d1": {"steps": 2, "busy_s": 0.2},  # a worker that joined during the run
             "p0": {"steps": 2, "busy_s": 0.25},
         },
+        "tier_read_bytes": 4096,
+        "pulls": 2,
+        "pull_bytes": 0,
+        "pull_decisions": {"pull": 2},
     }
     # no prefill workers: no KV bytes family at all
     nothing = {"kv_bytes": None, "kv_time": [0.0, 0.0], "steps": {}}
@@ -165,4 +171,8 @@ def test_counter_rise_over_a_run_per_worker():
         "kv_transfers": 0,
         "kv_transfer_s": 0.0,
         "engine_steps": {},
+        "tier_read_bytes": 0,
+        "pulls": 0,
+        "pull_bytes": 0,
+        "pull_decisions": {},
     }

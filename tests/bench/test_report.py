@@ -78,6 +78,8 @@ def test_cache_fractions_load_balance_and_kv():
             oracle_cached_tokens=20,
             cached_fraction=16 / 48,
             oracle_fraction=20 / 48,
+            of_oracle=16 / 20,
+            prefill_tokens_computed=48 - 16,
         )
     )
     pre, dec = s["load_balance"]["prefill"], s["load_balance"]["decode"]
@@ -161,3 +163,13 @@ def test_chat_itls_beside_a_long_prefill():
     assert beside == pytest.approx(dict(mean=600, median=600, p90=680, p99=698, count=2))
     assert "itl_beside_long_prefill_ms" not in summarize(records)["by_kind"]["long"]
     assert "chat ITL by long prefill (2)" in table(summarize(records))
+
+
+def test_the_oracle_caches_an_answers_computed_blocks():
+    oracle = OracleCache(block_size=4, hash_seed="baton")
+    prompt, answer = list(range(1, 7)), [40, 41, 42, 43, 44]  # 11 tokens, 10 computed
+    assert oracle.lookup_and_insert(prompt) == 0
+    oracle.insert_answer(prompt, answer)
+    # turn 2 = prompt + answer + more: blocks 0, 1 hit (tokens 0-7); block 2 (8-11) holds the
+    # last answer token, whose KV was never computed
+    assert oracle.lookup_and_insert(prompt + answer + [60, 61, 62]) == 8

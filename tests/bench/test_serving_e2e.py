@@ -15,11 +15,13 @@ from perf.bench.command import main
 from perf.bench.driver import BenchConfig, bench
 from perf.bench.workloads import (
     AgenticWorkload,
+    AgentWorkload,
     LongPromptWorkload,
     PrefixRepetitionWorkload,
     RandomWorkload,
     TokenSpace,
     TraceWorkload,
+    replay,
 )
 from prefill_worker.worker import PrefillWorker
 from router.router import Router
@@ -248,3 +250,35 @@ def test_manifest_starts_a_cluster_for_the_run(address, tiny_llama, tmp_path, mo
     assert [r["cached_tokens"] for r in data["records"]] == [
         r["oracle_cached_tokens"] for r in data["records"]
     ]
+
+
+def test_agent_sessions_wait_their_tool_time_and_run_as_many_as_sized(address):
+    """The agent workload through the real server: each turn is sent its think_s after the
+    previous answer, and the sessions in flight are the workload's live_sessions."""
+    w = AgentWorkload(
+        system_len=24,
+        tools_len=16,
+        task_len=6,
+        tool_output_len=12,
+        output_len=3,
+        min_turns=2,
+        max_turns=3,
+        think_s=0.05,
+        live_context_x=2.0,
+        kv_tokens=64,
+        max_context=250,
+    )
+    assert w.live_sessions() == 5  # ceil((2 x 64 - 40) / (6 + 15 x (2.5 - 1) / 2 + 3))
+    summary, records = run(address, w, seed=9)
+    check_run(summary, records)
+    planned = {s.request_id: s for s in replay(w, TOKENS, 9, 12)}
+    by_id = {r.request_id: r for r in records}
+    for rid, r in by_id.items():
+        spec = planned[rid]
+        if spec.turn:
+            before = by_id[f"{spec.session}-{spec.turn - 1}"]
+            assert r.send_s - before.end_s >= spec.think_s > 0
+    spans = [(r.send_s, r.end_s) for r in records]
+    most = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
+    assert most <= 5
+    assert summary["cache"]["cached_fraction"] > 0.3

@@ -4,6 +4,7 @@ maps equal hash ids to equal token blocks; arrivals follow vLLM's gamma semantic
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -15,6 +16,7 @@ from perf.bench.arrivals import arrival_times
 from perf.bench.oracle import OracleCache
 from perf.bench.workloads import (
     AgenticWorkload,
+    AgentWorkload,
     LongPromptWorkload,
     PrefixRepetitionWorkload,
     RandomWorkload,
@@ -148,3 +150,60 @@ def test_arrivals_follow_vllm_gamma_semantics():
     assert bursty.var() == pytest.approx(0.25**2 / 0.25, rel=0.12)  # var = mean^2 / shape
     with pytest.raises(ValueError, match="rate"):
         next(arrival_times(0.0))
+
+
+# ---- the multi-turn agent workload -----------------------------------------------------------
+AGENT = AgentWorkload(
+    system_len=24,
+    tools_len=16,
+    task_len=8,
+    tool_output_len=20,
+    tool_output_range=0.5,
+    output_len=4,
+    min_turns=3,
+    max_turns=5,
+    think_s=0.5,
+    retention_seconds=30.0,
+    max_context=120,
+)
+
+
+def test_agent_turns_grow_by_the_answer_and_a_tool_output_over_one_shared_prefix():
+    specs = replay(AGENT, TOKENS, 0, 60)
+    assert specs == replay(AGENT, TOKENS, 0, 60)
+    sessions = [list(t) for _, t in itertools.groupby(specs, key=lambda s: s.session)]
+    grown = 0
+    for turns in sessions[:-1]:  # the last one may be cut by the 60 requests
+        assert [t.turn for t in turns] == list(range(len(turns)))
+        assert 1 <= len(turns) <= 5
+        assert turns[0].think_s == 0.0 and len(turns[0].prompt_token_ids) == 24 + 16 + 8
+        for prev, cur in itertools.pairwise(turns):
+            head = prev.prompt_token_ids + tuple(stand_in_answer(prev, TOKENS, 0))
+            assert cur.prompt_token_ids[: len(head)] == head
+            assert 10 <= len(cur.prompt_token_ids) - len(head) <= 30  # a tool output of ~20
+            assert 0.0 <= cur.think_s <= 1.0
+            grown += 1
+        # the next prompt and its answer would pass max_context: the session ended there
+        assert len(turns[-1].prompt_token_ids) + 4 <= 120
+        for t in turns:
+            assert (t.session_id, t.retention_seconds, t.kind) == (t.session, 30.0, "agent")
+    assert grown > 10
+    firsts = [s.prompt_token_ids for s in specs if s.turn == 0]
+    assert len({p[:40] for p in firsts}) == 1  # one system prompt + tool schemas for all
+    assert len({p[40:] for p in firsts}) == len(firsts)  # each its own task
+
+
+def test_agent_workload_sizes_its_sessions_from_the_kv_capacity():
+    # own context at the mid-point: task 8 + (4 + 20) x (4 turns - 1) / 2 + answer 4 = 48
+    roomy = dataclasses.replace(AGENT, max_context=1000)
+    assert roomy.mean_own_context() == 48.0
+    # max_context 120 leaves room for 2 turns after the first: 3 turns on average, not 4
+    assert AGENT.mean_own_context() == 8 + 24 * 2 / 2 + 4 == 36.0
+    assert AGENT.live_sessions() is None
+    sized = dataclasses.replace(AGENT, live_context_x=5.0, kv_tokens=256)
+    assert sized.live_sessions() == math.ceil((5 * 256 - 40) / 36) == 35
+    assert make_workload("agent", {"live_context_x": "3", "kv_tokens": "512"}).live_sessions()
+    with pytest.raises(ValueError, match="needs kv_tokens"):
+        AgentWorkload(live_context_x=2.0)
+    with pytest.raises(ValueError, match="first turn alone passes max_context"):
+        AgentWorkload(max_context=4000)
