@@ -5,16 +5,21 @@ is a 400 naming the field / INVALID_ARGUMENT, and nothing reaches the router."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import httpx
 import openai
 import pytest
 
+from perf.bench.client import GrpcClient, HttpClient
+from perf.bench.specs import RequestSpec
 from router.openai_http import create_app
 from router.proto import inference_pb2 as pb
+from router.server import start_server
 from router.sessions import SessionHint
 from tests.router.scripted import ScriptedRouter
-from tests.router.serving import http_serving
+from tests.router.serving import BackgroundLoop, http_serving
 from tests.router.test_grpc_fields import grpc_serving
 
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -110,3 +115,34 @@ def test_grpc_carries_the_session_and_refuses_bad_fields(tokenizer):
             "session_id='' is invalid: a string of 1 to 256 characters",
         ),
     ]
+
+
+def test_the_bench_clients_send_the_session_unique_to_their_run(tokenizer):
+    router = ScriptedRouter(tokenizer, ["sunny"])
+    spec = RequestSpec("g0", 1, (5, 6, 7), 2, session_id="g0", retention_seconds=30.0)
+    plain = RequestSpec("r0", 0, (5, 6, 7), 2)
+    loop = BackgroundLoop()
+    server, port = loop.run(start_server(router, port=0, tokenizer=tokenizer))
+    try:
+
+        async def grpc_run() -> None:
+            client = GrpcClient(f"127.0.0.1:{port}", 0.0)
+            for s in (spec, plain):
+                record, _ = await client.generate(s, "run1", 30)
+                assert record.ok, record.error
+            await client.close()
+
+        asyncio.run(grpc_run())
+        with http_serving(create_app(router, ["tiny"], tokenizer=tokenizer)) as (url, _):
+
+            async def http_run() -> None:
+                client = HttpClient(url, 0.0, model="tiny")
+                record, _ = await client.generate(spec, "run2", 30)
+                assert record.ok, record.error
+                await client.close()
+
+            asyncio.run(http_run())
+    finally:
+        loop.run(server.stop(1))
+        loop.close()
+    assert router.sessions == [SessionHint("run1-g0", 30.0), None, SessionHint("run2-g0", 30.0)]
