@@ -30,12 +30,12 @@ class AgentWorkload:
     Defaults fit SmolLM2 (8,192 positions): a session ends before its next prompt and answer
     would pass max_context."""
 
-    system_len: int = 2000  # the system prompt every session shares
-    tools_len: int = 2000  # the tool schemas, after the system prompt
+    system_len: int = 1000  # the system prompt every session shares
+    tools_len: int = 1000  # the tool schemas, after the system prompt
     task_len: int = 200  # the session's own task
-    tool_output_len: int = 800  # mean tokens of a tool's output
+    tool_output_len: int = 600  # mean tokens of a tool's output
     tool_output_range: float = 0.75  # tool outputs are uniform in mean x [1 - r, 1 + r]
-    output_len: int = 120  # each answer (a tool call)
+    output_len: int = 100  # each answer (a tool call)
     min_turns: int = 4
     max_turns: int = 10
     think_s: float = 2.0  # mean tool time between turns (uniform in [0, 2 x think_s])

@@ -298,10 +298,15 @@ COMPARE_ROWS = (
     ),
     ("cached %", lambda s: f"{s['cache']['cached_fraction']:.1%}"),
     ("oracle %", lambda s: f"{s['cache']['oracle_fraction']:.1%}"),
+    ("of oracle %", lambda s: _pct(s["cache"].get("of_oracle"))),
     ("prefill tokens", lambda s: s["cache"].get("prefill_tokens_computed", "-")),
     ("tier MiB loaded", lambda s: _mib_or_dash(s["kv"].get("tier_read_bytes"))),
     ("pulls", lambda s: s["kv"].get("pulls") if s["kv"].get("pulls") is not None else "-"),
 )
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
 
 
 def _mib_or_dash(n: int | None) -> str:

@@ -206,4 +206,4 @@ def test_agent_workload_sizes_its_sessions_from_the_kv_capacity():
     with pytest.raises(ValueError, match="needs kv_tokens"):
         AgentWorkload(live_context_x=2.0)
     with pytest.raises(ValueError, match="first turn alone passes max_context"):
-        AgentWorkload(max_context=4000)
+        AgentWorkload(max_context=2300)

@@ -1,0 +1,235 @@
+"""The KV tier, session retention and decode -> prefill pulls under many agent sessions: one
+command runs the multi-turn agent workload (perf/bench/agent_workload.py) with a live context
+several times one worker's KV memory, on fresh local clusters:
+
+    agg-off               aggregated (decode workers prefill), no KV tier
+    agg-disk              aggregated, a disk KV tier on every worker
+    disagg-off            1 prefill + 1 decode worker, no KV tier
+    disagg-disk           1 prefill + 1 decode worker, disk KV tiers
+    disagg-disk-restart   as disagg-disk, decode-0 killed mid-run (Ray restarts it: it
+                          re-indexes its disk tier and announces it; the router keeps routing)
+
+and prints each run's table, the runs side by side (hit rate against the infinite-cache
+oracle, TTFT p50/p99, ITL p99, throughput, prefill tokens computed, bytes loaded from the
+tier, decode -> prefill pulls), and for the restart run the hit rate of the turns before the
+kill and of the first turns after it. Results go to --out/<run>/results.json.
+
+    python -m benchmarks.kv_tier_agents                       # SmolLM2, 5x live context
+    python -m benchmarks.kv_tier_agents --live-context-x 8 --num-requests 400
+    python -m benchmarks.kv_tier_agents --tiny                # a tiny random model (checks)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from perf.bench.agent_workload import AgentWorkload
+from perf.bench.driver import BenchConfig, bench
+from perf.bench.report import compare_table, table
+from perf.bench.specs import TokenSpace
+from perf.bench.timeline import RequestRecord, write_results
+
+RUNS = ("agg-off", "agg-disk", "disagg-off", "disagg-disk", "disagg-disk-restart")
+KILLED = "decode-0"  # the restart run's worker
+
+
+def manifest(args: argparse.Namespace, run: str, model: str, tier_root: Path) -> dict:
+    """One run's local cluster: the run's shape and tier, KV memory cut to --kv-blocks."""
+    tier = run.split("-")[1] == "disk"
+    engine: dict = {
+        "block_size": args.block_size,
+        "num_kv_blocks": args.kv_blocks,
+        "chunk_size": args.chunk_size,
+        "max_num_batched_tokens": max(args.chunk_size, 2048),
+    }
+    if tier:
+        engine.update(
+            kv_tier="disk",
+            kv_tier_path=str(tier_root / run),
+            kv_tier_bytes=int(args.tier_gb * 2**30),
+        )
+    return {
+        "apiVersion": "baton/v1",
+        "kind": "Cluster",
+        "metadata": {"name": f"kv-tier-{run}"},
+        "spec": {
+            "model": {"path": model, "skip_tokenizer_init": args.tiny},
+            "engine": engine,
+            "prefill": {"replicas": 0 if run.startswith("agg") else 1, "threads": args.threads},
+            "decode": {"replicas": 1, "threads": args.threads},
+            "router": {"port": 0, "http_port": 0, "wait_for_workers_seconds": 120.0},
+            "transfer": {"timeout_seconds": 30.0, "lease_seconds": 30.0},
+        },
+    }
+
+
+def workload(args: argparse.Namespace) -> AgentWorkload:
+    """The agent workload sized to --live-context-x times one worker's KV tokens."""
+    kv_tokens = args.kv_blocks * args.block_size
+    if args.tiny:
+        return AgentWorkload(
+            system_len=48,
+            tools_len=32,
+            task_len=8,
+            tool_output_len=24,
+            output_len=4,
+            min_turns=3,
+            max_turns=5,
+            think_s=0.2,
+            live_context_x=args.live_context_x,
+            kv_tokens=kv_tokens,
+            max_context=400,
+        )
+    return AgentWorkload(
+        think_s=args.think_s,
+        live_context_x=args.live_context_x,
+        kv_tokens=kv_tokens,
+        max_context=args.max_context,
+    )
+
+
+def recovery(records: list[RequestRecord], kill_s: float) -> dict:
+    """Cached tokens / oracle cached tokens of the turns sent before `kill_s` and of each
+    session's first, second and third turn sent after it (None where there are none)."""
+
+    def of_oracle(rs: list[RequestRecord]) -> float | None:
+        oracle = sum(r.oracle_cached_tokens for r in rs)
+        return sum(r.cached_tokens for r in rs) / oracle if oracle else None
+
+    ok = sorted((r for r in records if r.ok), key=lambda r: r.send_s)
+    after: dict[str, list[RequestRecord]] = {}
+    for r in ok:
+        if r.send_s >= kill_s:
+            after.setdefault(r.request_id.rsplit("-", 1)[0], []).append(r)
+    nth = {
+        f"turn_{k + 1}_after": of_oracle([turns[k] for turns in after.values() if len(turns) > k])
+        for k in range(3)
+    }
+    return {"kill_s": kill_s, "before": of_oracle([r for r in ok if r.send_s < kill_s]), **nth}
+
+
+def run_one(args: argparse.Namespace, run: str, model: str, tier_root: Path) -> dict:
+    """Start the run's cluster, drive the workload (killing decode-0 mid-run for the restart
+    run), tear it down; its summary."""
+    from benchmarks.faults import Fault, FaultInjector
+    from cluster.controller import NAMESPACE
+    from cluster.local import LocalCluster
+    from deploy.manifest import parse_manifest
+
+    m = parse_manifest(manifest(args, run, model, tier_root))
+    w = workload(args)
+    tokens = TokenSpace(low=3, high=512) if args.tiny else TokenSpace()
+    config = BenchConfig(
+        num_requests=args.num_requests,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        block_size=args.block_size,
+        hash_seed=str(m.spec.engine.hash_seed),
+    )
+    log = lambda message: print(message, file=sys.stderr)  # noqa: E731
+    log(f"== {run}: {w.live_sessions()} sessions at once, {args.num_requests} requests")
+    cluster = LocalCluster(m).start(log=log)
+    injector = None
+    try:
+        if run.endswith("restart"):
+            injector = FaultInjector([Fault(args.kill_at_s, "kill", KILLED)], NAMESPACE, log)
+            injector.start()
+        summary, records = asyncio.run(
+            bench(
+                cluster.address,
+                w,
+                tokens,
+                config,
+                None,
+                metrics_url=f"{cluster.http_address}/metrics",
+            )
+        )
+    finally:
+        if injector is not None:
+            injector.stop()
+        cluster.close()
+    summary["config"].update(run=run, live_sessions=w.live_sessions(), kv_blocks=args.kv_blocks)
+    if injector is not None and injector.applied:
+        # fault times count from the injector's start, record times from the bench's, which
+        # starts within a second after it (its worker list and /metrics scrape come first)
+        summary["recovery"] = recovery(records, injector.applied[0].start_s)
+    write_results(Path(args.out) / run, summary, records)
+    return summary
+
+
+def recovery_lines(summary: dict) -> list[str]:
+    rec = summary.get("recovery")
+    if rec is None:
+        return []
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1%}"
+
+    return [
+        f"restart of {KILLED} at {rec['kill_s']:.1f} s: cached / oracle before {pct(rec['before'])}"
+        f", 1st turn after {pct(rec['turn_1_after'])}, 2nd {pct(rec['turn_2_after'])}, "
+        f"3rd {pct(rec['turn_3_after'])}"
+    ]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--tiny", action="store_true", help="a tiny random checkpoint (checks)")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {RUNS}")
+    p.add_argument("--live-context-x", type=float, default=5.0, help="live context / KV memory")
+    p.add_argument("--kv-blocks", type=int, default=None, help="each worker's KV blocks")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--chunk-size", type=int, default=None)
+    p.add_argument("--tier-gb", type=float, default=8.0, help="each worker's disk tier")
+    p.add_argument("--think-s", type=float, default=2.0, help="mean tool time between turns")
+    p.add_argument("--max-context", type=int, default=8192, help="a session's positions")
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--kill-at-s", type=float, default=None, help="the restart run's kill")
+    p.add_argument("--threads", type=int, default=4, help="torch threads per worker")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900.0, help="per request, seconds")
+    p.add_argument("--out", default="runs/kv-tier-agents")
+    args = p.parse_args(argv)
+    tiny = dict(kv_blocks=64, block_size=4, chunk_size=64, num_requests=24, kill_at_s=4.0)
+    full = dict(kv_blocks=1024, block_size=16, chunk_size=512, num_requests=300, kill_at_s=120.0)
+    for key, value in (tiny if args.tiny else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    unknown = set(args.runs.split(",")) - set(RUNS)
+    if unknown:
+        p.error(f"unknown runs {sorted(unknown)}; choose from {RUNS}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model = args.model
+    if args.tiny:
+        from benchmarks.soak_cluster import tiny_checkpoint
+
+        model = tiny_checkpoint()
+    summaries = {}
+    with tempfile.TemporaryDirectory(prefix="baton-kv-tier-") as tier_root:
+        for run in args.runs.split(","):
+            summaries[run] = run_one(args, run, model, Path(tier_root))
+            print(f"\n== {run}\n{table(summaries[run])}")
+            print("\n".join(recovery_lines(summaries[run])))
+    print("\n== side by side\n" + compare_table(summaries))
+    for summary in summaries.values():
+        for line in recovery_lines(summary):
+            print(line)
+    out = Path(args.out) / "comparison.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "runs": summaries}, indent=2, default=str))
+    print(f"\nresults: {Path(args.out).resolve()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
