@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from perf.bench.agent_workload import AgentWorkload
-from perf.bench.driver import BenchConfig, bench
+from perf.bench.driver import BenchConfig, ProgressSink, bench
 from perf.bench.report import compare_table, table
 from perf.bench.specs import TokenSpace
 from perf.bench.timeline import RequestRecord, write_results
@@ -83,7 +83,7 @@ def workload(args: argparse.Namespace) -> AgentWorkload:
             think_s=0.2,
             live_context_x=args.live_context_x,
             kv_tokens=kv_tokens,
-            max_context=400,
+            max_context=300,
         )
     return AgentWorkload(
         think_s=args.think_s,
@@ -94,8 +94,10 @@ def workload(args: argparse.Namespace) -> AgentWorkload:
 
 
 def recovery(records: list[RequestRecord], kill_s: float) -> dict:
-    """Cached tokens / oracle cached tokens of the turns sent before `kill_s` and of each
-    session's first, second and third turn sent after it (None where there are none)."""
+    """Cached tokens / oracle cached tokens of the turns done before `kill_s` and of each
+    session's first, second and third turn sent after it (None where there are none). Turns
+    in flight at the kill are left out: a turn that moved to another attempt reports that
+    attempt's hits, which include what the failed one computed."""
 
     def of_oracle(rs: list[RequestRecord]) -> float | None:
         oracle = sum(r.oracle_cached_tokens for r in rs)
@@ -110,14 +112,38 @@ def recovery(records: list[RequestRecord], kill_s: float) -> dict:
         f"turn_{k + 1}_after": of_oracle([turns[k] for turns in after.values() if len(turns) > k])
         for k in range(3)
     }
-    return {"kill_s": kill_s, "before": of_oracle([r for r in ok if r.send_s < kill_s]), **nth}
+    return {"kill_s": kill_s, "before": of_oracle([r for r in ok if r.end_s < kill_s]), **nth}
+
+
+class KillMidRun(ProgressSink):
+    """Kills `worker` (SIGKILL; Ray restarts it) once `after` requests finished, on a thread of
+    its own; kill_s is that request's end on the bench's clock (None until then)."""
+
+    def __init__(self, worker: str, after: int, log) -> None:
+        self.worker, self.after, self.log = worker, after, log
+        self.done = 0
+        self.kill_s: float | None = None
+        self.injector = None
+
+    def update(self, record: RequestRecord) -> None:
+        from benchmarks.faults import Fault, FaultInjector
+        from cluster.controller import NAMESPACE
+
+        self.done += 1
+        if self.done == self.after:
+            self.kill_s = record.end_s
+            fault = Fault(0.0, "kill", self.worker)
+            self.injector = FaultInjector([fault], NAMESPACE, self.log).start()
+
+    def close(self) -> None:
+        if self.injector is not None:
+            self.injector.join(60)
+            self.injector.stop()
 
 
 def run_one(args: argparse.Namespace, run: str, model: str, tier_root: Path) -> dict:
-    """Start the run's cluster, drive the workload (killing decode-0 mid-run for the restart
-    run), tear it down; its summary."""
-    from benchmarks.faults import Fault, FaultInjector
-    from cluster.controller import NAMESPACE
+    """Start the run's cluster, drive the workload (killing decode-0 halfway through the
+    restart run), tear it down; its summary."""
     from cluster.local import LocalCluster
     from deploy.manifest import parse_manifest
 
@@ -133,12 +159,11 @@ def run_one(args: argparse.Namespace, run: str, model: str, tier_root: Path) -> 
     )
     log = lambda message: print(message, file=sys.stderr)  # noqa: E731
     log(f"== {run}: {w.live_sessions()} sessions at once, {args.num_requests} requests")
+    kill = None
+    if run.endswith("restart"):
+        kill = KillMidRun(KILLED, max(1, int(args.num_requests * args.kill_after)), log)
     cluster = LocalCluster(m).start(log=log)
-    injector = None
     try:
-        if run.endswith("restart"):
-            injector = FaultInjector([Fault(args.kill_at_s, "kill", KILLED)], NAMESPACE, log)
-            injector.start()
         summary, records = asyncio.run(
             bench(
                 cluster.address,
@@ -146,18 +171,17 @@ def run_one(args: argparse.Namespace, run: str, model: str, tier_root: Path) -> 
                 tokens,
                 config,
                 None,
+                kill,
                 metrics_url=f"{cluster.http_address}/metrics",
             )
         )
     finally:
-        if injector is not None:
-            injector.stop()
+        if kill is not None:
+            kill.close()
         cluster.close()
     summary["config"].update(run=run, live_sessions=w.live_sessions(), kv_blocks=args.kv_blocks)
-    if injector is not None and injector.applied:
-        # fault times count from the injector's start, record times from the bench's, which
-        # starts within a second after it (its worker list and /metrics scrape come first)
-        summary["recovery"] = recovery(records, injector.applied[0].start_s)
+    if kill is not None and kill.kill_s is not None:
+        summary["recovery"] = recovery(records, kill.kill_s)
     write_results(Path(args.out) / run, summary, records)
     return summary
 
@@ -190,14 +214,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--think-s", type=float, default=2.0, help="mean tool time between turns")
     p.add_argument("--max-context", type=int, default=8192, help="a session's positions")
     p.add_argument("--num-requests", type=int, default=None)
-    p.add_argument("--kill-at-s", type=float, default=None, help="the restart run's kill")
+    p.add_argument(
+        "--kill-after", type=float, default=0.5, help="restart run: kill after this fraction"
+    )
     p.add_argument("--threads", type=int, default=4, help="torch threads per worker")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="per request, seconds")
     p.add_argument("--out", default="runs/kv-tier-agents")
     args = p.parse_args(argv)
-    tiny = dict(kv_blocks=64, block_size=4, chunk_size=64, num_requests=24, kill_at_s=4.0)
-    full = dict(kv_blocks=1024, block_size=16, chunk_size=512, num_requests=300, kill_at_s=120.0)
+    tiny = dict(kv_blocks=128, block_size=4, chunk_size=64, num_requests=60)
+    full = dict(kv_blocks=1024, block_size=16, chunk_size=512, num_requests=300)
     for key, value in (tiny if args.tiny else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -38,7 +38,8 @@ def test_the_workload_is_sized_to_five_times_one_workers_kv():
     assert w.mean_own_context() == 2400.0
     assert w.live_sessions() == math.ceil((5 * 16384 - 2000) / 2400) == 34
     tiny = workload(parse_args(["--tiny"]))
-    assert tiny.live_sessions() == math.ceil((5 * 64 * 4 - 80) / tiny.mean_own_context())
+    assert tiny.live_sessions() == math.ceil((5 * 128 * 4 - 80) / tiny.mean_own_context())
+    assert tiny.max_context <= 128 * 4  # every prompt fits one worker's KV cache
 
 
 def record(rid: str, send_s: float, cached: int, oracle: int) -> RequestRecord:
@@ -52,6 +53,7 @@ def test_recovery_is_the_hit_rate_against_the_oracle_by_turn_after_the_kill():
         record("g0-0", 0.0, 0, 0),
         record("g0-1", 2.0, 80, 80),
         record("g1-0", 3.0, 40, 50),
+        record("g3-0", 9.5, 99, 1),  # in flight at the kill: neither before nor after
         record("g0-2", 11.0, 20, 90),  # the first turns after the kill at 10 s
         record("g1-1", 12.0, 60, 60),
         record("g0-3", 14.0, 95, 95),  # g0's second
@@ -68,6 +70,6 @@ def test_recovery_is_the_hit_rate_against_the_oracle_by_turn_after_the_kill():
 
 def test_the_tiny_runs_fit_a_check(tmp_path):
     args = parse_args(["--tiny", "--runs", "disagg-disk-restart"])
-    assert (args.kv_blocks, args.block_size, args.num_requests) == (64, 4, 24)
+    assert (args.kv_blocks, args.block_size, args.num_requests) == (128, 4, 60)
     spec = parse_manifest(manifest(args, "disagg-disk-restart", str(Path("m")), tmp_path)).spec
     assert spec.model.skip_tokenizer_init and spec.engine.kv_tier == "disk"
