@@ -57,7 +57,13 @@ class _PullJob:
     decode_id: str
     ask: PullAsk
     result: Future = field(default_factory=Future)  # PullResult, or the error
-    given_up: threading.Event = field(default_factory=threading.Event)  # the caller left
+    # Whoever takes this first (the sender thread running it, or the caller giving up on it
+    # before that) owns freeing its blocks: exactly one of them does.
+    _owner: threading.Lock = field(default_factory=threading.Lock)
+
+    def claim(self) -> bool:
+        """True for the first caller only."""
+        return self._owner.acquire(blocking=False)
 
 
 def prefill_handoff(outs: list) -> dict:
@@ -246,7 +252,8 @@ class PrefillWorker(TransferEndpoint):
         try:
             return job.result.result(timeout=timeout)
         except FutureTimeout:
-            job.given_up.set()
+            if job.claim():  # never started (queued, or left behind an unpairing): free it
+                self.loop.run(self.engine.release_exchange, pull_id)
             raise TransferTimeout(
                 f"pull from decode worker {decode_id!r} did not finish within {timeout}s"
             ) from None
@@ -316,14 +323,13 @@ class PrefillWorker(TransferEndpoint):
                 job = jobs.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(job, _PullJob):
+            if isinstance(job, _PullJob) and job.claim():
                 self._end_pull(job, UnknownPeer(f"decode worker {decode_id!r} was unpaired"))
 
     def _pull(self, job: _PullJob) -> None:
         """Run one pull; its blocks are cached (it worked) or free again (it failed)."""
-        if job.given_up.is_set():
-            self._end_pull(job, TransferTimeout("the caller gave up before its turn"))
-            return
+        if not job.claim():
+            return  # the caller gave up before its turn and freed its blocks
         try:
             desc, stats = self.transfer.pull(job.decode_id, self.engine.kv_caches, job.ask)
             self.loop.run(

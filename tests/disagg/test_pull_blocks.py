@@ -148,7 +148,12 @@ def test_a_decode_worker_that_dies_mid_pull_leaves_no_block_taken(tiny_llama):
         a = random_prompts([22], seed=121)[0]
         run = a + tokens(turn(prefill, decode, "t1", a))
         check_clean(prefill, decode)
-        os.kill(decode.process.pid, signal.SIGSTOP)  # it no longer answers the ask ...
+        os.kill(decode.process.pid, signal.SIGSTOP)  # it no longer answers asks ...
+        # A caller that gives up first: its pull still ends by itself and frees its blocks.
+        with pytest.raises(TransferTimeout, match="did not finish within 1"):
+            prefill.client.pull_blocks("d0", run, timeout=1.0)
+        assert prefill.client.stats().free_blocks < 256  # the pull is still waiting
+        wait_until(lambda: prefill.client.stats().free_blocks == 256, timeout=10)
         outcome: dict = {}
 
         def pull() -> None:
@@ -169,7 +174,7 @@ def test_a_decode_worker_that_dies_mid_pull_leaves_no_block_taken(tiny_llama):
         stats = prefill.client.stats()
         assert stats.free_blocks == 256 and stats.blocks_pulled == 0
         prefill.client.check_integrity()
-        assert metric(prefill.client.metrics(), "baton:kv_pull_failures_total") == 1
+        assert metric(prefill.client.metrics(), "baton:kv_pull_failures_total") == 2
         # The prefill worker keeps serving; its cache holds a's blocks only, as before.
         result = prefill.client.prefill(PromptRequest("after", tuple(run), {"max_tokens": 1}))
         assert result.prefilled and result.num_cached_tokens == 20
