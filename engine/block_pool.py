@@ -58,7 +58,7 @@ class BlockPool:
         self,
         num_blocks: int,
         enable_caching: bool = True,
-        on_evict: Callable[[KVBlock], None] | None = None,
+        on_evict: Callable[[KVBlock], object] | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")

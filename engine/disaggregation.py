@@ -12,12 +12,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.errors import InvalidRequestError, NoFreeBlocksError
 from engine.request import Request, RequestStatus
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.block_pool import BlockPool
+    from engine.config import EngineConfig
+    from engine.grammar import GrammarManager
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.metrics import EngineMetrics
+    from engine.outputs import RequestOutput
+    from engine.scheduler import Scheduler
 
 
 class HeldBlocks(NamedTuple):
@@ -29,6 +38,42 @@ class HeldBlocks(NamedTuple):
 
 class DisaggregationHooks:
     """The prefill-side and decode-side methods of LLMEngine."""
+
+    if TYPE_CHECKING:  # what they use of LLMEngine (and of RequestOutputs)
+        config: EngineConfig
+        pool: BlockPool
+        kv: KVCacheManager
+        scheduler: Scheduler
+        metrics: EngineMetrics
+        _held: dict[str, HeldBlocks]
+        _pending: dict[str, RequestOutput]
+        _grammar: GrammarManager | None
+
+        @property
+        def grammar(self) -> GrammarManager: ...
+        def _new_request(
+            self,
+            request_id: str,
+            prompt_token_ids: list[int],
+            params: SamplingParams | None,
+            cache_salt: str | None,
+            arrival_time: float | None,
+            seed: int | None,
+            prefill_only: bool,
+        ) -> Request: ...
+        def _forget(self, request_id: str) -> None: ...
+        def _sampled(
+            self,
+            req: Request,
+            tokens: list[int],
+            logprobs: list[TokenLogprobs | None],
+            now: float,
+        ) -> list[RequestOutput]: ...
+        def _finish(
+            self, req: Request, status: RequestStatus, tokens: Sequence[int] = (), text: str = ""
+        ) -> list[RequestOutput]: ...
+        @staticmethod
+        def _put(outputs: dict[str, RequestOutput], outs: list[RequestOutput]) -> None: ...
 
     # ---- the prefill side ------------------------------------------------------------------
     def held_block_ids(self, request_id: str) -> list[int]:
@@ -112,7 +157,12 @@ class DisaggregationHooks:
             )
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_blocks(req, req.num_computed_tokens)
-        if self._constrained(request_id) and not self._grammar.is_ready(request_id):
+        grammar = self._grammar
+        if (
+            grammar is not None
+            and grammar.is_constrained(request_id)
+            and not grammar.is_ready(request_id)
+        ):
             self.scheduler.hold(req)  # runs once its grammar compiled and replayed the tokens
         else:
             self.scheduler.activate_remote(req)

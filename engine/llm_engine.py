@@ -325,7 +325,7 @@ class LLMEngine(DisaggregationHooks, RequestOutputs):
         if self.kv_tier is None:
             return
         if self.kv_tier.persistent:
-            self.scheduler.tier.persist(self.pool)
+            self.scheduler.require_tier().persist(self.pool)
         self.kv_tier.close()
 
     # ---- the step ------------------------------------------------------------------------
@@ -350,7 +350,10 @@ class LLMEngine(DisaggregationHooks, RequestOutputs):
             if self.scheduler.budget is not None and self.runner.device.type == "cuda":
                 torch.cuda.synchronize(self.runner.device)  # a partial prefill returns unsynced
             for i, entries in out.prompt_logprobs.items():
-                batch.requests[i].prompt_logprobs.extend(entries)
+                kept = batch.requests[i].prompt_logprobs
+                if kept is None:  # only a row with a span (needs_prompt_logprobs) gets entries
+                    raise RuntimeError(f"{batch.requests[i]!r}: prompt logprobs it never asked for")
+                kept.extend(entries)
             self.scheduler.update_after_step(batch)
             now = time.monotonic()
             k = 0  # the step's samples, rows in order (a forking prefill has n)
@@ -429,12 +432,15 @@ class LLMEngine(DisaggregationHooks, RequestOutputs):
             )
         span = None
         if req.needs_prompt_logprobs:
-            lo = len(req.prompt_logprobs)
+            kept, top_n = req.prompt_logprobs, req.params.prompt_logprobs
+            if kept is None or top_n is None:  # both set whenever it needs prompt logprobs
+                raise RuntimeError(f"{req!r}: needs prompt logprobs but has no list for them")
+            lo = len(kept)
             if lo < req.num_computed_tokens + 1:
                 raise RuntimeError(f"{req!r}: prompt logprobs from {lo} are missing")
             hi = min(req.num_computed_tokens + n, req.num_prompt_tokens - 1) + 1
             if lo < hi:
-                span = PromptLogprobsSpan(lo, hi, req.params.prompt_logprobs)
+                span = PromptLogprobsSpan(lo, hi, top_n)
         return BatchRow(
             req.token_ids,
             req.num_computed_tokens,
@@ -454,8 +460,9 @@ class LLMEngine(DisaggregationHooks, RequestOutputs):
                 frozenset() if p.ignore_eos else frozenset(self.eos_token_ids)
             )
         bitmask = None
-        if self._constrained(req.request_id):
-            bitmask = self._grammar.bitmask(req.request_id, req.generated_token_ids)
+        grammar = self._grammar
+        if grammar is not None and grammar.is_constrained(req.request_id):
+            bitmask = grammar.bitmask(req.request_id, req.generated_token_ids)
         return SampleRequest(
             p,
             self._seeds[req.request_id],

@@ -203,16 +203,15 @@ class ModelRunner:
         """A step of one token per row (each drawing at most one sample) through the fused C
         step; None where it does not run (the caller then takes the unfused path; nothing was
         written)."""
-        if not self.fused.serves(self.kv_caches):
+        fused = self.fused
+        if fused is None or not fused.serves(self.kv_caches):
             return None
         wanted = [i for i, row in enumerate(rows) if row.samples]
         if len(rows) == 1:
             row = rows[0]
-            out = self.fused.step(
-                row.token_ids[row.start], row.block_ids, row.start + 1, bool(wanted)
-            )
+            out = fused.step(row.token_ids[row.start], row.block_ids, row.start + 1, bool(wanted))
         else:
-            out = self.fused.step_rows(
+            out = fused.step_rows(
                 [row.token_ids[row.start] for row in rows],
                 [row.block_ids for row in rows],
                 [row.start + 1 for row in rows],

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import json as json_lib
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -147,12 +147,13 @@ def _grammar_problem(kind: str, text: str) -> str | None:
     """Why xgrammar rejects this grammar (no tokenizer involved), or None; cached by spec."""
     import xgrammar as xgr  # imports torch and a native library: only when a spec is given
 
-    build = {
+    builders: dict[str, Callable[[str], object]] = {
         "json": xgr.Grammar.from_json_schema,
         "regex": xgr.Grammar.from_regex,
         "grammar": xgr.Grammar.from_ebnf,
         "structural_tag": xgr.Grammar.from_structural_tag,
-    }[kind]
+    }
+    build = builders[kind]
     try:
         build(text)
     except (RuntimeError, ValueError, TypeError) as exc:
