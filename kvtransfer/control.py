@@ -79,6 +79,7 @@ class RpcServer:
                     method, args, kwargs = conn.recv()
                 except (EOFError, OSError):
                     return
+                result: tuple[Any, ...]
                 try:
                     if method.startswith("_"):
                         raise AttributeError(f"{method} is not a public method")
