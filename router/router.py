@@ -279,7 +279,7 @@ class Router:
         prompt_token_ids: list[int],
         params: dict,
         cache_salt: str | None = None,
-    ) -> Iterator[dict]:
+    ) -> Generator[dict, None, None]:
         """Output dicts of one request; the last carries prefill_worker and decode_worker.
 
         Up to wait_for_workers_s, a request waits for a healthy worker in each pool and for a
@@ -377,6 +377,8 @@ class Router:
                 self._worker_failed(request_id, exc, [decode])
                 raise
             return False
+        if prefill is None or choice is None:  # not local: a prefill worker was chosen
+            raise RuntimeError(f"request {request_id!r}: disaggregated without a prefill worker")
         uncached = n - choice.cached_tokens
         self.load.dispatched(choice.worker_id, uncached)  # load counts from dispatch
         prefilled = False

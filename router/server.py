@@ -31,7 +31,6 @@ from router.security import TLSFiles, add_port
 logger = logging.getLogger(__name__)
 SERVICE = "baton.v1.Inference"
 STREAM_THREADS = 512
-_DONE = object()
 
 
 # Optional scalar fields of the proto's SamplingParams, passed as they are (floats rounded to
@@ -125,6 +124,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         ]
         if not messages:
             raise InvalidRequestError("messages is empty")
+        if self.renderer is None:  # made with the tokenizer
+            raise RuntimeError("a tokenizer without a chat renderer")
         return self.renderer.render(messages)
 
     async def Generate(self, request, context):  # noqa: N802 - gRPC method name
@@ -144,8 +145,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         completion = 0
         try:
             while True:
-                out = await asyncio.to_thread(next, stream, _DONE)
-                if out is _DONE:
+                out = await asyncio.to_thread(next, stream, None)  # outputs are dicts
+                if out is None:
                     return
                 completion += len(out["token_ids"])
                 reply = pb.GenerateResponse(
