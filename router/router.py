@@ -148,14 +148,12 @@ class Router:
                 self.index.remove_worker(worker_id)
                 self.load.forget(worker_id)
                 self._healthy.pop(worker_id, None)
-            if block_size is not None and (block_size, hash_seed) != (
-                self.block_size,
-                self.hash_seed,
-            ):
+            seed = self.hash_seed if hash_seed is None else hash_seed  # None: unchanged
+            if block_size is not None and (block_size, seed) != (self.block_size, self.hash_seed):
                 for worker_id in old & new:  # its hashes were computed the old way
                     self.index.remove_worker(worker_id)
                     self.index.add_worker(worker_id)
-                self.block_size, self.hash_seed = block_size, hash_seed
+                self.block_size, self.hash_seed = block_size, seed
             for worker_id in new - old:
                 self.index.add_worker(worker_id)
             self.prefill, self.decode = dict(prefill), dict(decode)
