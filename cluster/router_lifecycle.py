@@ -9,6 +9,7 @@ manifest; this module is the only part of the controller that reads it.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import ray
 
@@ -58,7 +59,7 @@ def configure_router(state: ClusterState, options: dict) -> None:
     """Set what the router changes in place: policy, conditional disaggregation, the
     wait for workers, aggregated mode and the migration limit."""
     ray.get(
-        state.router.handle.configure.remote(
+        state.require_router().handle.configure.remote(
             options["policy"],
             options["local_prefill_tokens"],
             options["wait_for_workers_s"],
@@ -72,7 +73,7 @@ def configure_router(state: ClusterState, options: dict) -> None:
 def ensure_router(state: ClusterState, options: dict) -> str | None:
     """Start the router actor, or restart it when what its server was started with
     changed; a new policy is set in place. Returns "start", "restart" or None."""
-    key = router_key(options)
+    key: tuple | None = router_key(options)
     if state.router is not None and key == state.router.key:
         try:
             configure_router(state, options)
@@ -90,7 +91,7 @@ def ensure_router(state: ClusterState, options: dict) -> str | None:
         stop_router(state)
     me = ray.get_runtime_context().current_actor
     # On the head node: the address clients (and a KubeRay Service) reach is stable.
-    handle = RouterActor.options(
+    handle = RouterActor.options(  # type: ignore[misc, operator]  # an ActorClass, to ray
         name=ROUTER_NAME,
         namespace=NAMESPACE,
         lifetime="detached",
@@ -111,7 +112,9 @@ def publish(state: ClusterState, m: Manifest) -> None:
     """Tell the router which workers take new requests; returns once it holds."""
     if state.router is None:
         return
-    pools = {role: {w.worker_id: w.handle for w in state.active(role)} for role in ROLES}
+    pools: dict[str, dict[str, Any]] = {
+        role: {w.worker_id: w.handle for w in state.active(role)} for role in ROLES
+    }
     pool_engine = m.spec.engine_for("prefill")
     max_model_len = None
     for decode in state.active("decode"):  # any that answers: one may be restarting
@@ -123,7 +126,7 @@ def publish(state: ClusterState, m: Manifest) -> None:
         max_model_len = info.max_model_len
         break
     ray.get(
-        state.router.handle.set_workers.remote(
+        state.require_router().handle.set_workers.remote(
             pools["prefill"],
             pools["decode"],
             pool_engine.block_size,
@@ -137,7 +140,9 @@ def publish(state: ClusterState, m: Manifest) -> None:
 def republish(state: ClusterState) -> None:
     """A router Ray restarted came back empty: set its settings and publish the workers of
     the applied manifest again."""
-    state.log(f"the router was restarted; serving again on {state.router.address}")
+    state.log(f"the router was restarted; serving again on {state.require_router().address}")
+    if state.manifest is None:  # the controller publishes only once a manifest was applied
+        raise RuntimeError("no applied manifest to publish the workers of")
     m = parse_manifest(state.manifest)
     configure_router(state, router_options(m))
     publish(state, m)
@@ -145,9 +150,10 @@ def republish(state: ClusterState) -> None:
 
 def stop_router(state: ClusterState) -> None:
     """Stop the router's servers (open streams get a few seconds) and kill the actor."""
+    router = state.require_router()
     try:
-        ray.get(state.router.handle.stop.remote(), timeout=T.ROUTER_STOP_S)
+        ray.get(router.handle.stop.remote(), timeout=T.ROUTER_STOP_S)
     except Exception as exc:  # noqa: BLE001 - killed below either way
         logger.warning("stopping the router: %s", exc)
-    ray.kill(state.router.handle)
+    ray.kill(router.handle)
     state.router = None

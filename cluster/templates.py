@@ -44,7 +44,7 @@ class WorkerTemplate:
 def worker_templates(manifest: Manifest) -> dict[str, WorkerTemplate]:
     """The template of each role's workers."""
     spec = manifest.spec
-    out = {}
+    out: dict[str, WorkerTemplate] = {}
     for role in ROLES:
         pool = getattr(spec, role)
         engine = {

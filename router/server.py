@@ -213,7 +213,7 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     tls: TLSFiles | None = None,
     chat_template: str | None = None,
-) -> tuple[object, int]:
+) -> tuple[grpc.aio.Server, int]:
     """Start the aio server (TLS when given; interceptors such as router.security's key
     check and router.admission's bound run before the servicer; chat_template replaces the
     tokenizer's); returns (server, bound port). Port 0 picks a free one."""
