@@ -115,7 +115,7 @@ class Profiler:
         self.decoders = [self._add(prefix + self.prompts(1), DECODING) for _ in range(count)]
         while any(
             r.num_tokens - r.num_computed_tokens > 1
-            for r in map(self.engine.scheduler.requests.get, self.decoders)
+            for r in map(self.engine.scheduler.requests.__getitem__, self.decoders)
         ):
             self.engine.step()
 

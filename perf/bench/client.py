@@ -136,7 +136,8 @@ class HttpClient:
             body["cache_salt"] = spec.cache_salt
         chunks: list[tuple[float, int]] = []
         answer: list[int] = []
-        cached, workers, status, error = 0, {}, OK, ""
+        cached, status, error = 0, OK, ""
+        workers: dict[str, str] = {}  # the last chunk's "baton": the workers that served it
         send = self.now()
         try:
             async with self.http.stream(
@@ -226,7 +227,8 @@ async def scrape_counters(url: str, api_key: str | None = None, timeout: float =
     if reply.status_code != 200:
         print(f"no metrics: {url}: HTTP {reply.status_code}", file=sys.stderr)
         return None
-    kv_bytes, kv_time, steps = None, [0.0, 0.0], {}
+    kv_bytes, kv_time = None, [0.0, 0.0]
+    steps: dict[str, list[float]] = {}  # worker -> [steps, their seconds]
     for family in text_string_to_metric_families(reply.text):
         for sample in family.samples:
             if sample.name == KV_BYTES:

@@ -16,6 +16,7 @@ import math
 import time
 import uuid
 from dataclasses import asdict, dataclass, replace
+from typing import Protocol
 
 from perf.bench.arrivals import arrival_times
 from perf.bench.client import GrpcClient, HttpClient, counter_rise, scrape_counters
@@ -71,7 +72,7 @@ class Budget:
         return granted
 
 
-class ProgressSink:
+class ProgressSink(Protocol):
     """What the driver reports progress to (the CLI's bar; None in tests)."""
 
     def update(self, record: RequestRecord) -> None: ...
@@ -149,6 +150,7 @@ async def bench(
     baton:kv_transfer_bytes_total at metrics_url (default: the HTTP door's /metrics) over the
     run, and engine_steps each worker's steps and their seconds over it
     (baton:engine_step_duration_seconds); None and {} without a metrics page."""
+    client: HttpClient | GrpcClient
     if door == "http":
         client = HttpClient(address, time.perf_counter(), api_key, model)
         metrics_url = metrics_url or f"{client.address}/metrics"
@@ -161,7 +163,11 @@ async def bench(
         before = await scrape_counters(metrics_url, api_key) if metrics_url else None
         client.start = time.perf_counter()
         records = await run_bench(client, workload, tokens, config, progress)
-        after = await scrape_counters(metrics_url, api_key) if before is not None else None
+        after = (
+            await scrape_counters(metrics_url, api_key)
+            if metrics_url and before is not None
+            else None
+        )
     finally:
         await client.close()
     info = dict(
