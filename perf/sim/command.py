@@ -156,7 +156,7 @@ def cluster_config(args: argparse.Namespace, seed: int = 0) -> tuple[ClusterConf
 def _worker_of(engine) -> WorkerConfig:
     values = {f: getattr(engine, f) for f in WORKER_FIELDS}
     if values["num_kv_blocks"] is None:
-        values["num_kv_blocks"] = WorkerConfig.num_kv_blocks
+        values["num_kv_blocks"] = WorkerConfig().num_kv_blocks
     return WorkerConfig(**values)
 
 
