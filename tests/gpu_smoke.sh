@@ -1,7 +1,7 @@
 #!/bin/bash
 # GPU smoke check for the `device` tool (one H200, ~5 min, run from the repo root:
 #   bash tests/gpu_smoke.sh  with timeout_s=480; the log lands in $OUT/log).
-# NOT YET RUN ON A GPU: written in session 2 from a code review (no GPU was lent).
+# Not yet run on a GPU.
 # Parts: 1) Triton kernel tests compiled on CUDA; 2) default tiles at real shapes vs the
 # torch reference, last case probes the int32-stride overflow; 3) engine on CUDA vs HF fp32
 # greedy (tiny Llama/Qwen2); 4) NCCL transfer between two processes on ONE GPU via distinct

@@ -1,4 +1,4 @@
-"""Issue 14: every `baton deploy` command answers within seconds, in one line, with exit code 1
+"""Every `baton deploy` command answers within seconds, in one line, with exit code 1
 when the Ray cluster it would use cannot be reached: none at all, a stale ray_current_cluster
 file naming a closed port, an --address nobody listens on. Each command is a process, as a
 user runs it; none starts Ray, and Ray's temp dir is a tmp dir ($RAY_TMPDIR), never /tmp/ray."""
