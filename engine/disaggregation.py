@@ -11,7 +11,7 @@ and prompt logprobs the prefill engine computed.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from engine.errors import InvalidRequestError, NoFreeBlocksError
@@ -62,13 +62,12 @@ class DisaggregationHooks:
             prefill_only: bool,
         ) -> Request: ...
         def _forget(self, request_id: str) -> None: ...
-        def _sampled(
-            self,
-            req: Request,
-            tokens: list[int],
-            logprobs: list[TokenLogprobs | None],
-            now: float,
-        ) -> list[RequestOutput]: ...
+
+        # RequestOutputs._sampled(req, tokens, logprobs, now)
+        _sampled: Callable[
+            [Request, list[int], list[TokenLogprobs | None], float], list[RequestOutput]
+        ]
+
         def _finish(
             self, req: Request, status: RequestStatus, tokens: Sequence[int] = (), text: str = ""
         ) -> list[RequestOutput]: ...
