@@ -24,7 +24,7 @@ from cluster.plan import (
 from cluster.ray_helpers import node_resources
 from cluster.router_lifecycle import ensure_router, publish
 from cluster.state import ClusterState, NoCluster
-from cluster.templates import ROLES, WorkerTemplate, router_options, worker_templates
+from cluster.templates import ROLES, WorkerTemplate, router_settings, worker_templates
 from deploy.manifest import Manifest, ManifestError, check_resources, parse_manifest
 
 
@@ -104,7 +104,7 @@ def reconcile(state: ClusterState, m: Manifest) -> list[str]:
             case Pair():
                 ensure_pairs(state)
             case EnsureRouter():
-                router_change = ensure_router(state, router_options(m))
+                router_change = ensure_router(state, router_settings(m))
             case Retire(worker_ids=ids):
                 retire(state, [state.workers_by_id[i] for i in ids], m)
             case Publish():

@@ -8,7 +8,7 @@ skips unhealthy ones.
 
 A dead router comes back by itself: the actor has max_restarts=-1, Ray re-runs __init__ in a
 new process, and a reconstructed incarnation queues recover() on itself, which binds the ports
-the first incarnation bound (asked from the controller, which recorded them; the options may
+the first incarnation bound (asked from the controller, which recorded them; the settings may
 say port 0; if the controller is down too, read from its saved state, cluster/state_store.py)
 and asks the controller to publish the workers and settings again (once a second until one
 answers). Until the servers listen, clients get connection refused (gRPC UNAVAILABLE), never a
@@ -22,9 +22,12 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 import ray
+
+from router.settings import RouterSettings
 
 if TYPE_CHECKING:
     import grpc
@@ -56,9 +59,9 @@ def saved_router_ports() -> dict | None:
 class RouterActor:
     """Routes gRPC requests over the workers the controller assigns."""
 
-    def __init__(self, controller, options: dict) -> None:
+    def __init__(self, controller, settings: RouterSettings) -> None:
         self.controller = controller
-        self.options = options
+        self.settings = settings
         self.server: grpc.aio.Server | None = None
         self.http_server: HttpServer | None = None
         self.router: Router | None = None
@@ -119,7 +122,7 @@ class RouterActor:
     async def start(self, ports: dict | None = None) -> dict:
         """Start both front doors with no workers yet (requests get UNAVAILABLE until
         set_workers); returns the bound ports {"grpc": port, "http": port or None}. `ports`
-        (a restart: what the first incarnation bound) overrides the options' ports."""
+        (a restart: what the first incarnation bound) overrides the settings' ports."""
         from engine.model_resolver import resolve_model
         from engine.tokenizer import load_tokenizer
         from router.admission import Admission, GrpcAdmissionInterceptor
@@ -137,34 +140,34 @@ class RouterActor:
         )
         from router.server import SERVICE, start_server
 
-        o = dict(self.options)
+        s = self.settings
         if ports:
-            o["port"] = ports["grpc"]
-            if o.get("http_port") is not None and ports.get("http") is not None:
-                o["http_port"] = ports["http"]
+            s = replace(s, port=ports["grpc"])
+            if s.http_port is not None and ports.get("http") is not None:
+                s = replace(s, http_port=ports["http"])
         self.router = router = Router(
             {},
             {},
-            block_size=o["block_size"],
-            hash_seed=o["hash_seed"],
-            policy=o["policy"],
-            local_prefill_tokens=o["local_prefill_tokens"],
-            wait_for_workers_s=o["wait_for_workers_s"],
-            aggregated=o["aggregated"],
-            migration_limit=o.get("migration_limit", 3),
+            block_size=s.block_size,
+            hash_seed=s.hash_seed,
+            policy=s.policy,
+            local_prefill_tokens=s.local_prefill_tokens,
+            wait_for_workers_s=s.wait_for_workers_s,
+            aggregated=s.aggregated,
+            migration_limit=s.migration_limit,
         )
         tokenizer = (
             None
-            if o.get("skip_tokenizer")
-            else await asyncio.to_thread(load_tokenizer, resolve_model(o["model"]))
+            if s.skip_tokenizer
+            else await asyncio.to_thread(load_tokenizer, resolve_model(s.model))
         )
-        chat_template = read_chat_template(o.get("chat_template"))
+        chat_template = read_chat_template(s.chat_template)
         # Checked once, before a request reaches the router's queue: key, then admission.
         self.api_keys = api_keys = ApiKeys(
-            load_api_keys(env_var=o.get("api_key_env"), file=o.get("api_key_file"))
+            load_api_keys(env_var=s.api_key_env, file=s.api_key_file)
         )
-        tls = TLSFiles(**o["tls"]) if o.get("tls") else None
-        self.admission = admission = Admission(o.get("max_pending_requests"))
+        tls = TLSFiles(**asdict(s.tls)) if s.tls else None
+        self.admission = admission = Admission(s.max_pending_requests)
         router.metrics.read_counter(
             "auth_failures",
             "Requests refused for a missing or unknown API key (both doors).",
@@ -175,36 +178,35 @@ class RouterActor:
             "Requests refused because max_pending_requests were already waiting.",
             lambda: admission.num_refused,
         )
+        metrics = router.metrics  # both doors count every error answer there
         interceptors = [
-            GrpcKeyInterceptor(api_keys),
-            GrpcAdmissionInterceptor(admission, (f"/{SERVICE}/Generate",)),
+            GrpcKeyInterceptor(api_keys, metrics),
+            GrpcAdmissionInterceptor(admission, (f"/{SERVICE}/Generate",), metrics),
         ]
         self.server, port = await start_server(
             router,
-            o["host"],
-            o["port"],
+            s.host,
+            s.port,
             tokenizer,
             interceptors=interceptors,
             tls=tls,
             chat_template=chat_template,
         )
-        warn_if_exposed("gRPC", o["host"], api_keys)
+        warn_if_exposed("gRPC", s.host, api_keys)
         http_port = None
-        if o.get("http_port") is not None:
+        if s.http_port is not None:
             app = create_app(
                 router,
-                o["served_model_names"],
+                s.served_model_names,
                 tokenizer=tokenizer,
                 api_keys=api_keys,
                 admission=admission,
                 metrics_text=lambda: router_scrape(router),  # the whole cluster's series
                 chat_template=chat_template,
             )
-            self.http_server, http_port = await start_http_server(
-                app, o["host"], o["http_port"], tls
-            )
-            warn_if_exposed("HTTP", o["host"], api_keys)
-        self._watch_task = asyncio.create_task(self._watch(o.get("health_period_s", 2.0)))
+            self.http_server, http_port = await start_http_server(app, s.host, s.http_port, tls)
+            warn_if_exposed("HTTP", s.host, api_keys)
+        self._watch_task = asyncio.create_task(self._watch(s.health_period_s))
         return {"grpc": port, "http": http_port}
 
     async def set_workers(
@@ -227,21 +229,18 @@ class RouterActor:
             max_model_len=max_model_len,
         )
 
-    async def configure(
-        self,
-        policy: str,
-        local_prefill_tokens: int,
-        wait_for_workers_s: float,
-        aggregated: bool,
-        migration_limit: int | None = None,
-    ) -> None:
+    async def configure(self, settings: RouterSettings) -> None:
+        """Apply the settings that change in place (policy, conditional disaggregation, the
+        wait for workers, aggregated mode, the migration limit); the front doors keep what
+        they were started with (a change there restarts this actor)."""
+        self.settings = settings
         await self._control(
             self._started().configure,
-            policy,
-            local_prefill_tokens,
-            wait_for_workers_s,
-            aggregated,
-            migration_limit,
+            settings.policy,
+            settings.local_prefill_tokens,
+            settings.wait_for_workers_s,
+            settings.aggregated,
+            settings.migration_limit,
         )
 
     async def node_id(self) -> str:
@@ -270,6 +269,8 @@ class RouterActor:
             "aggregated": router.aggregated,
             "prompt_tokens": router.num_prompt_tokens,
             "cached_tokens": router.num_cached_tokens,
+            # Whether a new request can be served now, as /health and gRPC health answer.
+            "readiness": router.readiness().body(),
             # Seconds since the controller's last health report (None: none yet); grows
             # while the controller is down, the router serving on meanwhile.
             "health_age_s": None

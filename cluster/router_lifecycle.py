@@ -2,8 +2,9 @@
 servers were started with changes, set what changes in place, tell it which workers take new
 requests, stop it.
 
-The router's settings are the dict cluster/templates.py: router_options builds from the
-manifest; this module is the only part of the controller that reads it.
+The router's settings are the RouterSettings (router/settings.py) cluster/templates.py:
+router_settings builds from the manifest; this module is the only part of the controller that
+reads them.
 """
 
 from __future__ import annotations
@@ -17,66 +18,38 @@ from cluster import timeouts as T
 from cluster.ray_helpers import HEAD_NODE_RESOURCE, NAMESPACE, short_error
 from cluster.router_actor import ROUTER_NAME, RouterActor
 from cluster.state import ClusterState, RouterRecord
-from cluster.templates import ROLES, router_options
+from cluster.templates import ROLES, router_settings
 from deploy.manifest import Manifest, parse_manifest
+from router.settings import RouterSettings
 
 logger = logging.getLogger(__name__)
 
-# What the router's servers were started with: a change restarts the router actor (policy,
-# conditional disaggregation, waits and migration limit change in place).
-ROUTER_SERVER_OPTIONS = (
-    "model",
-    "skip_tokenizer",
-    "host",
-    "port",
-    "http_port",
-    "served_model_names",
-    "api_key_env",
-    "api_key_file",
-    "tls",
-    "max_pending_requests",
-    "chat_template",
-)
 
-
-def router_key(options: dict) -> tuple:
-    """The router options its servers were started with, in ROUTER_SERVER_OPTIONS order."""
-    return tuple(options.get(k) for k in ROUTER_SERVER_OPTIONS)
-
-
-def addresses(options: dict, ports: dict) -> tuple[str, str | None]:
+def addresses(settings: RouterSettings, ports: dict) -> tuple[str, str | None]:
     """(gRPC host:port, OpenAI HTTP scheme://host:port or None when not served) of a router
-    started with `options` that bound `ports` ({"grpc", "http"})."""
-    grpc_address = f"{options['host']}:{ports['grpc']}"
-    scheme = "https" if options.get("tls") else "http"
+    started with `settings` that bound `ports` ({"grpc", "http"})."""
+    grpc_address = f"{settings.host}:{ports['grpc']}"
+    scheme = "https" if settings.tls else "http"
     http_address = (
-        f"{scheme}://{options['host']}:{ports['http']}" if ports["http"] is not None else None
+        f"{scheme}://{settings.host}:{ports['http']}" if ports["http"] is not None else None
     )
     return grpc_address, http_address
 
 
-def configure_router(state: ClusterState, options: dict) -> None:
+def configure_router(state: ClusterState, settings: RouterSettings) -> None:
     """Set what the router changes in place: policy, conditional disaggregation, the
     wait for workers, aggregated mode and the migration limit."""
-    ray.get(
-        state.require_router().handle.configure.remote(
-            options["policy"],
-            options["local_prefill_tokens"],
-            options["wait_for_workers_s"],
-            options["aggregated"],
-            options.get("migration_limit"),
-        ),
-        timeout=T.ROUTER_CONFIGURE_S,
-    )
+    ray.get(state.require_router().handle.configure.remote(settings), timeout=T.ROUTER_CONFIGURE_S)
 
 
-def ensure_router(state: ClusterState, options: dict) -> str | None:
-    """Start the router actor, or restart it when what its server was started with
-    changed; a new policy is set in place. Returns "start", "restart" or None."""
-    key: tuple | None = router_key(options)
+def ensure_router(state: ClusterState, settings: RouterSettings) -> str | None:
+    """Start the router actor, or restart it when what its servers were started with
+    changed (RouterSettings.server_key); the rest is set in place. Returns "start",
+    "restart" or None."""
+    key: tuple | None = settings.server_key()
     if state.router is not None and key == state.router.key:
         try:
-            configure_router(state, options)
+            configure_router(state, settings)
             return None
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
             state.log(f"the router does not answer ({short_error(exc)}); starting a new one")
@@ -85,22 +58,21 @@ def ensure_router(state: ClusterState, options: dict) -> str | None:
     if state.router is not None:
         if key is not None:
             state.log(
-                f"restarting the router ({state.router.address} -> "
-                f"{options['host']}:{options['port']})"
+                f"restarting the router ({state.router.address} -> {settings.host}:{settings.port})"
             )
         stop_router(state)
     me = ray.get_runtime_context().current_actor
     # On the head node: the address clients (and a KubeRay Service) reach is stable.
-    handle = RouterActor.options(  # type: ignore[misc, operator]  # an ActorClass, to ray
+    handle = RouterActor.options(  # type: ignore[attr-defined]  # an ActorClass, to ray
         name=ROUTER_NAME,
         namespace=NAMESPACE,
         lifetime="detached",
         resources={HEAD_NODE_RESOURCE: 0.001},
-    ).remote(me, options)
+    ).remote(me, settings)
     state.router = RouterRecord(handle)
     ports = ray.get(handle.start.remote(), timeout=T.ROUTER_START_S)
-    address, http_address = addresses(options, ports)
-    state.router = RouterRecord(handle, router_key(options), address, http_address, ports)
+    address, http_address = addresses(settings, ports)
+    state.router = RouterRecord(handle, settings.server_key(), address, http_address, ports)
     state.log(
         f"router serving gRPC on {address}"
         + (f", OpenAI HTTP on {http_address}" if http_address else "")
@@ -144,7 +116,7 @@ def republish(state: ClusterState) -> None:
     if state.manifest is None:  # the controller publishes only once a manifest was applied
         raise RuntimeError("no applied manifest to publish the workers of")
     m = parse_manifest(state.manifest)
-    configure_router(state, router_options(m))
+    configure_router(state, router_settings(m))
     publish(state, m)
 
 

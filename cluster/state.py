@@ -35,7 +35,7 @@ class RouterRecord:
     handle (so the next apply stops it before starting another under the same name)."""
 
     handle: Any
-    key: tuple | None = None  # what its servers were started with (router_lifecycle.router_key)
+    key: tuple | None = None  # what its servers were started with (RouterSettings.server_key)
     address: str | None = None  # gRPC, host:port
     http_address: str | None = None  # the OpenAI front door (scheme://host:port), if served
     ports: dict | None = None  # {"grpc", "http"} bound at its start; a restarted router reuses them

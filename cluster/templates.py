@@ -1,4 +1,5 @@
-"""What each worker of a manifest runs with, and which workers may exchange KV.
+"""What each worker of a manifest runs with, which workers may exchange KV, and what the
+router runs with.
 
 The controller compares a running worker's template key with the manifest's: a worker whose
 engine options, transfer options, resources or threads changed is replaced.
@@ -11,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from kvtransfer.worker_api import Role
+from router.settings import RouterSettings, TLSPaths
 
 if TYPE_CHECKING:
     from deploy.manifest import Manifest
@@ -59,31 +61,28 @@ def worker_templates(manifest: Manifest) -> dict[str, WorkerTemplate]:
     return out
 
 
-def router_options(manifest: Manifest) -> dict:
+def router_settings(manifest: Manifest) -> RouterSettings:
     """What the router actor runs with (block size and hash seed: the pools', which the
-    manifest guarantees are the same)."""
+    manifest guarantees are the same; read from the decode pool, which every shape has)."""
     spec = manifest.spec
-    engine = spec.engine_for("prefill")
-    return {
-        "model": spec.model.path,
-        "skip_tokenizer": spec.model.skip_tokenizer_init,
-        "host": spec.router.host,
-        "port": spec.router.port,
-        "policy": spec.router.policy,
-        "local_prefill_tokens": spec.router.local_prefill_tokens,
-        "aggregated": spec.prefill.replicas == 0,
-        "wait_for_workers_s": spec.router.wait_for_workers_seconds,
-        "migration_limit": spec.router.migration_limit,
-        "http_port": spec.router.http_port,
-        "served_model_names": [
-            spec.router.served_model_name or spec.model.path,
-            *spec.router.model_aliases,
-        ],
-        "api_key_env": spec.router.api_key_env,
-        "api_key_file": spec.router.api_key_file,
-        "tls": spec.router.tls.model_dump() if spec.router.tls else None,
-        "max_pending_requests": spec.router.max_pending_requests,
-        "chat_template": spec.router.chat_template,
-        "block_size": engine.block_size,
-        "hash_seed": engine.hash_seed,
-    }
+    router, engine = spec.router, spec.engine_for("decode")
+    return RouterSettings(
+        model=spec.model.path,
+        skip_tokenizer=spec.model.skip_tokenizer_init,
+        host=router.host,
+        port=router.port,
+        http_port=router.http_port,
+        served_model_names=(router.served_model_name or spec.model.path, *router.model_aliases),
+        api_key_env=router.api_key_env,
+        api_key_file=router.api_key_file,
+        tls=TLSPaths(**router.tls.model_dump()) if router.tls else None,
+        max_pending_requests=router.max_pending_requests,
+        chat_template=router.chat_template,
+        policy=router.policy,
+        local_prefill_tokens=router.local_prefill_tokens,
+        aggregated=spec.prefill.replicas == 0,
+        wait_for_workers_s=router.wait_for_workers_seconds,
+        migration_limit=router.migration_limit,
+        block_size=engine.block_size,
+        hash_seed=engine.hash_seed,
+    )

@@ -163,6 +163,7 @@ def format_status(status: dict) -> str:
         f"router grpc {router.get('address', '-')}  http {router.get('http_address') or '-'}  "
         f"policy {router.get('policy', '-')}  "
         f"hit rate {router.get('hit_rate', 0.0):.2f}",
+        serving_line(status.get("router")),
         "",
         f"{'WORKER':<12}{'ROLE':<9}{'STATE':<10}{'HEALTHY':<9}{'REQUESTS':>9}"
         f"{'KV USAGE':>10}{'HIT RATE':>10}"
@@ -177,6 +178,20 @@ def format_status(status: dict) -> str:
         )
     lines += _health_lines(status)
     return "\n".join(lines)
+
+
+def serving_line(router: dict | None) -> str:
+    """Whether the cluster can serve a new request, as the router's /health answers it
+    (router/readiness.py: its `readiness` in the router's stats), and the healthy pools."""
+    ready = (router or {}).get("readiness")
+    if ready is None:
+        why = (router or {}).get("error") or "no router runs"
+        return f"serving NO: {why}"
+    verdict = "yes" if ready["serving"] else f"NO: {ready['status']}"
+    pools = "  ".join(
+        f"{role} {pool['healthy']}/{pool['workers']}" for role, pool in ready["pools"].items()
+    )
+    return f"serving {verdict}  mode {ready['mode']}  healthy {pools}"
 
 
 def _health_lines(status: dict) -> list[str]:

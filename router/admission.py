@@ -10,10 +10,14 @@ gRPC door through GrpcAdmissionInterceptor, so that the servicer itself is uncha
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import grpc
 
-from router.errors import AdmissionRefused
+from router.errors import AdmissionRefused, grpc_labels, grpc_status
+
+if TYPE_CHECKING:
+    from router.metrics import RouterMetrics
 
 
 class Admission:
@@ -60,11 +64,18 @@ class Ticket:
 
 class GrpcAdmissionInterceptor(grpc.aio.ServerInterceptor):
     """Admits each server-streaming call of `methods` (full names, e.g.
-    "/baton.v1.Inference/Generate"): pending until its first reply or its end."""
+    "/baton.v1.Inference/Generate"): pending until its first reply or its end. With
+    `metrics` (router.metrics.RouterMetrics), each refusal is a request error."""
 
-    def __init__(self, admission: Admission, methods: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        admission: Admission,
+        methods: tuple[str, ...],
+        metrics: RouterMetrics | None = None,
+    ) -> None:
         self.admission = admission
         self.methods = methods
+        self.metrics = metrics
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -75,13 +86,15 @@ class GrpcAdmissionInterceptor(grpc.aio.ServerInterceptor):
             or not handler.response_streaming
         ):
             return handler
-        behavior, admission = handler.unary_stream, self.admission
+        behavior, admission, metrics = handler.unary_stream, self.admission, self.metrics
 
         async def admitted(request, context):
             try:
                 ticket = admission.admit()
             except AdmissionRefused as exc:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                if metrics is not None:
+                    metrics.request_error("grpc", *grpc_labels(exc))
+                await context.abort(grpc_status(exc), str(exc))
             try:
                 async for reply in behavior(request, context):
                     ticket.release()

@@ -2,9 +2,9 @@
 
 Both doors (gRPC in router/server.py, OpenAI-compatible HTTP in router/openai_http.py) ask
 `classify(exc)` and use the field they need: a gRPC status code, or an HTTP status with
-OpenAI's error `type` and `code`. Exceptions from a worker over RPC arrive as
-kvtransfer.control.RemoteError whose `kind` is the original class name; they map like the
-original class.
+OpenAI's error `type` and `code`, and count the refusal by its `error_reason`. Exceptions
+from a worker over RPC arrive as kvtransfer.control.RemoteError whose `kind` is the original
+class name; they map like the original class.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import grpc
 
 from engine.errors import CapacityError, InvalidRequestError, NoFreeBlocksError, PromptTooLongError
-from router.migration import MigrationLimitExceeded
 from router.policy import NoWorkerAvailable
+from router.worker_failures import MigrationLimitExceeded
 
 
 class Unauthenticated(Exception):
@@ -59,31 +59,51 @@ NOT_FOUND = ErrorKind(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error", "
 UNAVAILABLE = ErrorKind(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable_error")
 INTERNAL = ErrorKind(grpc.StatusCode.INTERNAL, 500, "server_error")
 
-# Most specific first: a subclass must come before its base class.
-_KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
-    (Unauthenticated, UNAUTHENTICATED),
-    (AdmissionRefused, BUSY),
-    (UnknownModel, NOT_FOUND),
-    (PromptTooLongError, TOO_LONG),
-    (InvalidRequestError, INVALID),
-    (NoFreeBlocksError, BUSY),  # fits, but not now, after the router's wait
-    (CapacityError, NEVER_FITS),  # no decode worker's KV cache can ever hold the prompt
-    (NoWorkerAvailable, UNAVAILABLE),
-    (MigrationLimitExceeded, UNAVAILABLE),  # its workers kept failing; the message names them
+# Most specific first: a subclass must come before its base class. The reason is the
+# `reason` label of baton:request_errors_total (router/metrics.py): short and stable, since
+# dashboards and alerts select on it.
+_KINDS: tuple[tuple[type[BaseException], ErrorKind, str], ...] = (
+    (Unauthenticated, UNAUTHENTICATED, "unauthenticated"),
+    (AdmissionRefused, BUSY, "overloaded"),
+    (UnknownModel, NOT_FOUND, "model_not_found"),
+    (PromptTooLongError, TOO_LONG, "prompt_too_long"),
+    (InvalidRequestError, INVALID, "invalid_request"),
+    (NoFreeBlocksError, BUSY, "no_free_kv_blocks"),  # fits, but not now, after the wait
+    # no decode worker's KV cache can ever hold the prompt
+    (CapacityError, NEVER_FITS, "kv_capacity_exceeded"),
+    (NoWorkerAvailable, UNAVAILABLE, "no_worker"),
+    (MigrationLimitExceeded, UNAVAILABLE, "worker_failed"),  # the message names the workers
+    (RequestFailed, INTERNAL, "request_failed"),  # a worker reported finish_reason "error"
 )
+INTERNAL_REASON = "internal"  # anything not listed: a bug, logged with its traceback
+
+
+def _match(exc: BaseException) -> tuple[ErrorKind, str]:
+    for cls, kind, reason in _KINDS:
+        if isinstance(exc, cls):
+            return kind, reason
+    remote = getattr(exc, "kind", None)  # RemoteError: the original exception's class name
+    if isinstance(remote, str):
+        for cls, kind, reason in _KINDS:
+            if cls.__name__ == remote:
+                return kind, reason
+    return INTERNAL, INTERNAL_REASON
 
 
 def classify(exc: BaseException) -> ErrorKind:
     """The ErrorKind of `exc` (INTERNAL for anything not listed)."""
-    for cls, kind in _KINDS:
-        if isinstance(exc, cls):
-            return kind
-    remote = getattr(exc, "kind", None)  # RemoteError: the original exception's class name
-    if isinstance(remote, str):
-        for cls, kind in _KINDS:
-            if cls.__name__ == remote:
-                return kind
-    return INTERNAL
+    return _match(exc)[0]
+
+
+def error_reason(exc: BaseException) -> str:
+    """The short stable reason of `exc` (the request_errors metric's `reason` label)."""
+    return _match(exc)[1]
+
+
+def grpc_labels(exc: BaseException) -> tuple[str, str]:
+    """(gRPC code name, reason) of `exc`: the request_errors labels of the gRPC door."""
+    kind, reason = _match(exc)
+    return kind.grpc_code.name, reason
 
 
 def is_known(exc: BaseException) -> bool:

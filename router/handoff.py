@@ -1,10 +1,13 @@
-"""One request's hand-over from a prefill worker to a decode worker (the router's core step).
+"""One attempt's calls to its workers: the hand-over from a prefill worker to a decode worker,
 
     decode.reserve -> prefill.prefill (sends the missing blocks) -> decode streams tokens
 
-Workers are kvtransfer.worker_api.PrefillAPI / DecodeAPI: in-process instances or the typed
-clients of kvtransfer.worker_client (over RPC or Ray). What it yields are the router's output
-dicts (TokenOutput.to_dict()).
+or a local prefill on the decode worker (no KV moves). Workers are
+kvtransfer.worker_api.PrefillAPI / DecodeAPI: in-process instances or the typed clients of
+kvtransfer.worker_client (over RPC or Ray). What it yields are the router's output dicts
+(TokenOutput.to_dict()); an output that blames a worker for a failure carries its id in
+"failed_worker". It calls only the two workers: the router's request loop
+(router/request_life.py) runs it as one step, and tests and benchmarks run it on its own.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from kvtransfer.errors import UnknownPeer
 from kvtransfer.worker_api import DecodeAPI, PrefillAPI, PrefillResult, PromptRequest, Reservation
-from router.migration import PairNotReady, is_worker_failure
+from router.worker_failures import PairNotReady, is_worker_failure, kv_never_arrived
 
 # How often a request waiting for its prefill checks that the decode worker still holds its
 # reservation; the calls themselves run on this pool (a frozen worker's call may outlive it).
@@ -67,7 +70,7 @@ def generate_disaggregated(
         first = _prefill_while_leased(
             prefill, decode, request, prefill_id, decode_id, reservation, early
         )
-    except _DecodeFailed as failed:  # the router blames the decode worker (migration.watch)
+    except _DecodeFailed as failed:  # the router blames the decode worker (request_life.watch)
         _PREFILL_CALLS.submit(prefill.abort, request_id, False)
         raise failed.error from None
     except UnknownPeer as exc:  # not paired (yet): the router waits for the controller
@@ -77,7 +80,7 @@ def generate_disaggregated(
         decode.abort(request_id, propagate=False)
         out = error_output(request_id, f"prefill worker {prefill_id} failed: {exc}")
         if is_worker_failure(exc):
-            out["failed_worker"] = prefill_id  # the router moves the request (router/migration)
+            out["failed_worker"] = prefill_id  # the router moves the request
         yield out
         return
     if first is None:  # the reservation lapsed: the prefill worker is frozen or dead
@@ -142,16 +145,6 @@ def _prefill_while_leased(
         early.extend(o.to_dict() for o in polled)
         if early and kv_never_arrived(early[-1], prefill_id):
             return None
-
-
-def kv_never_arrived(out: dict, prefill_id: str) -> bool:
-    """Whether the decode worker failed the request before its first token because the KV
-    from prefill_id broke or did not come within the lease (its error names that worker)."""
-    return (
-        out["finish_reason"] == "error"
-        and not out["token_ids"]
-        and f"prefill worker {prefill_id}" in (out["error"] or "")
-    )
 
 
 def generate_local(

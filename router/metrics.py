@@ -9,6 +9,10 @@
   router_decisions_total        worker choices by policy and prefill="local" | "remote"
   prefix_cache_*_total          prompt tokens routed / tokens the chosen worker's cache served
                                 (the cached_tokens clients are told), once per request
+  request_errors_total          requests a front door answered with an error, by door ("http"
+                                or "grpc"), code (the HTTP status or the gRPC code name) and
+                                reason (router/errors.py: error_reason, e.g. invalid_request,
+                                model_not_found, prompt_too_long, unauthenticated, overloaded)
 Counters kept by other router modules (auth failures, refused admissions) are read at scrape
 time through read_counter(). The registry is this object's own, never the global one.
 """
@@ -71,6 +75,12 @@ class RouterMetrics:
         self.cache_hits = Counter(
             f"{PREFIX}prefix_cache_hits", "Prefix cache hits, in tokens served.", registry=r
         )
+        self.errors = Counter(
+            f"{PREFIX}request_errors",
+            "Requests answered with an error, by front door, status code and reason.",
+            ["door", "code", "reason"],
+            registry=r,
+        )
         self._read: dict[str, _ReadCounter] = {}  # read_counter()'s collectors by name
 
     def start(self) -> RequestTimer:
@@ -85,6 +95,11 @@ class RouterMetrics:
         """A request's prompt tokens and the cached tokens its prefill was served."""
         self.cache_queries.inc(queries)
         self.cache_hits.inc(hits)
+
+    def request_error(self, door: str, code: str | int, reason: str) -> None:
+        """One request a front door answered with an error (door "http" or "grpc"; code the
+        HTTP status or the gRPC code name; reason: router.errors.error_reason)."""
+        self.errors.labels(door=door, code=str(code), reason=reason).inc()
 
     def read_counter(self, name: str, documentation: str, read: Callable[[], float]) -> None:
         """Expose a counter another module keeps (e.g. auth failures) as baton:<name>_total,
@@ -107,16 +122,7 @@ class RequestTimer:
     def track(self, outputs: Generator[dict, None, T]) -> Generator[dict, None, T]:
         """Yield `outputs`' items, observing each; returns its return value. Closing this
         generator closes `outputs`."""
-        try:
-            while True:
-                try:
-                    out = next(outputs)
-                except StopIteration as stop:
-                    return stop.value
-                self.observe(out)
-                yield out
-        finally:
-            outputs.close()
+        return tap(outputs, self.observe)
 
     def observe(self, out: dict) -> None:
         now = time.monotonic()
@@ -130,6 +136,21 @@ class RequestTimer:
         if out.get("finished"):
             m.e2e.observe(now - self.start)
             m.success.labels(finished_reason=out.get("finish_reason") or "unknown").inc()
+
+
+def tap(outputs: Generator[dict, None, T], see: Callable[[dict], None]) -> Generator[dict, None, T]:
+    """`outputs`' items, each passed to see() before it is yielded (see may change it);
+    returns what `outputs` returns, and closes it when closed."""
+    try:
+        while True:
+            try:
+                out = next(outputs)
+            except StopIteration as stop:
+                return stop.value
+            see(out)
+            yield out
+    finally:
+        outputs.close()
 
 
 class _ReadCounter:

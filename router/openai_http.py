@@ -2,10 +2,12 @@
 
 POST /v1/completions, /v1/chat/completions and /v1/responses (streamed as server-sent events
 or not),
-GET /v1/models, /health (open: 200 while both pools have a healthy worker) and /metrics.
-Each request is checked once before it reaches the router's queue: API key, body, model,
-prompt length, sampling values, then admission. Errors use OpenAI's shape with the status
-from router.errors; a client that goes away aborts its request on both workers.
+GET /v1/models, /health and /metrics. /health is open: 200 while the router can serve a new
+request in its current shape, else 503 (router/readiness.py; the body names the healthy
+pools). Each request is checked once before it reaches the router's queue: API key, body,
+model, prompt length, sampling values, then admission. Errors use OpenAI's shape with the
+status from router.errors, each one counted (baton:request_errors_total{door="http"}); a
+client that goes away aborts its request on both workers.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.errors import InvalidRequestError
 from router.admission import Admission
 from router.chat_template import ChatRenderer
-from router.errors import Unauthenticated, UnknownModel, classify
+from router.errors import Unauthenticated, UnknownModel, classify, error_reason
 from router.openai_logprobs import TokenText
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, parse
 from router.openai_responses import Reply, UnknownRoute, error_body
@@ -222,6 +224,7 @@ class OpenAIDoor:
             for event in builder.finish(reason, run.reply.usage()):
                 yield _sse(event, event["type"])
         except Exception as exc:  # noqa: BLE001 - headers are sent: the error is an event
+            self.count_error(exc, _status(exc))
             yield _sse(builder.error(error_body(exc)["error"]), "error")
         finally:
             run.close()
@@ -239,6 +242,7 @@ class OpenAIDoor:
             if usage:
                 yield _sse(reply.usage_chunk())
         except Exception as exc:  # noqa: BLE001 - headers are sent: the error is an event
+            self.count_error(exc, _status(exc))
             yield _sse(error_body(exc))
         finally:
             run.close()
@@ -259,13 +263,16 @@ class OpenAIDoor:
             raise UnknownRoute("metrics are not enabled on this server")
         return Response(await self.run(metrics_text), media_type=METRICS_CONTENT_TYPE)
 
-    def healthy(self) -> tuple[bool, str]:
-        """(both pools have a healthy worker, why not)."""
-        health = getattr(self.router, "_healthy", {})  # the controller's view; unknown = ok
-        for role, pool in (("prefill", self.router.prefill), ("decode", self.router.decode)):
-            if not any(health.get(w, True) for w in pool):
-                return False, f"no healthy {role} worker"
-        return True, "ok"
+    # ---- health and error counts ---------------------------------------------------------
+    def health(self) -> Response:
+        """GET /health: 200 while a new request can be served, 503 otherwise."""
+        ready = self.router.readiness()
+        return JSONResponse(ready.body(), status_code=200 if ready.serving else 503)
+
+    def count_error(self, exc: BaseException, status: int) -> None:
+        """A request answered with an error: baton:request_errors_total{door="http"}."""
+        reason = "unknown_route" if isinstance(exc, UnknownRoute) else error_reason(exc)
+        self.router.metrics.request_error("http", status, reason)
 
 
 def create_app(
@@ -288,32 +295,33 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(UnknownRoute(str(exc.detail))), exc.status_code)
+        unknown = UnknownRoute(str(exc.detail))
+        door.count_error(unknown, exc.status_code)
+        return JSONResponse(error_body(unknown), exc.status_code)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _answer(door.generate(request, "completion"))
+        return await _answer(door, door.generate(request, "completion"))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _answer(door.generate(request, "chat"))
+        return await _answer(door, door.generate(request, "chat"))
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await _answer(door.responses(request))
+        return await _answer(door, door.responses(request))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return await _answer(door.models(request))
+        return await _answer(door, door.models(request))
 
     @app.get("/health")
     async def health() -> Response:
-        ok, why = door.healthy()
-        return JSONResponse({"status": why}, status_code=200 if ok else 503)
+        return door.health()
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return await _answer(door.metrics(request, metrics_text))
+        return await _answer(door, door.metrics(request, metrics_text))
 
     return app
 
@@ -333,14 +341,17 @@ class _EventStream(StreamingResponse):
             self._on_close()
 
 
-async def _answer(work) -> Response:
-    """The route's response, or its error in OpenAI's shape (a client gone: nothing)."""
+async def _answer(door: OpenAIDoor, work) -> Response:
+    """The route's response, or its error in OpenAI's shape, counted (a client gone:
+    nothing, as nobody is answered)."""
     try:
         return await work
     except ClientGone:
         return Response(status_code=499)
     except Exception as exc:  # noqa: BLE001 - every failure becomes an error body
-        return JSONResponse(error_body(exc), status_code=_status(exc))
+        status = _status(exc)
+        door.count_error(exc, status)
+        return JSONResponse(error_body(exc), status_code=status)
 
 
 def _status(exc: BaseException) -> int:

@@ -18,8 +18,14 @@ import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
+
+from router.errors import Unauthenticated, grpc_labels, grpc_status
+
+if TYPE_CHECKING:
+    from router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +88,12 @@ class ApiKeys:
 
 
 class GrpcKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every RPC but the health service without an accepted `authorization` key."""
+    """Refuses every RPC but the health service without an accepted `authorization` key;
+    with `metrics` (router.metrics.RouterMetrics), each refusal is a request error."""
 
-    def __init__(self, keys: ApiKeys) -> None:
+    def __init__(self, keys: ApiKeys, metrics: RouterMetrics | None = None) -> None:
         self.keys = keys
+        self.metrics = metrics
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -95,17 +103,21 @@ class GrpcKeyInterceptor(grpc.aio.ServerInterceptor):
         metadata = dict(handler_call_details.invocation_metadata or ())
         if self.keys.check(metadata.get("authorization")):
             return handler
-        return _denying(handler)
+        return _denying(handler, self.metrics)
 
 
-def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _denying(
+    handler: grpc.RpcMethodHandler, metrics: RouterMetrics | None
+) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that aborts with UNAUTHENTICATED."""
 
     async def deny(request, context):
-        await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED,
-            "missing or invalid API key (metadata 'authorization: Bearer <key>')",
+        refused = Unauthenticated(
+            "missing or invalid API key (metadata 'authorization: Bearer <key>')"
         )
+        if metrics is not None:
+            metrics.request_error("grpc", *grpc_labels(refused))
+        await context.abort(grpc_status(refused), str(refused))
 
     make = {
         (False, False): grpc.unary_unary_rpc_method_handler,

@@ -4,7 +4,9 @@ Errors are status codes with messages a user can act on, never a traceback: bad 
 or an empty prompt -> INVALID_ARGUMENT, prompt over max_model_len -> OUT_OF_RANGE, admission
 refused (a prompt that can never fit, or no free decode KV blocks after the router's wait) ->
 RESOURCE_EXHAUSTED, no worker, or the migration limit passed -> UNAVAILABLE; a client cancel
-or deadline aborts the request on its workers.
+or deadline aborts the request on its workers. Every error answer is counted by code and
+reason (baton:request_errors_total{door="grpc"}). Health (router/grpc_health.py) is SERVING
+while the router can serve a new request in its current shape.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
 from router.chat_template import ChatRenderer
-from router.errors import grpc_status, is_known
+from router.errors import RequestFailed, grpc_labels, grpc_status, is_known
+from router.grpc_health import RouterHealth
 from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
 from router.router import Router
@@ -140,6 +143,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if limit is not None and len(ids) >= limit:
                 raise PromptTooLongError(f"prompt has {len(ids)} tokens; max_model_len is {limit}")
         except InvalidRequestError as exc:
+            self._count(exc)
             await context.abort(grpc_status(exc), str(exc))
         stream = self.router.generate(request_id, ids, params, request.cache_salt or None)
         completion = 0
@@ -160,9 +164,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 reply.finish_reason = out.get("finish_reason") or ""
                 if out["finished"]:
                     if out["finish_reason"] == "error":
-                        await context.abort(
-                            grpc.StatusCode.INTERNAL, f"request {request_id} failed: {out['error']}"
-                        )
+                        failed = RequestFailed(f"request {request_id} failed: {out['error']}")
+                        self._count(failed)
+                        await context.abort(grpc_status(failed), str(failed))
                     reply.usage.CopyFrom(
                         pb.Usage(
                             prompt_tokens=len(ids),
@@ -183,9 +187,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except Exception as exc:  # noqa: BLE001 - router/errors.py maps it; no traceback leaves
             if not is_known(exc):
                 logger.error("request %s failed", request_id, exc_info=exc)
+            self._count(exc)
             await context.abort(grpc_status(exc), str(exc) or type(exc).__name__)
         finally:
             stream.close()
+
+    def _count(self, exc: BaseException) -> None:
+        """A request answered with an error: baton:request_errors_total{door="grpc"}."""
+        self.router.metrics.request_error("grpc", *grpc_labels(exc))
 
     async def Abort(self, request, context):  # noqa: N802
         found = await asyncio.to_thread(self.router.abort, request.request_id)
@@ -225,13 +234,13 @@ async def start_server(
     server = grpc.aio.server(interceptors=list(interceptors))
     servicer = InferenceServicer(router, tokenizer, chat_template)
     pb_grpc.add_InferenceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    # SERVING while the router can serve a new request (router/readiness.py)
+    health_servicer = RouterHealth(router, (SERVICE, ""))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     bound = add_port(server, f"{host}:{port}", tls)
     await server.start()
-    await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.refresh()
     return server, bound

@@ -2,22 +2,21 @@
 over a KVIndex (FastKVIndex: the same answers, one walk per query) fed by the workers' own KV
 events, with its LoadTracker; KV moves in latency + bytes / bandwidth.
 
-Request path (router/router.py `_attempt`): choose prefill P (policy) and decode D
-(choose_decode); local when aggregated or the uncached tail on D is at most
-local_prefill_tokens. Local: D prefills and decodes. Remote: D reserves blocks (its own
-cached prefix + new ones; a reservation that does not fit waits on D), P prefills in chunks
-and samples the first token, the blocks D lacks travel, then (between two of D's steps, as
-its engine loop does it) the first token reaches the client and D decodes the rest.
-Transfers do not contend with each other. The control path (the router's Ray and gRPC calls,
-its index refresh, the streams back to the client) costs a measured fixed time per request,
-one for the local path and one for the remote one (benchmarks/sim_calibration.py): the
-request reaches its worker that much later, without occupying any worker meanwhile.
-With shared_cores set (a cluster of CPU workers on one machine, as the experiments run here),
-a step that starts while more workers compute than there are cores takes busy / cores times
-its profiled time: each worker was profiled with a core of its own. step_time_scale multiplies
+Request path (router/worker_choice.py `WorkerChooser`, router/request_life.py `RequestLife`):
+choose prefill P (policy) and decode D (choose_decode); local when aggregated or the uncached
+tail on D is at most local_prefill_tokens. Local: D prefills and decodes. Remote: D reserves
+blocks (its own cached prefix + new ones; a reservation that does not fit waits on D), P
+prefills in chunks and samples the first token, the blocks D lacks travel, then (between two of
+D's steps, as its engine loop does it) the first token reaches the client and D decodes the
+rest. Transfers do not contend with each other. The control path (the router's Ray and gRPC
+calls, its index refresh, the streams back to the client) costs a measured fixed time per
+request, one for the local path and one for the remote one (benchmarks/sim_calibration.py): the
+request reaches its worker that much later, without occupying any worker meanwhile. With
+shared_cores set (a cluster of CPU workers on one machine, as the experiments run here), a step
+that starts while more workers compute than there are cores takes busy / cores times its
+profiled time: each worker was profiled with a core of its own. step_time_scale multiplies
 every step (a machine that runs steps slower or faster now than when it was profiled: a real
-run's engine step seconds over the simulated ones, benchmarks/sim_validation.py).
-"""
+run's engine step seconds over the simulated ones, benchmarks/sim_validation.py)."""
 
 from __future__ import annotations
 

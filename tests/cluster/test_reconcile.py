@@ -13,10 +13,11 @@ from cluster.drain import busy_workers
 from cluster.plan import Current, Pool, Running
 from cluster.reconcile import check_pools, check_same_cluster, current, desired, with_replicas
 from cluster.recovery import orphan_actors, orphan_groups
-from cluster.router_lifecycle import addresses, router_key
+from cluster.router_lifecycle import addresses
 from cluster.state import ClusterState, NoCluster, RouterRecord
-from cluster.templates import router_options
+from cluster.templates import router_settings
 from deploy.manifest import ManifestError, parse_manifest
+from router.settings import RouterSettings, TLSPaths
 from tests.cluster.manifests import tiny_manifest
 from tests.cluster.workers import TEMPLATES, worker
 
@@ -110,25 +111,25 @@ def test_a_restarted_controller_removes_only_unrecorded_baton_workers_and_groups
 # ---- the router ----------------------------------------------------------------------------
 def test_only_a_change_of_what_the_servers_run_with_restarts_the_router():
     spec = tiny_manifest("tiny")
-    base = router_key(router_options(parse_manifest(spec)))
+    base = router_settings(parse_manifest(spec)).server_key()
     in_place = copy.deepcopy(spec)
     in_place["spec"]["router"].update(policy="round_robin", migration_limit=1)
     in_place["spec"]["prefill"]["replicas"] = 0  # aggregated: also set in place
-    assert router_key(router_options(parse_manifest(in_place))) == base
+    assert router_settings(parse_manifest(in_place)).server_key() == base
     moved = copy.deepcopy(spec)
     moved["spec"]["router"]["port"] = 5051
-    assert router_key(router_options(parse_manifest(moved))) != base
+    assert router_settings(parse_manifest(moved)).server_key() != base
     assert base == ("tiny", True, "127.0.0.1", 0, 0, ["tiny"], None, None, None, None, None)
 
 
 def test_router_addresses():
-    options = {"host": "10.0.0.5", "tls": None}
+    options = RouterSettings(host="10.0.0.5")
     assert addresses(options, {"grpc": 5000, "http": 8000}) == (
         "10.0.0.5:5000",
         "http://10.0.0.5:8000",
     )
     assert addresses(options, {"grpc": 5000, "http": None}) == ("10.0.0.5:5000", None)
-    tls = {"host": "10.0.0.5", "tls": {"cert_file": "c", "key_file": "k"}}
+    tls = RouterSettings(host="10.0.0.5", tls=TLSPaths(cert_file="c", key_file="k"))
     assert addresses(tls, {"grpc": 5000, "http": 8443}) == (
         "10.0.0.5:5000",
         "https://10.0.0.5:8443",

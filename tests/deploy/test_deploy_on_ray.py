@@ -1,7 +1,9 @@
 """`baton deploy` against a running local Ray cluster, each command a separate process (as a
 user runs it): apply 1+1, apply again (no change), scale to 2+2 and back to 1+1 while a stream
-of requests runs, a changed engine option replaces the workers, `down` leaves no Baton actor.
-Every request completes with the offline engine's tokens; none fails."""
+of requests runs, a changed engine option replaces the workers, `down` leaves no Baton actor;
+an aggregated cluster (0 prefill workers) scaled to 1 prefill worker and back stays healthy
+(/health, gRPC health and `baton deploy status` agree) while requests run. Every request
+completes with the offline engine's tokens; none fails."""
 
 from __future__ import annotations
 
@@ -10,14 +12,18 @@ import re
 import threading
 import time
 
+import grpc
+import httpx
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.controller import NAMESPACE
 from cluster.local_ray import start_local_ray
 from deploy.client import baton_actors
 from engine import LLM, SamplingParams
 from router.proto import inference_pb2 as pb
+from router.server import SERVICE
 from tests.cluster.manifests import tiny_manifest
 from tests.deploy.streams import MAX_TOKENS, RequestStream, stream_prompt
 from tests.helpers import baton_deploy as baton
@@ -239,3 +245,82 @@ def test_failed_apply_leaves_nothing_behind_and_can_be_retried(ray_address, tiny
     assert pools(status(ray_address)) == {"prefill": ["prefill-1"], "decode": ["decode-0"]}
     assert baton(ray_address, "down").returncode == 0
     assert baton_actors(NAMESPACE) == []
+
+
+def health(http_address: str) -> tuple[int, dict]:
+    reply = httpx.get(http_address + "/health", timeout=10)
+    return reply.status_code, reply.json()
+
+
+def grpc_health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        request = health_pb2.HealthCheckRequest(service=SERVICE)
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=10).status
+
+
+def ready(mode: str, prefill: int, decode: int = 1) -> dict:
+    """The /health body of a serving cluster whose pools' workers are all healthy."""
+    pools = {"prefill": {"healthy": prefill, "workers": prefill}}
+    pools["decode"] = {"healthy": decode, "workers": decode}
+    return {"status": "ok", "serving": True, "mode": mode, "pools": pools}
+
+
+def test_health_follows_the_shape_through_scale_prefill_0_and_back(
+    ray_address, tiny_llama, tmp_path
+):
+    manifest = tiny_manifest(tiny_llama, prefill=0, name="shape-test", num_kv_blocks=2048)
+    path = tmp_path / "aggregated.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    applied = baton(ray_address, "apply", "-f", str(path))
+    assert applied.returncode == 0, applied.stderr
+    st = status(ray_address)
+    http, address = st["router"]["http_address"], st["router"]["address"]
+    assert health(http) == (200, ready("aggregated", 0))
+    assert st["router"]["readiness"] == ready("aggregated", 0)  # deploy status agrees
+    shown = baton(ray_address, "status").stdout
+    assert "serving yes  mode aggregated  healthy prefill 0/0  decode 1/1" in shown, shown
+    assert grpc_health(address) == health_pb2.HealthCheckResponse.SERVING
+
+    seen: list[int] = []  # every /health status while the shape changes
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            seen.append(health(http)[0])
+            time.sleep(0.2)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        with RequestStream(address) as stream:
+            stream.wait_for(3)
+            up = baton(ray_address, "scale", "prefill=1")
+            assert up.returncode == 0, up.stderr
+            assert health(http) == (200, ready("disaggregated", 1))
+            assert status(ray_address)["router"]["readiness"] == ready("disaggregated", 1)
+            stream.wait_for(len(stream.results) + 3)
+            down = baton(ray_address, "scale", "prefill=0")
+            assert down.returncode == 0, down.stderr
+            assert health(http) == (200, ready("aggregated", 0))
+            assert status(ray_address)["router"]["readiness"] == ready("aggregated", 0)
+            stream.wait_for(len(stream.results) + 3)
+    finally:
+        stop.set()
+        poller.join(30)
+    assert len(seen) > 10 and set(seen) == {200}, seen
+    assert grpc_health(address) == health_pb2.HealthCheckResponse.SERVING
+    assert stream.errors == []
+    prefilled_on = {p for _, _, _, p, _ in stream.results}
+    decoded_on = {d for _, _, _, _, d in stream.results}
+    assert any(p.startswith("prefill-") for p in prefilled_on)  # disaggregated
+    assert prefilled_on & decoded_on  # aggregated: prefilled on the decode worker
+    offline = LLM(
+        tiny_llama, block_size=4, chunk_size=16, num_kv_blocks=2048, skip_tokenizer_init=True
+    )
+    expected = offline.generate(
+        [stream_prompt(k) for k, *_ in stream.results],
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+    )
+    for (k, tokens, finish, _, _), exp in zip(stream.results, expected, strict=True):
+        assert (tokens, finish) == (exp.token_ids, "length"), k
+    assert baton(ray_address, "down").returncode == 0

@@ -19,8 +19,8 @@ from engine.options import EngineOptions
 from kvtransfer.control import RpcClient
 from kvtransfer.worker_client import client
 from router.errors import UNAVAILABLE, classify
-from router.migration import MigrationLimitExceeded
 from router.router import Router
+from router.worker_failures import MigrationLimitExceeded
 from tests.disagg.cluster import WorkerProcess, pair, start_worker
 from tests.helpers import random_prompts
 
@@ -111,8 +111,7 @@ def expected_tokens(model: str, prompt: list[int], params: dict, opts: dict | No
 
 def serving(router: Router, request_id: str, pool: dict) -> str:
     """The worker of `pool` the request runs on now."""
-    with router._lock:
-        prefill, (decode_id, _) = router._active[request_id]
+    prefill, (decode_id, _) = router.placement(request_id)
     return decode_id if pool is router.decode else prefill[0]
 
 
@@ -150,7 +149,7 @@ def test_killed_decode_worker_continues_on_another(cluster_of, tiny_llama, sampl
     assert (last["finish_reason"], last["num_migrations"]) == ("length", 1), last
     assert last["prompt_tokens"] == len(prompt)
     assert last["decode_worker"] != killed[0]
-    assert router._healthy[killed[0]] is False
+    assert router.pools.health()[killed[0]] is False
     assert router.num_migrations == 1
     c.check_clean()
 
@@ -197,7 +196,7 @@ def prefilling(router: Router, request_id: str, prompt) -> tuple[threading.Threa
     )
     thread.start()
     deadline = time.monotonic() + 30
-    while request_id not in router._active and time.monotonic() < deadline:
+    while router.placement(request_id) is None and time.monotonic() < deadline:
         time.sleep(0.01)
     return thread, result, serving(router, request_id, router.prefill)
 

@@ -91,7 +91,7 @@ def test_cache_aware_beats_round_robin_and_keeps_both_busy(options):
 
 def test_short_uncached_tail_is_prefilled_on_the_decode_worker(options):
     router, workers = make_router(options, "cache_aware")
-    router.local_prefill_tokens = 16
+    router.chooser.local_prefill_tokens = 16
     decode = workers[-1]
     try:
         shared = random_prompts([64], seed=211)[0]

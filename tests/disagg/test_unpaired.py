@@ -62,7 +62,7 @@ def test_router_waits_for_the_pair_then_serves(workers):
     prompt = random_prompts([13], seed=4)[0]
     out: dict = {}
     thread = generate_in_thread(router, "r", prompt, PARAMS, out)
-    wait_until(lambda: router._healthy == {"p0": False, "d0": False}, timeout=30)
+    wait_until(lambda: router.pools.health() == {"p0": False, "d0": False}, timeout=30)
     assert "r" not in out  # waiting, not failed
 
     # What the controller does before its next health report: pair them again.

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import itertools
 
+from router.metrics import RouterMetrics
+from router.readiness import PoolHealth, Readiness, readiness
+
 
 def logprob_entry(token_id: int, top: int) -> list:
     """A scripted [token_id, logprob, top list]: the token at -0.25, then ids after it."""
@@ -28,6 +31,11 @@ class ScriptedRouter:
         self.step = step
         self.finish = finish
         self.calls: list[tuple[list[int], dict]] = []
+        self.metrics = RouterMetrics()  # the door counts its error answers there
+
+    def readiness(self) -> Readiness:
+        """Always serving: one healthy decode worker, aggregated."""
+        return readiness(True, PoolHealth(0, 0), PoolHealth(1, 1))
 
     def choice_outputs(self, index: int, text: str, params: dict) -> list[dict]:
         ids = self.tokenizer.encode(text, add_special_tokens=False)

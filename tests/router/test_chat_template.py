@@ -95,7 +95,7 @@ def test_the_chat_template_option_is_a_file_read_at_start(tmp_path):
     import argparse
 
     from cluster.local import LocalOptions, add_serve_flags
-    from cluster.templates import router_options
+    from cluster.templates import router_settings
     from router.chat_template import read_chat_template
 
     path = tmp_path / "tools.jinja"
@@ -103,7 +103,7 @@ def test_the_chat_template_option_is_a_file_read_at_start(tmp_path):
     parser = argparse.ArgumentParser()
     add_serve_flags(parser)
     manifest = LocalOptions.from_args(parser.parse_args(["--chat-template", str(path)])).manifest()
-    assert router_options(manifest)["chat_template"] == str(path)
+    assert router_settings(manifest).chat_template == str(path)
     assert read_chat_template(str(path)) == TOOL_TEMPLATE
     assert read_chat_template(None) is None
     with pytest.raises(ValueError, match="cannot be read"):

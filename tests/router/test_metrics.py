@@ -198,6 +198,7 @@ def test_the_grafana_dashboard_queries_only_series_the_cluster_exposes():
     router.success.labels(finished_reason="stop").inc()
     router.read_counter("auth_failures", "Auth failures.", lambda: 0)
     router.read_counter("request_migrations", "Migrations.", lambda: 0)
+    router.request_error("http", 400, "invalid_request")
     text = cluster_metrics_text(router.registry, {"p0": ("prefill", worker_snapshot(1))})
     exposed = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     dashboard = Path(__file__).parents[2] / "deploy" / "grafana" / "baton-dashboard.json"

@@ -1,4 +1,5 @@
-"""Which errors move a request (router/migration.py), and what a continuation looks like."""
+"""Which errors move a request (router/worker_failures.py), and what a continuation looks like
+(router/request_life.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,12 @@ from engine.errors import CapacityError, InvalidRequestError, NoFreeBlocksError
 from kvtransfer.control import PeerUnavailable, RemoteError
 from kvtransfer.errors import PeerLost, TransferRejected
 from router.errors import UNAVAILABLE, classify
-from router.handoff import kv_never_arrived
-from router.migration import (
+from router.request_life import Progress, watch
+from router.worker_failures import (
     MigrationLimitExceeded,
-    Progress,
     WorkerFailed,
     is_worker_failure,
-    watch,
+    kv_never_arrived,
 )
 
 

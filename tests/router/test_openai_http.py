@@ -19,6 +19,7 @@ from engine.errors import CapacityError, NoFreeBlocksError
 from prefill_worker.worker import PrefillWorker
 from router.admission import Admission
 from router.http_server import start_http_server
+from router.metrics import RouterMetrics
 from router.openai_http import create_app
 from router.router import Router
 from router.security import ApiKeys
@@ -344,6 +345,7 @@ class ScriptedRouter:
 
     def __init__(self, exc: Exception | None) -> None:
         self.exc = exc
+        self.metrics = RouterMetrics()  # the door counts its error answers there
 
     def generate(self, request_id, prompt_token_ids, params, cache_salt=None):
         if self.exc is not None:

@@ -218,7 +218,15 @@ def test_http_over_tls_with_key_and_open_health(pki):
         with httpx.Client(base_url=url, verify=client_context(pki, False)) as http:
             health_reply = http.get("/health")  # open; no worker yet
             assert health_reply.status_code == 503
-            assert health_reply.json() == {"status": "no healthy prefill worker"}
+            assert health_reply.json() == {
+                "status": "no healthy prefill or decode worker",
+                "serving": False,
+                "mode": "disaggregated",
+                "pools": {
+                    "prefill": {"healthy": 0, "workers": 0},
+                    "decode": {"healthy": 0, "workers": 0},
+                },
+            }
             refused = http.get("/v1/models")
             assert refused.status_code == 401
             assert refused.json()["error"]["type"] == "authentication_error"
