@@ -70,22 +70,21 @@ class GrammarManager:
 
     def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
         c = self._compiler
-        any_whitespace = not spec.disable_any_whitespace
         match spec.kind:
             case "json":
-                return c.compile_json_schema(_text(spec, spec.json), any_whitespace=any_whitespace)
+                return c.compile_json_schema(spec.text(), **spec.json_options())
             case "json_object":
                 return c.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=any_whitespace, strict_mode=False
+                    '{"type": "object"}', strict_mode=False, **spec.json_options()
                 )
             case "regex":
-                return c.compile_regex(_text(spec, spec.regex))
+                return c.compile_regex(spec.text())
             case "choice":
                 return c.compile_grammar(spec.choice_ebnf())
             case "grammar":
-                return c.compile_grammar(_text(spec, spec.grammar))
+                return c.compile_grammar(spec.text())
             case "structural_tag":
-                return c.compile_structural_tag(_text(spec, spec.structural_tag))
+                return c.compile_structural_tag(spec.text())
         raise ValueError(f"unknown structured_output kind {spec.kind!r}")
 
     def is_constrained(self, request_id: str) -> bool:
@@ -162,13 +161,6 @@ class GrammarManager:
         mask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
         _matcher(request_id, self._entries[request_id]).fill_next_token_bitmask(mask, 0)
         return mask[0]
-
-
-def _text(spec: StructuredOutput, value: str | None) -> str:
-    """The text of spec's kind (StructuredOutput's validation sets exactly that field)."""
-    if value is None:
-        raise ValueError(f"structured_output.{spec.kind} has no text")
-    return value
 
 
 def _matcher(request_id: str, entry: _Entry) -> xgr.GrammarMatcher:

@@ -20,6 +20,10 @@ from typing import Any
 from engine.errors import InvalidRequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+# json / json_object with whitespace allowed: most whitespace characters in a row (room for a
+# newline and the indentation of 7 levels of 2 spaces, none for the endless whitespace a weak
+# model falls into when the grammar allows it, which would run every reply to max_tokens).
+MAX_WHITESPACE_RUN = 16
 # xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: ".
 _XGRAMMAR_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
 
@@ -74,6 +78,13 @@ class StructuredOutput:
         """The name of the one constraint that is set."""
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
+    def text(self) -> str:
+        """The text of a json, regex, grammar or structural_tag spec (its kind's field)."""
+        value = getattr(self, self.kind)
+        if not isinstance(value, str):
+            raise ValueError(f"structured_output.{self.kind} has no text")
+        return value
+
     def to_dict(self) -> dict[str, Any]:
         """Plain values (msgpack-able) that of() turns back into this spec."""
         out: dict[str, Any] = {self.kind: getattr(self, self.kind)}
@@ -86,6 +97,39 @@ class StructuredOutput:
     def choice_ebnf(self) -> str:
         """The grammar of `choice`: root ::= "a" | "b" (JSON escapes are GBNF escapes)."""
         return "root ::= " + " | ".join(json_lib.dumps(s) for s in self.choice or ())
+
+    def json_options(self) -> dict[str, Any]:
+        """xgrammar's whitespace options for json / json_object: none between tokens, or at
+        most MAX_WHITESPACE_RUN characters in a row."""
+        if self.disable_any_whitespace:
+            return {"any_whitespace": False}
+        return {"any_whitespace": True, "max_whitespace_cnt": MAX_WHITESPACE_RUN}
+
+    def tag_format(self) -> dict[str, Any]:
+        """This constraint as an xgrammar structural-tag format, to nest inside a larger tag
+        (e.g. "a tool call or this format"): the same language the engine compiles for the
+        spec alone (engine/grammar.py), options included, as a `grammar` element."""
+        import xgrammar as xgr  # imports torch and a native library: only when asked
+
+        match self.kind:
+            case "json":
+                grammar = xgr.Grammar.from_json_schema(self.text(), **self.json_options())
+            case "json_object":
+                grammar = xgr.Grammar.from_json_schema(
+                    '{"type": "object"}', strict_mode=False, **self.json_options()
+                )
+            case "regex":
+                grammar = xgr.Grammar.from_regex(self.text())
+            case "choice":
+                return {"type": "grammar", "grammar": self.choice_ebnf()}
+            case "grammar":
+                return {"type": "grammar", "grammar": self.grammar}
+            case _:  # structural_tag
+                tag = json_lib.loads(self.text())
+                if "format" in tag:
+                    return tag["format"]
+                grammar = xgr.Grammar.from_structural_tag(self.text())
+        return {"type": "grammar", "grammar": str(grammar)}
 
     def _validate(self) -> None:
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]

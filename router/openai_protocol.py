@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from engine.errors import InvalidRequestError
+from engine.structured_output import StructuredOutput
 from router.chat_protocol import ChatMessage, Tool, ToolChoice, ToolPlan, check_unique_names
 from router.chat_protocol import tool_plan as make_tool_plan
 from router.structured_output import Constraint, ResponseFormat, StructuredOutputs, constraint
@@ -281,6 +282,7 @@ class ChatCompletionRequest(_Common):
     reasoning_effort: Any = Field(None, description=REFUSED["reasoning_effort"])
     verbosity: Any = Field(None, description=REFUSED["verbosity"])
     _tool_plan: ToolPlan | None = PrivateAttr(None)
+    _calls_or_format: dict | None = PrivateAttr(None)  # tool_choice auto + a response format
 
     @field_validator("audio", "web_search_options", "reasoning_effort", "verbosity")
     @classmethod
@@ -301,14 +303,14 @@ class ChatCompletionRequest(_Common):
         except ValueError as exc:
             out.append(("tool_choice", str(exc)))
             return out
-        if self._tool_plan.mode == "required" and self.output_constraint is not None:
-            out.append(
-                (
-                    "tool_choice",
-                    f"tool_choice requires a call; it cannot be combined with "
-                    f"{self.output_constraint.param}",
-                )
-            )
+        plan, fmt = self._tool_plan, self.output_constraint
+        if plan.mode == "auto" and plan.callable and fmt is not None:
+            try:  # the reply is calls, or an answer in the format
+                otherwise = StructuredOutput.of(fmt.structured_output).tag_format()
+                calls = list(plan.callable)
+                self._calls_or_format = structural_tag(calls, plan.parallel, otherwise)
+            except InvalidRequestError as exc:
+                out.append((fmt.param, str(exc)))
         if self.top_logprobs and not self.logprobs:
             out.append(("top_logprobs", "top_logprobs needs logprobs=true"))
         return out
@@ -329,9 +331,11 @@ class ChatCompletionRequest(_Common):
         if self.logprobs:
             out["logprobs"] = self.top_logprobs or 0
         plan = self.plan
-        if plan.mode == "required":
+        if plan.mode == "required":  # the reply is calls only: a response format has no text
             tag = structural_tag(list(plan.callable), plan.parallel)
             out["structured_output"] = {"structural_tag": tag}
+        elif self._calls_or_format is not None:
+            out["structured_output"] = {"structural_tag": self._calls_or_format}
         return out
 
 

@@ -32,11 +32,16 @@ def call_text(name: str, arguments: str) -> str:
     return f'{BEGIN}\n{{"name": {json.dumps(name)}, "arguments": {arguments}}}\n{END}'
 
 
-def structural_tag(functions: list[tuple[str, dict | None]], parallel: bool) -> dict:
+def structural_tag(
+    functions: list[tuple[str, dict | None]], parallel: bool, otherwise: dict | None = None
+) -> dict:
     """The xgrammar structural tag for tool_choice `required` (or one named function): the
     output is one call (parallel=False) or several separated by a newline, each to one of
     `functions` ((name, parameters JSON schema)) with arguments valid for its schema, and
-    nothing else (at most MAX_WHITESPACE whitespace characters in a row)."""
+    nothing else (at most MAX_WHITESPACE whitespace characters in a row).
+
+    otherwise: a structural-tag format the output may match instead of the calls
+    (tool_choice `auto` with a response format: calls, or the formatted answer)."""
     tags = [
         {
             "type": "tag",
@@ -50,16 +55,16 @@ def structural_tag(functions: list[tuple[str, dict | None]], parallel: bool) -> 
         }
         for name, parameters in functions
     ]
-    return {
-        "type": "structural_tag",
-        "format": {
-            "type": "tags_with_separator",
-            "tags": tags,
-            "separator": SEPARATOR,
-            "at_least_one": True,
-            "stop_after_first": not parallel,
-        },
+    calls = {
+        "type": "tags_with_separator",
+        "tags": tags,
+        "separator": SEPARATOR,
+        "at_least_one": True,
+        "stop_after_first": not parallel,
     }
+    if otherwise is not None:
+        calls = {"type": "or", "elements": [calls, otherwise]}
+    return {"type": "structural_tag", "format": calls}
 
 
 @dataclass(frozen=True, slots=True)

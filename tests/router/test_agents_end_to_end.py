@@ -163,7 +163,12 @@ def test_chat_logprobs_are_the_offline_engines(mode, request, offline, tokenizer
         extra_body={"ignore_eos": True},
     )
     _, out = offline_text(offline, tokenizer, ASK, max_tokens=6, logprobs=3, ignore_eos=True)
-    content = reply.choices[0].logprobs.content
+    same_logprobs(reply.choices[0].logprobs.content, out, tokenizer)
+
+
+def same_logprobs(content, out, tokenizer) -> None:
+    """A greedy chat reply's logprobs.content equals the offline engine output's logprobs
+    (tokens as text, values within 1e-4)."""
     assert [c.token for c in content] == [tokenizer.decode([t]) for t in out.token_ids]
     expected = [lp.to_wire() for lp in out.logprobs]
     for got, (_, logprob, top) in zip(content, expected, strict=True):

@@ -9,14 +9,17 @@ from __future__ import annotations
 import threading
 import time
 
+import httpx
 import pytest
 
 from decode_worker.worker import DecodeWorker
 from engine import LLM, SamplingParams
 from kvtransfer.worker_api import PromptRequest
+from router.openai_http import create_app
 from router.router import Router
 from tests.helpers import generate_in_thread, random_prompts, wait_until
 from tests.router.fake_workers import FakeDecode, FakePrefill
+from tests.router.serving import http_serving
 
 PARAMS = {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
 
@@ -150,3 +153,17 @@ def test_a_request_waiting_for_a_prefill_worker_goes_local_when_aggregated_is_ap
     d.release["r1"].set()
     waiting.join(10)
     assert workers_of(out["r1"]) == ("d0", "d0") and d.local == ["r1"]
+
+
+def test_health_is_ok_without_a_prefill_pool_only_when_aggregated():
+    """GET /health (what load clients such as guidellm check first): an aggregated router
+    needs only decode workers; a disaggregated one whose prefill pool is empty is 503."""
+    statuses = []
+    for aggregated in (True, False):
+        router = Router(
+            {}, {"d0": FakeDecode()}, block_size=4, hash_seed="t", aggregated=aggregated
+        )
+        with http_serving(create_app(router, ["tiny"])) as (url, _):
+            reply = httpx.get(f"{url}/health", timeout=30)
+        statuses.append((reply.status_code, reply.json()["status"]))
+    assert statuses == [(200, "ok"), (503, "no healthy prefill worker")]
