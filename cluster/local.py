@@ -28,6 +28,9 @@ SERVE_FLAGS = {
     "block_size": ("engine", "block_size"),
     "chunk_size": ("engine", "chunk_size"),
     "kv_cache_memory_gb": ("engine", "kv_cache_memory_gb"),
+    "kv_tier": ("engine", "kv_tier"),
+    "kv_tier_path": ("engine", "kv_tier_path"),
+    "kv_tier_bytes": ("engine", "kv_tier_bytes"),
     "threads": ("pools", "threads"),
     "local_prefill_tokens": ("router", "local_prefill_tokens"),
     "migration_limit": ("router", "migration_limit"),
@@ -54,6 +57,9 @@ class LocalOptions:
     block_size: int | None = None
     chunk_size: int | None = None
     kv_cache_memory_gb: float | None = None  # replaces the example's num_kv_blocks
+    kv_tier: str | None = None  # none, host or disk (a KV tier below each worker's cache)
+    kv_tier_path: str | None = None  # disk: the parent of the workers' tier directories
+    kv_tier_bytes: int | None = None  # each worker's tier capacity
     threads: int | None = None  # torch threads per worker, both pools
     local_prefill_tokens: int | None = None  # conditional disaggregation threshold
     migration_limit: int | None = None  # moves of a request whose worker failed

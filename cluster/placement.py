@@ -12,7 +12,7 @@ from cluster import timeouts as T
 from cluster.pairing import pairs_of, unpair
 from cluster.ray_helpers import NAMESPACE, placement_group_name, short_error, short_node
 from cluster.state import ClusterState
-from cluster.templates import WorkerTemplate
+from cluster.templates import WorkerTemplate, worker_engine_options
 from cluster.worker_actor import WORKER_ENV, Worker, worker_class
 
 
@@ -71,7 +71,12 @@ def start_workers(state: ClusterState, template: WorkerTemplate, count: int) -> 
                     ),
                     runtime_env={"env_vars": WORKER_ENV},
                 )
-                .remote(worker_id, template.engine, template.transfer, template.threads)
+                .remote(
+                    worker_id,
+                    worker_engine_options(template.engine, worker_id),
+                    template.transfer,
+                    template.threads,
+                )
             )
         incarnations = ray.get([w.handle.ping.remote() for w in started], timeout=T.WORKER_START_S)
         nodes = ray.get([w.handle.node_id.remote() for w in started], timeout=T.WORKER_INFO_S)

@@ -8,6 +8,7 @@ engine options, transfer options, resources or threads changed is replaced.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,16 @@ class WorkerTemplate:
         return json.dumps(
             [e["model"], e["dtype"], e["block_size"], e["hash_seed"], self.transfer["backend"]]
         )
+
+
+def worker_engine_options(engine: dict, worker_id: str) -> dict:
+    """The engine options one worker starts with: its template's, with the KV tier directory
+    made its own (kv_tier_path is the pools' parent directory; each worker keeps its blocks in
+    <kv_tier_path>/<worker id>, so a worker Ray restarts, same id, reopens what it wrote)."""
+    path = engine.get("kv_tier_path")
+    if path is None:
+        return dict(engine)
+    return {**engine, "kv_tier_path": os.path.join(path, worker_id)}
 
 
 def worker_templates(manifest: Manifest) -> dict[str, WorkerTemplate]:

@@ -3,8 +3,10 @@
 For each request it reserves blocks for the whole prompt (reusing its own cached prefix),
 waits ("waiting for remote KV") while a prefill worker sends the missing blocks, then joins
 the running batch and streams tokens. A reservation whose KV does not arrive within the
-lease, or whose transfer fails, is freed and the request fails with a clear error. Its public
-methods are kvtransfer.worker_api.DecodeAPI.
+lease, or whose transfer fails, is freed and the request fails with a clear error. While it
+waits for transfers it answers a prefill worker's pulls (kvtransfer.pull) from its cached
+blocks: the next turn of a conversation starts with the prompt and output it decoded. Its
+public methods are kvtransfer.worker_api.DecodeAPI.
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ from engine.engine_loop import RequestStream
 from engine.sampler import TokenLogprobs
 from kvtransfer import (
     PeerLost,
+    PullAsk,
     TransferDescriptor,
     TransferError,
     TransferRejected,
+    TransferStats,
     TransferTimeout,
+    dtype_name,
 )
 from kvtransfer.endpoint import TransferEndpoint
 from kvtransfer.lease import LeaseError
@@ -83,6 +88,7 @@ class DecodeWorker(TransferEndpoint):
         self._closing = threading.Event()
         self.bytes_received = 0
         self.blocks_received = 0
+        self.blocks_served = 0
 
     # ---- control API -----------------------------------------------------------------------
     def connect_prefill(self, prefill_id: str, address: dict, peer: Any = None) -> None:
@@ -107,15 +113,20 @@ class DecodeWorker(TransferEndpoint):
         rid = request.request_id
         self._drop_orphan_streams()
         stream = self.loop.open_stream(rid)
-        try:
-            ids, hits = self.loop.run(
-                self.engine.reserve_remote,
+
+        def reserve() -> tuple[list[int], int, int]:
+            ids, hits = self.engine.reserve_remote(
                 rid,
                 list(request.prompt_token_ids),
                 SamplingParams(**request.params),
                 request.seed,
                 request.cache_salt,
+                retention=request.retention(),
             )
+            return ids, hits, self.engine.num_tier_blocks(rid)
+
+        try:
+            ids, hits, tier_blocks = self.loop.run(reserve)
         except Exception:
             self.loop.close_stream(rid)
             raise
@@ -124,7 +135,10 @@ class DecodeWorker(TransferEndpoint):
             self._expect[rid] = _Expected(prefill_id, tuple(ids[hits:]))
         self.leases.grant(rid, prefill_id or "", self.options.lease_seconds)
         return Reservation(
-            num_hit_blocks=hits, dst_block_ids=tuple(ids[hits:]), num_blocks=len(ids)
+            num_hit_blocks=hits,
+            dst_block_ids=tuple(ids[hits:]),
+            num_blocks=len(ids),
+            num_tier_blocks=tier_blocks,
         )
 
     def renew(self, request_id: str) -> bool:
@@ -145,6 +159,7 @@ class DecodeWorker(TransferEndpoint):
             SamplingParams(**request.params),
             cache_salt=request.cache_salt,
             seed=request.seed,
+            retention=request.retention(),
         )
         with self._lock:
             self._streams[request.request_id] = stream
@@ -204,6 +219,7 @@ class DecodeWorker(TransferEndpoint):
             "num_waiting_for_kv": len(self._expect),
             "bytes_received": self.bytes_received,
             "blocks_received": self.blocks_received,
+            "blocks_served": self.blocks_served,
         }
 
     def shutdown(self) -> None:
@@ -225,7 +241,7 @@ class DecodeWorker(TransferEndpoint):
         while not self._closing.is_set():
             try:
                 desc, stats = self.transfer.recv(
-                    prefill_id, self.engine.kv_caches, wait=0.5, accept=self._accept
+                    prefill_id, self.engine.kv_caches, wait=0.5, accept=self._accept, serve=self
                 )
             except TransferTimeout as exc:
                 self._fail_receiving(prefill_id, exc)  # no-op when nothing was announced yet
@@ -276,6 +292,40 @@ class DecodeWorker(TransferEndpoint):
             self.loop.call(self._fail_remote, rid, f"prefill worker {prefill_id}: {exc}")
             return
         self._notify_peer(prefill_id, f"ack({rid})", lambda prefill: prefill.ack(rid))
+
+    # ---- answering pulls (kvtransfer.pull.PullServer) ------------------------------------
+    def export(self, ask: PullAsk) -> TransferDescriptor:
+        """Pin the cached blocks a prefill worker asks for (the leading ones held from
+        ask.start on) and describe them; they stay pinned until exported()."""
+        eng = self.engine
+        ids = self.loop.run(
+            eng.export_blocks,
+            ask.pull_id,
+            list(ask.token_ids),
+            ask.cache_salt,
+            ask.start,
+            len(ask.dst_block_ids),
+        )
+        args = eng.runner.model.args
+        try:
+            return ask.describe(
+                ids,
+                (0, args.num_layers),
+                dtype_name(eng.runner.dtype),
+                (eng.config.block_size, args.num_kv_heads, args.head_dim),
+            )
+        except Exception:
+            self.loop.run(eng.release_exchange, ask.pull_id)
+            raise
+
+    def exported(self, desc: TransferDescriptor, stats: TransferStats | None) -> None:
+        """The answer to a pull ended: unpin its blocks, count it."""
+        self.loop.run(self.engine.release_exchange, desc.request_id)
+        if stats is None:
+            self.transfer_metrics.served.failures.inc()
+            return
+        self.blocks_served += stats.num_blocks
+        self.transfer_metrics.served.done(stats.num_blocks, stats.payload_bytes, stats.seconds)
 
     def _fail_receiving(self, prefill_id: str, error: object) -> bool:
         """Fail the request whose transfer from prefill_id broke; True if there was one."""

@@ -7,13 +7,21 @@ Every block is in exactly one state:
 Allocation pops the front of the free queue (least recently freed first) and evicts the
 hash it carries, if any. Callers free a request's blocks tail first, so the tail of a
 finished request is evicted before its (more shareable) head.
+
+Retention (engine/retention.py): blocks freed for a session carry its id; while the session
+is retained (retain(): until a deadline on `clock`) allocation passes them over and takes them
+only when no other block is free, least recently freed first. Without retained sessions the
+order is exactly the free queue's.
 """
 
 from __future__ import annotations
 
+import heapq
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 
 from engine.block_hash import BlockHash
 
@@ -29,6 +37,7 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     hash_key: HashKey | None = None
+    session: str | None = None  # the session that freed it last with retention (cached only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +68,7 @@ class BlockPool:
         num_blocks: int,
         enable_caching: bool = True,
         on_evict: Callable[[KVBlock], object] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
@@ -72,6 +82,9 @@ class BlockPool:
         self._cached: dict[BlockHash, KVBlock] = {}
         self._events: list[KVEvent] = []
         self.stats = BlockPoolStats()
+        self.clock = clock  # retention deadlines are on this clock (tests inject one)
+        self._sessions: dict[str, float] = {}  # retained session -> its deadline
+        self._deadlines: list[tuple[float, str]] = []  # heap; an entry is stale once replaced
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -98,8 +111,13 @@ class BlockPool:
 
     def cached_blocks(self) -> list[KVBlock]:
         """Every block carrying a hash: evictable ones in eviction order, then those in use."""
-        free = [b for b in self._free.values() if b.block_hash is not None]
+        free = [b for b in self._eviction_order(len(self._free)) if b.block_hash is not None]
         return free + [b for b in self._cached.values() if b.ref_cnt > 0]
+
+    def num_retained(self) -> int:
+        """Free blocks allocation passes over now (their session is retained)."""
+        self._expire()
+        return sum(1 for b in self._free.values() if self._is_retained(b))
 
     # ---- mutations -----------------------------------------------------------------------
     def touch(self, blocks: list[KVBlock]) -> None:
@@ -110,30 +128,66 @@ class BlockPool:
             block.ref_cnt += 1
 
     def allocate(self, n: int) -> list[KVBlock]:
-        """Take n blocks off the front of the free queue, evicting their hashes."""
+        """Take n blocks in eviction order (the free queue's front first, retained ones
+        last), evicting their hashes."""
         if n > len(self._free):
             raise RuntimeError(f"cannot allocate {n} blocks: only {len(self._free)} free")
-        out = []
-        for _ in range(n):
-            _, block = self._free.popitem(last=False)
+        out = self._eviction_order(n)
+        for block in out:
+            del self._free[block.block_id]
             if self.on_evict is not None and block.block_hash is not None:
                 self.on_evict(block)
             self._evict(block)
             block.ref_cnt = 1
-            out.append(block)
         return out
 
-    def free(self, blocks: list[KVBlock]) -> None:
+    def free(self, blocks: list[KVBlock], session: str | None = None) -> None:
         """Drop one reference per block; blocks reaching zero go to the back of the queue.
 
-        Pass blocks in eviction order: the first one freed is the first one evicted.
+        Pass blocks in eviction order: the first one freed is the first one evicted. With a
+        session, the cached ones among them are that session's (retained while it is).
         """
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
+            if session is not None and block.block_hash is not None:
+                block.session = session
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+
+    def retain(self, session: str, until: float) -> None:
+        """Blocks of `session` are evicted last until clock() reaches `until` (the deadline
+        of the session's last finished request replaces an earlier one)."""
+        self._sessions[session] = until
+        heapq.heappush(self._deadlines, (until, session))
+
+    def _eviction_order(self, n: int) -> list[KVBlock]:
+        """The first n free blocks allocation takes: the queue's order, passing over the
+        blocks of retained sessions, which follow in their own queue order."""
+        self._expire()
+        if not self._sessions:
+            return list(islice(self._free.values(), n))
+        taken: list[KVBlock] = []
+        retained: list[KVBlock] = []
+        for block in self._free.values():
+            if len(taken) == n:
+                return taken
+            (retained if self._is_retained(block) else taken).append(block)
+        return taken + retained[: n - len(taken)]
+
+    def _is_retained(self, block: KVBlock) -> bool:
+        return block.session is not None and block.session in self._sessions
+
+    def _expire(self) -> None:
+        """Forget sessions whose deadline passed (their blocks are ordinary again)."""
+        if not self._deadlines:
+            return
+        now = self.clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            until, session = heapq.heappop(self._deadlines)
+            if self._sessions.get(session) == until:
+                del self._sessions[session]
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash, hash_key: HashKey) -> None:
         """Register a full, computed block under its hash (no-op if caching is off).
@@ -171,6 +225,7 @@ class BlockPool:
         self.stats.evictions += 1
         block.block_hash = None
         block.hash_key = None
+        block.session = None
 
     # ---- invariants ----------------------------------------------------------------------
     def check_integrity(self) -> None:

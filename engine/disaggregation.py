@@ -6,6 +6,11 @@ Prefill side: a prefill_only request finishes after its first token(s) with its 
 prompt whose KV arrives from a prefill engine; once it has, the first token(s) the prefill
 engine sampled join the running batch (n > 1: the choices fork off here), with the logprobs
 and prompt logprobs the prefill engine computed.
+
+With a KV tier the decode side's own prefix is its device hits followed by its tier hits: the
+tier blocks load while the prefill engine computes, and only the blocks after them are sent.
+A tier block that fails to load leaves a gap: the request then computes its prompt from the
+gap on (the first token stays the prefill engine's), so its tokens are the same.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from engine.errors import InvalidRequestError, NoFreeBlocksError
 from engine.request import Request, RequestStatus
+from engine.retention import Retention
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -28,12 +34,18 @@ if TYPE_CHECKING:
     from engine.outputs import RequestOutput
     from engine.scheduler import Scheduler
 
+# How long complete_remote waits for a tier load still running when the remote KV arrived
+# (loads from host memory or a local disk take far less than a prefill and its transfer);
+# past it the load is stopped and the blocks it did not bring are computed.
+REMOTE_TIER_WAIT_S = 5.0
+
 
 class HeldBlocks(NamedTuple):
     """A prefilled request's blocks, held for its transfer until release_held()."""
 
     since: float  # monotonic time its prefill ended
     block_ids: tuple[int, ...]  # fixed while held
+    retention: Retention | None = None  # the request's: applies when they are released
 
 
 class DisaggregationHooks:
@@ -48,7 +60,9 @@ class DisaggregationHooks:
         _held: dict[str, HeldBlocks]
         _pending: dict[str, RequestOutput]
         _grammar: GrammarManager | None
+        remote_tier_wait_s: float
 
+        def _check_retention(self, retention: Retention | None) -> None: ...
         @property
         def grammar(self) -> GrammarManager: ...
         def _new_request(
@@ -85,10 +99,12 @@ class DisaggregationHooks:
         return list(held.block_ids)
 
     def release_held(self, request_id: str) -> bool:
-        """Free a prefilled request's blocks (they stay in the prefix cache)."""
-        if self._held.pop(request_id, None) is None:
+        """Free a prefilled request's blocks (they stay in the prefix cache, retained for
+        its session if it asked)."""
+        held = self._held.pop(request_id, None)
+        if held is None:
             return False
-        self.kv.free_table(request_id)
+        self.kv.free_table(request_id, held.retention)
         return True
 
     def held_since(self, request_id: str) -> float | None:
@@ -107,21 +123,27 @@ class DisaggregationHooks:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        seed: int,
+        seed: int | None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        retention: Retention | None = None,
     ) -> tuple[list[int], int]:
         """Reserve blocks for a prompt whose KV will arrive from a prefill engine.
 
-        Reuses this engine's own cached prefix. Returns (block ids of the whole prompt,
-        number of leading blocks already present); the rest must be received.
+        Reuses this engine's own cached prefix: device hits, then KV tier hits (loaded into
+        their blocks meanwhile). Returns (block ids of the whole prompt, number of leading
+        blocks already present or loading); the rest must be received.
         Raises NoFreeBlocksError when the blocks are not free now.
         """
+        self._check_retention(retention)
         req = self._new_request(
             request_id, prompt_token_ids, params, cache_salt, arrival_time, seed, False
         )
+        req.retention = retention
         req.prompt_logprobs = None  # the prefill engine computes them (complete_remote)
         hits = self.kv.get_computed_blocks(req)
+        tier = self.scheduler.tier
+        n_tier = tier.num_hits(self.kv, req, len(hits)) if tier is not None else 0
         req.num_computed_tokens = len(hits) * self.config.block_size
         if not self.kv.allocate_slots(req, req.num_tokens - req.num_computed_tokens, hits):
             self._forget(request_id)
@@ -129,12 +151,20 @@ class DisaggregationHooks:
                 f"not enough free KV blocks for {req.num_tokens} tokens "
                 f"({self.pool.num_free_blocks} free)"
             )
-        req.num_cached_tokens = req.num_computed_tokens
+        if n_tier and tier is not None:
+            tier.start_remote(self.kv, req, len(hits), n_tier)
+        num_present = len(hits) + n_tier
+        req.num_cached_tokens = num_present * self.config.block_size
         self.scheduler.add_remote(req)
         if params.structured_output is not None:  # compiles while the KV is on its way
             self.grammar.submit(request_id, params.structured_output)
         self.metrics.prefix_cache(req.num_prompt_tokens, req.num_cached_tokens)
-        return self.kv.block_ids(request_id), len(hits)
+        return self.kv.block_ids(request_id), num_present
+
+    def num_tier_blocks(self, request_id: str) -> int:
+        """Of a reservation's present blocks, how many are loading from the KV tier."""
+        tier = self.scheduler.tier
+        return 0 if tier is None else tier.num_remote_blocks(request_id)
 
     def complete_remote(
         self,
@@ -154,7 +184,7 @@ class DisaggregationHooks:
             raise InvalidRequestError(
                 f"{len(tokens)} first tokens for a request with n={req.params.n} choices"
             )
-        req.num_computed_tokens = req.num_tokens
+        req.num_computed_tokens = self._remote_kv_tokens(req)
         self.kv.cache_blocks(req, req.num_computed_tokens)
         grammar = self._grammar
         if (
@@ -170,6 +200,18 @@ class DisaggregationHooks:
         outs = self._sampled(req, tokens, list(logprobs or [None] * len(tokens)), now)
         outs[0].prompt_logprobs = prompt_logprobs
         self._put(self._pending, outs)
+
+    def _remote_kv_tokens(self, req: Request) -> int:
+        """Leading prompt tokens whose KV is in place now that the remote KV arrived: all of
+        them, unless the request's tier load brought fewer blocks than it was asked for (then
+        those up to the first block it did not bring)."""
+        tier = self.scheduler.tier
+        taken = tier.take_remote(req, self.remote_tier_wait_s) if tier is not None else None
+        if taken is None or taken[0] == taken[1]:
+            return req.num_tokens
+        present = req.num_computed_tokens + taken[0] * self.config.block_size
+        req.num_cached_tokens = present
+        return present
 
     def fail_remote(self, request_id: str, error: str) -> None:
         """The KV never arrived: free the reservation and report the error."""

@@ -76,9 +76,13 @@ class EngineLoop:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop the loop thread; True once it has ended (False: still in a step after
+        `timeout` seconds)."""
         self._stop.set()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def call(self, fn: Callable[..., Any], *args) -> Future:
         """Run fn(*args) on the loop thread between steps; the Future carries its result."""
@@ -137,7 +141,9 @@ class EngineLoop:
                 self._dispatch(result)
             else:
                 self.engine.record_state()  # gauges follow changes made between steps
-                self._dispatch(StepResult())
+                # KV events come between steps too: a KV tier stores blocks on its writer
+                # thread, and a disk tier re-indexed at start-up publishes what it holds.
+                self._dispatch(StepResult(kv_events=self.engine.take_kv_events()))
                 self._wait_for_work()
         self._fail_all("engine loop stopped")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from engine.block_hash import hash_prompt_blocks, root_hash
 from engine.block_pool import BlockPool, HashKey, KVBlock
 from engine.request import Request
+from engine.retention import Retention
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -71,6 +72,42 @@ class KVCacheManager:
         self.pool.stats.queries += limit
         self.pool.stats.hits += len(hits)
         return hits
+
+    def cached_run(self, request: Request, start: int, stop: int) -> list[KVBlock]:
+        """The cached blocks of request's blocks [start, stop), up to the first miss (takes no
+        references; request.block_hashes must cover them)."""
+        if not self.pool.enable_caching:
+            return []
+        run: list[KVBlock] = []
+        for i in range(start, min(stop, len(request.block_hashes))):
+            block = self.pool.lookup(request.block_hashes[i], self._hash_key(request, i))
+            if block is None:
+                break
+            run.append(block)
+        return run
+
+    def pin(self, table_id: str, blocks: list[KVBlock], num_new: int = 0) -> bool:
+        """Give table_id a table of `blocks` (one more reference each), then num_new fresh
+        blocks; False (nothing changed) when the pool cannot supply them."""
+        if table_id in self._tables:
+            raise KeyError(f"{table_id!r} already holds a block table")
+        leaving = num_new + sum(1 for b in blocks if b.ref_cnt == 0)
+        if leaving > self.pool.num_free_blocks:
+            return False
+        self.pool.touch(blocks)
+        self._tables[table_id] = list(blocks) + self.pool.allocate(num_new)
+        return True
+
+    def cache_range(self, table_id: str, request: Request, start: int, stop: int) -> int:
+        """Register table_id's blocks [start, stop) as request's blocks of the same indices
+        (their KV is in place); returns how many took the hash (a block already cached under
+        it elsewhere stays the canonical one)."""
+        table = self._tables[table_id]
+        n = 0
+        for i in range(start, stop):
+            self.pool.cache_block(table[i], request.block_hashes[i], self._hash_key(request, i))
+            n += table[i].block_hash == request.block_hashes[i]
+        return n
 
     def num_blocks_needed(
         self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
@@ -136,16 +173,23 @@ class KVCacheManager:
         self._num_hashed[child_id] = min(self._num_hashed.get(parent_id, 0), full)
         return copies
 
-    def free(self, request: Request) -> None:
-        """Release all of the request's blocks, tail first (evicted before the head)."""
-        self.free_table(request.request_id)
+    def free(self, request: Request, finished: bool = False) -> None:
+        """Release all of the request's blocks, tail first (evicted before the head); a
+        finished request's are retained for its session if it asked (request.retention)."""
+        self.free_table(request.request_id, request.retention if finished else None)
 
-    def free_table(self, request_id: str) -> None:
-        """Release the blocks held under request_id (no-op if there are none)."""
+    def free_table(self, request_id: str, retention: Retention | None = None) -> None:
+        """Release the blocks held under request_id (no-op if there are none), with
+        `retention`: kept for that session, from now on, for retention.seconds."""
         table = self._tables.pop(request_id, None)
         self._num_hashed.pop(request_id, None)
-        if table:
-            self.pool.free(list(reversed(table)))
+        if not table:
+            return
+        session = None
+        if retention is not None:
+            session = retention.session_id
+            self.pool.retain(session, self.pool.clock() + retention.seconds)
+        self.pool.free(list(reversed(table)), session)
 
     def table_ids(self) -> list[str]:
         """Ids of every request that holds a block table (live or held for transfer)."""

@@ -7,12 +7,13 @@ import time
 
 import torch
 
+from engine.block_exchange import BlockExchangeHooks
 from engine.block_pool import BlockPool, KVEvent
 from engine.choices import ChoiceGroup, choice_id, is_choice_of
 from engine.chunk_budget import ChunkBudget
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.disaggregation import DisaggregationHooks, HeldBlocks
+from engine.disaggregation import REMOTE_TIER_WAIT_S, DisaggregationHooks, HeldBlocks
 from engine.errors import CapacityError, GrammarRejected, InvalidRequestError, PromptTooLongError
 from engine.grammar import GrammarManager
 from engine.kv_cache_manager import KVCacheManager
@@ -23,6 +24,7 @@ from engine.model_runner import BatchRow, ModelRunner, PromptLogprobsSpan
 from engine.outputs import RequestOutput, StepResult
 from engine.request import Request, RequestStatus
 from engine.request_outputs import RequestOutputs, finished_last
+from engine.retention import Retention
 from engine.sampler import SampleRequest, choice_seed
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -33,7 +35,7 @@ TIER_IDLE_WAIT_S = 0.01  # a step with nothing to run waits this long for a KV t
 GRAMMAR_WAIT_S = 0.005  # an empty step waits this long for a compiling grammar
 
 
-class LLMEngine(DisaggregationHooks, RequestOutputs):
+class LLMEngine(DisaggregationHooks, BlockExchangeHooks, RequestOutputs):
     """The engine step loop: schedule, run the model, process outputs.
 
     Outputs are keyed by the choice's engine id (engine.choices.choice_id: the request id
@@ -97,7 +99,11 @@ class LLMEngine(DisaggregationHooks, RequestOutputs):
         # prefilled request id -> its hold (prefill role); the prefill worker's sender thread
         # reads the block ids without waiting for a step to end
         self._held: dict[str, HeldBlocks] = {}
+        # exchange id -> its token run: blocks pinned for a pull (engine/block_exchange.py)
+        self._exchanges: dict[str, Request] = {}
         self._went_on_from: float | None = None  # end of the last step, if work was left
+        # decode side: the longest complete_remote waits for a tier load still running
+        self.remote_tier_wait_s = REMOTE_TIER_WAIT_S
         self._grammar: GrammarManager | None = None  # made at the first structured request
 
     @property
@@ -148,16 +154,20 @@ class LLMEngine(DisaggregationHooks, RequestOutputs):
         arrival_time: float | None = None,
         seed: int | None = None,
         prefill_only: bool = False,
+        retention: Retention | None = None,
     ) -> Request:
         """Queue a tokenized prompt; raises InvalidRequestError/CapacityError on bad input.
 
         seed overrides the sampling seed (a request moved between engines keeps its seed).
         prefill_only: finish after the first token and hold the blocks until release_held();
         with n > 1 its n first tokens are sampled (one output per choice).
+        retention: once it finished, its blocks are kept for its session (engine/retention.py).
         """
+        self._check_retention(retention)
         req = self._new_request(
             request_id, prompt_token_ids, params, cache_salt, arrival_time, seed, prefill_only
         )
+        req.retention = retention
         if req.params.structured_output is not None:
             self.grammar.submit(request_id, req.params.structured_output)
             self.scheduler.hold(req)  # schedulable once its grammar is compiled
@@ -230,6 +240,11 @@ class LLMEngine(DisaggregationHooks, RequestOutputs):
             self._groups[request_id] = ChoiceGroup(params.n)
         return req
 
+    def _check_retention(self, retention: Retention | None) -> None:
+        """InvalidRequestError unless a request's retention is within max_retention_seconds."""
+        if retention is not None:
+            retention.check(self.config.max_retention_seconds)
+
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(
             self.tokenizer, params.stop, params.include_stop_str_in_output
@@ -296,7 +311,12 @@ class LLMEngine(DisaggregationHooks, RequestOutputs):
     def check_integrity(self) -> None:
         """Raise AssertionError if the block accounting is inconsistent."""
         self.pool.check_integrity()
-        stray = set(self.kv.table_ids()) - set(self.scheduler.requests) - set(self._held)
+        stray = (
+            set(self.kv.table_ids())
+            - set(self.scheduler.requests)
+            - set(self._held)
+            - set(self._exchanges)
+        )
         if stray:
             raise AssertionError(f"block tables of unknown requests: {sorted(stray)[:5]}")
         in_tables: dict[int, int] = {}

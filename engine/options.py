@@ -116,8 +116,16 @@ class EngineOptions:
     kv_tier_path: str | None = option(
         None,
         "directory of the disk KV tier, one per engine (locked while open; kept across "
-        "restarts, re-indexed on start-up)",
+        "restarts, re-indexed on start-up); in a cluster the parent directory: each worker "
+        "uses <kv_tier_path>/<worker id>",
         min_length=1,
+    )
+    max_retention_seconds: float = option(
+        600.0,
+        "most retention_seconds a request may ask for: the blocks of its session (prompt and "
+        "output) are evicted only when no other cached block is left, until that long after "
+        "the session's last request finished (0: no retention)",
+        ge=0,
     )
     skip_tokenizer_init: bool = option(
         False, "load no tokenizer: clients send prompt_token_ids and get token ids back"

@@ -10,6 +10,7 @@ from engine.block_hash import BlockHash
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.retention import Retention
     from engine.sampler import TokenLogprobs
 
 
@@ -57,12 +58,14 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         prefill_only: bool = False,
+        retention: Retention | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output
         self.params = params
         self.cache_salt = cache_salt
+        self.retention = retention  # its session's blocks outlast others once it finished
         self.prefill_only = prefill_only  # finish after the first token, keeping the blocks
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.scheduled_time: float | None = None  # first scheduled (monotonic)

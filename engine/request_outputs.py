@@ -91,6 +91,7 @@ class RequestOutputs:
             cache_salt=parent.cache_salt,
         )
         child.parent_id, child.index, child.num_pending_forks = parent.parent_id, index, 0
+        child.retention = parent.retention
         child.prompt_logprobs = None  # choice 0 carries them
         child.scheduled_time = parent.scheduled_time
         child.first_token_time = parent.first_token_time
@@ -131,7 +132,8 @@ class RequestOutputs:
                 req.error, status = str(exc), RequestStatus.FINISHED_ERROR
         if req.prefill_only:
             status = RequestStatus.FINISHED_PREFILLED
-            self._held[req.request_id] = HeldBlocks(now, tuple(self.kv.block_ids(req.request_id)))
+            ids = tuple(self.kv.block_ids(req.request_id))
+            self._held[req.request_id] = HeldBlocks(now, ids, req.retention)
         prompt_logprobs = None
         if req.prompt_logprobs is not None and not req.needs_prompt_logprobs:
             prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None

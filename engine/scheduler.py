@@ -97,9 +97,10 @@ class Scheduler:
         self.requests[request.request_id] = request
 
     def release(self, request: Request) -> None:
-        """A held request may run: a decode whose KV is in place joins the running batch,
-        anything else queues."""
-        if request.num_computed_tokens and request.num_tokens - request.num_computed_tokens == 1:
+        """A held request may run: one that holds its blocks already (remote KV, a fork)
+        joins the running batch (a decode, or a prefill of what its blocks lack), anything
+        else queues."""
+        if self.kv.block_ids(request.request_id):
             self.activate_remote(request)
         else:
             request.status = RequestStatus.WAITING
@@ -111,11 +112,14 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        elif request.status == RequestStatus.WAITING_FOR_TIER_KV:
-            self.require_tier().cancel(request)  # returns once the load writes its blocks no more
+        elif self.tier is not None and request.status in (
+            RequestStatus.WAITING_FOR_TIER_KV,
+            RequestStatus.WAITING_FOR_REMOTE_KV,
+        ):
+            self.tier.cancel(request)  # returns once a load writes its blocks no more
         request.status = status
         if free_blocks:
-            self.kv.free(request)
+            self.kv.free(request, finished=True)
         self.requests.pop(request.request_id, None)
 
     def has_unfinished(self) -> bool:

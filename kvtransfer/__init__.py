@@ -12,6 +12,10 @@ Receiver (decode, rank 1)::
     registry.join(prefill_id, address)
     descriptor, stats = KVTransfer(registry).recv(prefill_id, kv_cache, wait=5.0)
 
+The other way, over the same pair (kvtransfer.pull): the prefill side asks for cached blocks
+with KVTransfer.pull(decode_id, kv_cache, PullAsk(...)); the decode side answers them inside
+recv(..., serve=PullServer).
+
 The names below load on first use (PEP 562), so that importing a light module of the package
 (kvtransfer.options) does not import torch.
 """
@@ -22,6 +26,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kvtransfer.announcement import PullAsk
     from kvtransfer.backends import resolve_backend
     from kvtransfer.descriptor import DTYPES, TransferDescriptor, dtype_name
     from kvtransfer.errors import (
@@ -37,9 +42,12 @@ if TYPE_CHECKING:
     from kvtransfer.lease import Lease, LeaseError, LeaseTable
     from kvtransfer.packing import Staging, check_cache, pack, plan_messages, unpack, wire_order
     from kvtransfer.pair import PeerGroup
-    from kvtransfer.transfer import KVTransfer, TransferStats
+    from kvtransfer.pull import PullServer
+    from kvtransfer.transfer import KVTransfer
+    from kvtransfer.transfer_stats import TransferStats
 
 _MODULE_OF = {
+    "PullAsk": "kvtransfer.announcement",
     "resolve_backend": "kvtransfer.backends",
     "DTYPES": "kvtransfer.descriptor",
     "TransferDescriptor": "kvtransfer.descriptor",
@@ -62,8 +70,9 @@ _MODULE_OF = {
     "unpack": "kvtransfer.packing",
     "wire_order": "kvtransfer.packing",
     "PeerGroup": "kvtransfer.pair",
+    "PullServer": "kvtransfer.pull",
     "KVTransfer": "kvtransfer.transfer",
-    "TransferStats": "kvtransfer.transfer",
+    "TransferStats": "kvtransfer.transfer_stats",
 }
 __all__ = [
     "DTYPES",
@@ -76,6 +85,8 @@ __all__ = [
     "LeaseTable",
     "PeerGroup",
     "PeerLost",
+    "PullAsk",
+    "PullServer",
     "Staging",
     "TransferDescriptor",
     "TransferError",

@@ -38,7 +38,7 @@ class TransferEndpoint:
         self.worker_id = worker_id
         self.options = TransferOptions(**(transfer or {}))
         self.engine = LLMEngine(**(engine_options or {}))
-        self.loop = EngineLoop(self.engine).start()
+        self.loop = EngineLoop(self.engine)  # started below, once its step hook is in place
         self.registry = GroupRegistry(
             self.engine.runner.device,
             self.options.backend,
@@ -56,7 +56,10 @@ class TransferEndpoint:
         self._notifier = ThreadPoolExecutor(
             NOTIFY_THREADS, thread_name_prefix=f"notify-{worker_id}"
         )
+        # Before the loop starts: its first idle tick carries the KV events of start-up (a
+        # disk tier's re-indexed blocks), which must reach self._events.
         self.loop.add_step_hook(self._after_step)
+        self.loop.start()
 
     def info(self) -> WorkerInfo:
         """Identity and cache geometry; constant while the worker runs."""
@@ -84,8 +87,24 @@ class TransferEndpoint:
             num_blocks=eng.pool.num_blocks,
             cache_queries=eng.pool.stats.queries,
             cache_hits=eng.pool.stats.hits,
+            **self._tier_stats(),
             **self._role_stats(),
         )
+
+    def _tier_stats(self) -> dict:
+        """The KV tier's WorkerStats fields (none without a tier)."""
+        if self.engine.kv_tier is None:
+            return {}
+        t = self.engine.kv_tier.stats()
+        return {
+            "tier_medium": t.medium,
+            "tier_capacity_bytes": t.capacity_bytes,
+            "tier_usage_bytes": t.usage_bytes,
+            "tier_blocks": t.num_blocks,
+            "tier_queries": t.queries,
+            "tier_hits": t.hits,
+            "tier_blocks_read": t.blocks_read,
+        }
 
     def kv_events(self) -> list[KVEvent]:
         """Take the stored/removed block-hash events since the last call, oldest first."""
@@ -103,11 +122,19 @@ class TransferEndpoint:
         self.loop.run(self.engine.check_integrity)
 
     def shutdown(self) -> None:
+        """Leave the peers, stop the engine loop and close the engine (a disk KV tier first
+        receives the blocks the KV cache holds, then its directory is unlocked)."""
         for peer_id in list(self._peers):
             self._disconnect(peer_id)
-        self.loop.stop()
+        stopped = self.loop.stop()
         self.registry.close()
         self._notifier.shutdown(wait=False, cancel_futures=True)
+        if stopped:
+            self.engine.close()
+        else:  # a step still runs: the process exit releases the tier
+            logger.warning(
+                "worker %s: the engine loop did not stop; engine not closed", self.worker_id
+            )
 
     def _role_stats(self) -> dict:
         """The role's own WorkerStats fields."""

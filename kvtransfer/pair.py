@@ -31,7 +31,8 @@ from kvtransfer.errors import PeerLost, TransferTimeout
 logger = logging.getLogger(__name__)
 
 EPOCH_KEY = "epoch"
-ANNOUNCE_KEY = "announce"  # queue of announced transfers, host -> joiner
+ANNOUNCE_KEY = "announce"  # queue of announced transfers and pull asks, host -> joiner
+ANSWER_KEY = "answer"  # queue of answers to pull asks, joiner -> host
 HOST_RANK, JOIN_RANK = 0, 1  # host = prefill side (owns the store), join = decode side
 
 
@@ -202,14 +203,23 @@ class PeerGroup:
             self._abort()  # the peer failed and moved on; our group is dead on its side
         return epoch
 
+    @property
+    def _outbox(self) -> str:
+        """The queue this side pushes frames to (the peer pops them)."""
+        return ANNOUNCE_KEY if self.is_host else ANSWER_KEY
+
+    @property
+    def _inbox(self) -> str:
+        return ANSWER_KEY if self.is_host else ANNOUNCE_KEY
+
     def announce(self, frame: bytes) -> None:
-        """Queue an announcement frame for the peer."""
-        self._bounded(
-            "announcing a transfer", lambda: self.live_store().queue_push(ANNOUNCE_KEY, frame)
-        )
+        """Queue a frame for the peer (host: a transfer or a pull ask; joiner: an answer)."""
+        outbox = self._outbox
+        self._bounded("announcing a transfer", lambda: self.live_store().queue_push(outbox, frame))
 
     def next_announcement(self, wait: float) -> bytes | None:
-        """Pop the oldest announcement frame, waiting up to `wait` seconds; None if none came."""
+        """Pop the peer's oldest frame, waiting up to `wait` seconds; None if none came."""
+        inbox = self._inbox
         wait = max(wait, 0.001)
 
         def pop() -> bytes | None:
@@ -217,7 +227,7 @@ class PeerGroup:
             # client's timeout is per store object and only this session uses it.
             self.live_store().set_timeout(timedelta(seconds=wait))
             try:
-                return self.live_store().queue_pop(ANNOUNCE_KEY, block=True)
+                return self.live_store().queue_pop(inbox, block=True)
             except dist.DistNetworkError:
                 raise  # the host is gone
             except dist.DistStoreError:
@@ -228,10 +238,9 @@ class PeerGroup:
         return self._bounded("waiting for an announcement", pop, timeout=wait + self.timeout)
 
     def num_announcements(self) -> int:
-        """Announcements queued and not yet popped."""
-        return self._bounded(
-            "counting announcements", lambda: self.live_store().queue_len(ANNOUNCE_KEY)
-        )
+        """The peer's frames queued for this side and not yet popped."""
+        inbox = self._inbox
+        return self._bounded("counting announcements", lambda: self.live_store().queue_len(inbox))
 
     def connect(self, epoch: int) -> Any:
         """The backend group for `epoch`, built now if needed (blocks until the peer joins)."""

@@ -13,18 +13,21 @@ Protocol for one transfer (sender = host side, rank 0; receiver = joined side, r
 Any failure after (1) tears the group down and advances the pair's epoch (kvtransfer.pair).
 Deadlines: `timeout` bounds each blocking step (kvtransfer.wire), so a dead or hung peer fails
 a transfer within about `timeout` of its last progress.
+
+Pulls (kvtransfer.pull) run the other way over the same pair: the host asks (pull()), the
+joined side answers while it waits for transfers (recv(serve=...)).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from kvtransfer import packed_payload, run_payload
-from kvtransfer.announcement import MODE_PACKED, MODE_RUNS, Announcement
+from kvtransfer.announcement import MODE_PACKED, MODE_RUNS, Announcement, PullAsk, decode_frame
 from kvtransfer.descriptor import TransferDescriptor
 from kvtransfer.errors import (
     DescriptorError,
@@ -36,33 +39,12 @@ from kvtransfer.errors import (
 from kvtransfer.group import GroupRegistry
 from kvtransfer.packing import DEFAULT_MESSAGE_BYTES, check_cache, layers_per_message
 from kvtransfer.pair import PeerGroup
+from kvtransfer.pull import PullServer, answer_pull, ask_pull
 from kvtransfer.run_payload import MAX_RUNS, MIN_RUN_BYTES
+from kvtransfer.transfer_stats import TransferStats, stats_of
 from kvtransfer.wire import Channel, blocking
 
 ANNOUNCE_SLICE_S = 0.25  # longest single blocking wait for an announcement
-
-
-@dataclass(frozen=True, slots=True)
-class TransferStats:
-    """What one transfer moved and how long it took (measured on the side that reports it)."""
-
-    request_id: str
-    num_blocks: int
-    num_layers: int
-    num_messages: int
-    payload_bytes: int  # KV bytes through the backend group
-    control_bytes: int  # announcement frame through the pair store
-    seconds: float
-
-    @property
-    def wire_bytes(self) -> int:
-        """All bytes the transfer put on the wire."""
-        return self.payload_bytes + self.control_bytes
-
-    @property
-    def gb_per_s(self) -> float:
-        """Effective payload throughput in GB/s (1e9 bytes)."""
-        return self.payload_bytes / max(self.seconds, 1e-9) / 1e9
 
 
 class KVTransfer:
@@ -113,36 +95,65 @@ class KVTransfer:
             )
         check_cache(kv_cache, desc, desc.src_block_ids, "sender")
         timeout = self.registry.timeout if timeout is None else timeout
-        lpm = layers_per_message(desc, self.message_bytes)
-        mode = self.payload_mode(kv_cache, desc)
         with group.session(timeout):
             start = time.perf_counter()
             with blocking(group, "reading the pair epoch", timeout, store=True):
                 epoch = group.sync_epoch()
-            frame = Announcement(epoch, lpm, desc, mode).encode()
             try:
-                with blocking(group, "announcing the transfer", timeout, store=True):
-                    group.announce(frame)
-                with blocking(group, "building the group", timeout, store=False):
-                    pg = group.connect(epoch)
-                ch = Channel(pg, group, timeout, self.pipeline)
-                if mode == MODE_RUNS:
-                    num_messages, payload = run_payload.send(ch, kv_cache, desc)
-                else:
-                    num_messages, payload = packed_payload.send(ch, kv_cache, desc, lpm)
+                frame = self.announce(group, kv_cache, desc, epoch, timeout)
+                num_messages, payload = self.send_payload(group, kv_cache, frame, timeout)
             except BaseException:
                 group.fail(epoch)
                 raise
             seconds = time.perf_counter() - start
-        return TransferStats(
-            desc.request_id,
-            desc.num_blocks,
-            desc.num_layers,
-            num_messages,
-            payload,
-            len(frame),
-            seconds,
-        )
+        return stats_of(desc, num_messages, payload, frame.nbytes, seconds)
+
+    def announce(
+        self,
+        group: PeerGroup,
+        kv_cache: Sequence[torch.Tensor],
+        desc: TransferDescriptor,
+        epoch: int,
+        timeout: float,
+    ) -> Announcement:
+        """Queue desc's announcement for the peer (its payload follows); the frame sent.
+        (This and the two payload methods are the steps kvtransfer.pull reuses.)"""
+        lpm = layers_per_message(desc, self.message_bytes)
+        frame = Announcement(epoch, lpm, desc, self.payload_mode(kv_cache, desc))
+        raw = frame.encode()
+        with blocking(group, "announcing the transfer", timeout, store=True):
+            group.announce(raw)
+        return dataclasses.replace(frame, nbytes=len(raw))
+
+    def send_payload(
+        self,
+        group: PeerGroup,
+        kv_cache: Sequence[torch.Tensor],
+        frame: Announcement,
+        timeout: float,
+    ) -> tuple[int, int]:
+        """Send an announced frame's payload over the group of its epoch."""
+        with blocking(group, "building the group", timeout, store=False):
+            pg = group.connect(frame.epoch)
+        ch = Channel(pg, group, timeout, self.pipeline)
+        if frame.mode == MODE_RUNS:
+            return run_payload.send(ch, kv_cache, frame.descriptor)
+        return packed_payload.send(ch, kv_cache, frame.descriptor, frame.layers_per_message)
+
+    def recv_payload(
+        self,
+        group: PeerGroup,
+        kv_cache: Sequence[torch.Tensor],
+        frame: Announcement,
+        timeout: float,
+        drain: bool,
+    ) -> tuple[int, int]:
+        """Receive an announced frame's payload into its dst blocks (`drain`: drop it)."""
+        with blocking(group, "building the group", timeout, store=False):
+            pg = group.connect(frame.epoch)
+        ch = Channel(pg, group, timeout, self.pipeline)
+        recv_payload = run_payload.recv if frame.mode == MODE_RUNS else packed_payload.recv
+        return recv_payload(ch, kv_cache, frame, drain=drain)
 
     def payload_mode(self, kv_cache: Sequence[torch.Tensor], desc: TransferDescriptor) -> str:
         """The mode send() uses for desc from kv_cache: MODE_RUNS if desc's blocks form
@@ -168,6 +179,7 @@ class KVTransfer:
         wait: float,
         timeout: float | None = None,
         accept: Callable[[TransferDescriptor], bool] | None = None,
+        serve: PullServer | None = None,
     ) -> tuple[TransferDescriptor, TransferStats]:
         """Receive the next transfer from `peer_id` into its dst_block_ids of `kv_cache`.
 
@@ -175,6 +187,8 @@ class KVTransfer:
         stays intact). `accept(desc)` may refuse a transfer (e.g. its request was aborted):
         its payload is then drained and TransferRejected raised, the cache untouched. On any
         other TransferError the dst blocks may hold part of the payload: do not use them.
+        Pull asks that arrive meanwhile are answered from `kv_cache` by `serve` (without one
+        they go unanswered and the asker times out); a failed answer raises its TransferError.
         """
         group = self.registry.get(peer_id)
         if group.is_host:
@@ -187,15 +201,17 @@ class KVTransfer:
             start = time.perf_counter()
             with blocking(group, "reading the pair epoch", timeout, store=True):
                 group.publish_failure()
-            frame, mode = self._next_frame(group, start + wait, timeout)
+            frame = self._next_frame(group, start + wait, timeout)
+            while isinstance(frame, PullAsk):
+                if serve is not None:
+                    answer_pull(self, group, kv_cache, frame, serve, timeout)
+                frame = self._next_frame(group, start + wait, timeout)
             desc = frame.descriptor
             try:
                 refusal = _refusal(kv_cache, desc, accept)
-                with blocking(group, "building the group", timeout, store=False):
-                    pg = group.connect(frame.epoch)
-                ch = Channel(pg, group, timeout, self.pipeline)
-                recv_payload = run_payload.recv if mode == MODE_RUNS else packed_payload.recv
-                num_messages, payload = recv_payload(ch, kv_cache, frame, drain=refusal is not None)
+                num_messages, payload = self.recv_payload(
+                    group, kv_cache, frame, timeout, drain=refusal is not None
+                )
             except BaseException:
                 group.fail(frame.epoch)
                 raise
@@ -205,20 +221,34 @@ class KVTransfer:
                 f"request {desc.request_id} from peer {peer_id!r} refused "
                 f"({refusal}); its payload was drained"
             )
-        return desc, TransferStats(
-            desc.request_id,
-            desc.num_blocks,
-            desc.num_layers,
-            num_messages,
-            payload,
-            frame.nbytes,
-            seconds,
-        )
+        return desc, stats_of(desc, num_messages, payload, frame.nbytes, seconds)
+
+    # ---- pulls (kvtransfer.pull) ----------------------------------------------------------
+    def pull(
+        self,
+        peer_id: str,
+        kv_cache: Sequence[torch.Tensor],
+        ask: PullAsk,
+        *,
+        timeout: float | None = None,
+    ) -> tuple[TransferDescriptor, TransferStats]:
+        """Ask the joined peer for the blocks of `ask` and receive those it holds into the
+        leading ask.dst_block_ids of `kv_cache`. Returns the answer's descriptor (missing:
+        the block indices that arrived, from ask.start on; possibly none) once they are in
+        place. Raises TransferError (TransferTimeout: no answer within `timeout`); then the
+        destination blocks may hold part of the payload: do not use them."""
+        group = self.registry.get(peer_id)
+        if not group.is_host:
+            raise TransferError(
+                f"peer {peer_id!r} hosts the pair: only the host side (prefill, rank 0) pulls"
+            )
+        timeout = self.registry.timeout if timeout is None else timeout
+        return ask_pull(self, group, kv_cache, ask, timeout)
 
     def _next_frame(
         self, group: PeerGroup, deadline: float, timeout: float
-    ) -> tuple[Announcement, str]:
-        """Pop announcements until one of the current epoch arrives or the deadline passes."""
+    ) -> Announcement | PullAsk:
+        """Pop frames until one of the current epoch arrives or the deadline passes."""
         while True:
             if group.closed:
                 raise PeerLost(f"peer {group.peer_id!r} was removed while waiting")
@@ -234,8 +264,7 @@ class KVTransfer:
                 if raw is None:
                     continue
                 try:
-                    frame = Announcement.decode(raw)
-                    mode = frame.mode
+                    frame = decode_frame(raw)
                 except DescriptorError as e:
                     group.fail(None)  # its payload cannot be sized: the stream is lost
                     raise TransferError(
@@ -247,7 +276,7 @@ class KVTransfer:
                 # failure and its sender has given up on it; building a group for it would
                 # wait for a peer that never comes.
                 if frame.epoch == group.pg_epoch or frame.epoch >= group.epoch():
-                    return frame, mode
+                    return frame
 
 
 def _refusal(

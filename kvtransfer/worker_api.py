@@ -18,6 +18,7 @@ import enum
 import functools
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import msgpack
@@ -32,6 +33,7 @@ from engine.errors import (
     NoFreeBlocksError,
     PromptTooLongError,
 )
+from engine.retention import Retention
 from kvtransfer.errors import (
     AddressError,
     DescriptorError,
@@ -50,6 +52,7 @@ __all__ = [
     "PrefillAPI",
     "PrefillResult",
     "PromptRequest",
+    "PullResult",
     "Reservation",
     "Role",
     "TokenOutput",
@@ -73,26 +76,39 @@ class Role(enum.StrEnum):
 @dataclasses.dataclass(frozen=True, slots=True)
 class PromptRequest:
     """One request as the workers see it. For a disaggregated request the router fixes
-    params["seed"], so that prefill and decode draw the same random stream."""
+    params["seed"], so that prefill and decode draw the same random stream.
+
+    session_id / retention_seconds: the request belongs to a conversation that comes back;
+    once it finished, the blocks of its prompt and output are evicted last on every worker
+    that held them, for retention_seconds (engine/retention.py; bounded by the engine option
+    max_retention_seconds, else InvalidRequestError naming both)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: dict[str, Any]  # SamplingParams keyword arguments (msgpack-able values)
     cache_salt: str | None = None
+    session_id: str | None = None
+    retention_seconds: float | None = None
 
     @property
     def seed(self) -> int | None:
         return self.params.get("seed")
 
+    def retention(self) -> Retention | None:
+        """The engine's retention of this request (InvalidRequestError on bad fields)."""
+        return Retention.of(self.session_id, self.retention_seconds)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reservation:
     """Blocks a decode worker reserved for a prompt: it holds the first num_hit_blocks
-    already; the prefill worker fills dst_block_ids with the rest, in prompt order."""
+    already (its KV cache's, then its KV tier's: loading while the prefill runs); the
+    prefill worker fills dst_block_ids with the rest, in prompt order."""
 
     num_hit_blocks: int
     dst_block_ids: tuple[int, ...]
     num_blocks: int  # the whole prompt's
+    num_tier_blocks: int = 0  # of num_hit_blocks, those loading from the KV tier
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,6 +124,24 @@ class PrefillResult:
     @property
     def prefilled(self) -> bool:
         return self.finish_reason == "prefilled"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PullResult:
+    """What a pull left in a prefill worker's KV cache: of the token run's num_blocks full
+    blocks it held num_present already (leading ones), and num_pulled more (those after
+    them) arrived from the decode worker and are cached now; a prefill computes the rest."""
+
+    num_blocks: int
+    num_present: int
+    num_pulled: int
+    payload_bytes: int = 0
+    seconds: float = 0.0  # the exchange with the decode worker (ask -> blocks in place)
+
+    @property
+    def num_cached(self) -> int:
+        """Leading blocks of the run in the prefill worker's KV cache now."""
+        return self.num_present + self.num_pulled
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -182,11 +216,26 @@ class WorkerStats:
     num_waiting_for_kv: int = 0  # decode: reservations whose KV has not arrived
     bytes_received: int = 0
     blocks_received: int = 0
+    blocks_pulled: int = 0  # prefill: blocks pulled from decode workers (PrefillAPI.pull_blocks)
+    blocks_served: int = 0  # decode: blocks sent to prefill workers' pulls
+    # The KV tier below the KV cache (engine/kv_tier); tier_medium "" without one.
+    tier_medium: str = ""
+    tier_capacity_bytes: int = 0
+    tier_usage_bytes: int = 0
+    tier_blocks: int = 0  # blocks the tier holds
+    tier_queries: int = 0  # blocks looked up in the tier past the KV cache's hits
+    tier_hits: int = 0
+    tier_blocks_read: int = 0  # blocks loaded back into the KV cache
 
     @property
     def hit_rate(self) -> float:
         """Prefix-cache hits / lookups (0.0 before the first lookup)."""
         return self.cache_hits / self.cache_queries if self.cache_queries else 0.0
+
+    @property
+    def tier_hit_rate(self) -> float:
+        """KV tier hits / lookups (0.0 before the first lookup or without a tier)."""
+        return self.tier_hits / self.tier_queries if self.tier_queries else 0.0
 
     @property
     def num_in_flight(self) -> int:
@@ -195,8 +244,13 @@ class WorkerStats:
         return self.num_requests + self.num_held + self.num_waiting_for_kv
 
     def summary(self) -> dict:
-        """Every field as a plain value, plus cache_hit_rate (for status output)."""
-        return {**to_wire(self), "cache_hit_rate": self.hit_rate}
+        """Every field as a plain value, plus cache_hit_rate and tier_hit_rate (for status
+        output)."""
+        return {
+            **to_wire(self),
+            "cache_hit_rate": self.hit_rate,
+            "tier_hit_rate": self.tier_hit_rate,
+        }
 
 
 # ---- the interfaces ------------------------------------------------------------------------
@@ -242,6 +296,21 @@ class PrefillAPI(WorkerAPI, Protocol):
 
     def ack(self, request_id: str) -> bool:
         """The decode side has the KV: release the held blocks (they stay cached)."""
+
+    def pull_blocks(
+        self,
+        decode_id: str,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        timeout: float = 30.0,
+    ) -> PullResult:
+        """Obtain from paired decode worker decode_id the KV of the full blocks of token_ids
+        (a prompt and its output: the next turn's prefix) that this worker's KV cache lacks,
+        from its first miss on, and cache it: the next prefill of a prompt starting with
+        these tokens computes only the rest. The decode worker sends the leading blocks it
+        holds from there (re-checked against the tokens). Raises UnknownPeer (not paired),
+        InvalidRequestError (bad token ids) or a TransferError (lost peer, timeout: nothing
+        was cached and every block it took is free again; prefill as without it)."""
 
 
 class DecodeAPI(WorkerAPI, Protocol):

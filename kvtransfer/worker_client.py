@@ -8,6 +8,7 @@ so callers never name a method by string. An in-process worker needs no client.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from kvtransfer.control import RpcClient
@@ -17,6 +18,7 @@ from kvtransfer.worker_api import (
     PrefillAPI,
     PrefillResult,
     PromptRequest,
+    PullResult,
     Reservation,
     Role,
     TokenOutput,
@@ -86,6 +88,22 @@ class PrefillClient(_Client):
 
     def ack(self, request_id: str) -> bool:
         return self.transport.call("ack", request_id)
+
+    def pull_blocks(
+        self,
+        decode_id: str,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        timeout: float = 30.0,
+    ) -> PullResult:
+        return self.transport.call(
+            "pull_blocks",
+            decode_id,
+            list(token_ids),
+            cache_salt,
+            timeout,
+            timeout=timeout + CALL_MARGIN_S,
+        )
 
 
 class DecodeClient(_Client):

@@ -3,8 +3,10 @@
 It runs chunked prefill (with prefix caching) for many requests at once, samples each
 request's first token, sends the KV blocks the decode worker lacks over the pair's process
 group, and keeps the blocks as prefix cache once the decode side acknowledges (or the lease
-runs out). Its public methods are kvtransfer.worker_api.PrefillAPI, called in process, over
-kvtransfer.control RPC or as Ray actor methods.
+runs out). It also pulls cached blocks back from a decode worker (pull_blocks: the next turn
+of a conversation starts with what that worker decoded), on the same pair and the same
+sender thread as the transfers to it. Its public methods are kvtransfer.worker_api.PrefillAPI,
+called in process, over kvtransfer.control RPC or as Ray actor methods.
 """
 
 from __future__ import annotations
@@ -15,15 +17,26 @@ import queue
 import random
 import threading
 import time
-from dataclasses import dataclass
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine import SamplingParams
 from engine.block_hash import hash_prompt_blocks
 from engine.config import use_device
-from kvtransfer import TransferDescriptor, UnknownPeer, dtype_name
+from kvtransfer import (
+    PullAsk,
+    TransferDescriptor,
+    TransferError,
+    TransferTimeout,
+    UnknownPeer,
+    dtype_name,
+)
 from kvtransfer.endpoint import TransferEndpoint
-from kvtransfer.worker_api import PrefillResult, PromptRequest, Reservation, Role
+from kvtransfer.worker_api import PrefillResult, PromptRequest, PullResult, Reservation, Role
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +51,20 @@ class _SendJob:
     sampling: dict  # seed, params and what the prefill produced (first_tokens, logprobs...)
     num_prompt_tokens: int
     block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _PullJob:
+    decode_id: str
+    ask: PullAsk
+    result: Future = field(default_factory=Future)  # PullResult, or the error
+    # Whoever takes this first (the sender thread running it, or the caller giving up on it
+    # before that) owns freeing its blocks: exactly one of them does.
+    _owner: threading.Lock = field(default_factory=threading.Lock)
+
+    def claim(self) -> bool:
+        """True for the first caller only."""
+        return self._owner.acquire(blocking=False)
 
 
 def prefill_handoff(outs: list) -> dict:
@@ -65,10 +92,11 @@ class PrefillWorker(TransferEndpoint):
         self, worker_id: str, engine_options: dict | None = None, transfer: dict | None = None
     ) -> None:
         super().__init__(worker_id, engine_options, transfer)
-        self._senders: dict[str, queue.Queue[_SendJob | None]] = {}
+        self._senders: dict[str, queue.Queue[_SendJob | _PullJob | None]] = {}
         self._addresses: dict[str, dict] = {}
         self.bytes_sent = 0
         self.blocks_sent = 0
+        self.blocks_pulled = 0
         # Requests being prefilled for a decode worker (id -> decode worker id): a third of a
         # lease at a time, that worker is told their KV is still coming, so a prompt queued
         # behind long ones, or long itself, is not taken for lost (only a dead or frozen
@@ -88,7 +116,7 @@ class PrefillWorker(TransferEndpoint):
             self._attach_peer(decode_id, peer)
             if decode_id not in self.registry:
                 address = self.registry.host(decode_id)
-                q: queue.Queue[_SendJob | None] = queue.Queue()
+                q: queue.Queue[_SendJob | _PullJob | None] = queue.Queue()
                 self._senders[decode_id] = q
                 threading.Thread(
                     target=self._send_loop,
@@ -125,6 +153,7 @@ class PrefillWorker(TransferEndpoint):
         ack() or the lease ends.
         """
         rid, prompt, params = request.request_id, list(request.prompt_token_ids), request.params
+        retention = request.retention()
         if decode_id is not None:
             self._sender(decode_id)  # not paired (yet): fail before any prefill work
         seed = request.seed if request.seed is not None else random.getrandbits(63)
@@ -138,6 +167,7 @@ class PrefillWorker(TransferEndpoint):
                 cache_salt=request.cache_salt,
                 seed=seed,
                 prefill_only=True,
+                retention=retention,
             )
             outs = [stream.get(timeout=timeout)]  # one per choice, the last finished
             while not outs[-1].finished:
@@ -198,6 +228,41 @@ class PrefillWorker(TransferEndpoint):
             self.transfer_metrics.handed_over(acked - since)
         return released
 
+    def pull_blocks(
+        self,
+        decode_id: str,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        timeout: float = 30.0,
+    ) -> PullResult:
+        """Obtain from paired decode worker decode_id the KV of the full blocks of token_ids
+        this KV cache lacks (from its first miss on) and cache it (PrefillAPI.pull_blocks).
+
+        The pull waits its turn behind the transfers queued to that worker, then each of its
+        waits is bounded by the transfer timeout; `timeout` bounds the whole call (past it
+        TransferTimeout, and the pull is dropped or, if under way, ends by itself).
+        """
+        sender = self._sender(decode_id)
+        pull_id = f"pull-{uuid.uuid4().hex}"
+        tokens = [int(t) for t in token_ids]
+        plan = self.loop.run(self.engine.import_blocks, pull_id, tokens, cache_salt)
+        if not plan.dst_block_ids:  # all cached here already, or no block free
+            return PullResult(plan.num_blocks, plan.start, 0)
+        run = tokens[: plan.num_blocks * self.engine.config.block_size]
+        ask = PullAsk(
+            pull_id, plan.block_hashes, tuple(run), cache_salt, plan.start, plan.dst_block_ids
+        )
+        job = _PullJob(decode_id, ask)
+        sender.put(job)
+        try:
+            return job.result.result(timeout=timeout)
+        except FutureTimeout:
+            if job.claim():  # never started (queued, or left behind an unpairing): free it
+                self.loop.run(self.engine.release_exchange, pull_id)
+            raise TransferTimeout(
+                f"pull from decode worker {decode_id!r} did not finish within {timeout}s"
+            ) from None
+
     def abort(self, request_id: str, propagate: bool = True) -> bool:
         """Abort a prefill in progress or release a request's held blocks; with propagate,
         the decode worker it was bound for is told too."""
@@ -216,6 +281,7 @@ class PrefillWorker(TransferEndpoint):
             "num_held": len(self.engine.held_requests()),
             "bytes_sent": self.bytes_sent,
             "blocks_sent": self.blocks_sent,
+            "blocks_pulled": self.blocks_pulled,
         }
 
     def shutdown(self) -> None:
@@ -243,14 +309,58 @@ class PrefillWorker(TransferEndpoint):
         return q
 
     def _send_loop(self, decode_id: str, jobs: queue.Queue) -> None:
-        """Sends to one decode worker in order (the pair's messages are ordered)."""
+        """Sends to (and pulls from) one decode worker in order (the pair's messages are
+        ordered); once unpaired, pulls still queued fail and free their blocks."""
         use_device(self.engine.runner.device)
         while (job := jobs.get()) is not None:
+            if isinstance(job, _PullJob):
+                self._pull(job)
+                continue
             try:
                 self._send(job)
             except Exception as exc:  # noqa: BLE001 - the transfer failed; free its blocks
                 logger.warning("transfer of %s to %s failed: %s", job.request_id, decode_id, exc)
                 self.abort(job.request_id, propagate=False)  # the receiver fails it itself
+        while True:
+            try:
+                job = jobs.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(job, _PullJob) and job.claim():
+                self._end_pull(job, UnknownPeer(f"decode worker {decode_id!r} was unpaired"))
+
+    def _pull(self, job: _PullJob) -> None:
+        """Run one pull; its blocks are cached (it worked) or free again (it failed)."""
+        if not job.claim():
+            return  # the caller gave up before its turn and freed its blocks
+        try:
+            desc, stats = self.transfer.pull(job.decode_id, self.engine.kv_caches, job.ask)
+            self.loop.run(
+                self.engine.finish_import, job.ask.pull_id, job.ask.start, desc.num_blocks
+            )
+        except Exception as exc:  # noqa: BLE001 - a failed pull: free its blocks, recompute
+            logger.warning("pull %s from %s failed: %s", job.ask.pull_id, job.decode_id, exc)
+            self.transfer_metrics.pulls.failures.inc()
+            self._end_pull(job, exc)
+            return
+        self.blocks_pulled += desc.num_blocks
+        self.transfer_metrics.pulls.done(desc.num_blocks, stats.payload_bytes, stats.seconds)
+        num_blocks = len(job.ask.block_hashes)
+        job.result.set_result(
+            PullResult(
+                num_blocks, job.ask.start, desc.num_blocks, stats.payload_bytes, stats.seconds
+            )
+        )
+
+    def _end_pull(self, job: _PullJob, error: Exception) -> None:
+        """Free a pull's blocks uncached and hand the caller its error (a TransferError)."""
+        try:
+            self.loop.run(self.engine.release_exchange, job.ask.pull_id)
+        except Exception as exc:  # noqa: BLE001 - the loop stopped: its blocks go with it
+            logger.warning("pull %s: releasing its blocks failed: %s", job.ask.pull_id, exc)
+        if not isinstance(error, TransferError):
+            error = TransferError(f"pull from decode worker {job.decode_id!r} failed: {error}")
+        job.result.set_exception(error)
 
     def _send(self, job: _SendJob) -> None:
         try:  # not through the loop: that would wait for the prefill step in flight

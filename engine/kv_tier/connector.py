@@ -6,6 +6,9 @@
               waits (WAITING_FOR_TIER_KV) while other requests keep stepping;
               finished(): loads that are done, with how many leading blocks arrived
               (the scheduler then caches those blocks and advances num_computed_tokens)
+  decode side start_remote(): the same load for a request whose other blocks arrive from a
+              prefill engine (it waits for those, WAITING_FOR_REMOTE_KV); not reported by
+              finished(): take_remote() waits for it when the remote KV has arrived
 The block pool stays the owner of block ids: the connector only names destination ids that
 the request's table already holds.
 """
@@ -40,6 +43,7 @@ class TierConnector:
         self.tier = tier
         self.kv_caches = kv_caches  # per layer [2, num_blocks, BS, KVH, D]
         self._loads: dict[str, tuple[Request, TierLoad]] = {}  # in start order
+        self._remote: dict[str, TierLoad] = {}  # loads of requests waiting for remote KV
 
     def on_evict(self, block: KVBlock) -> bool:
         """BlockPool hook, called before a cached block is reused: copy its KV to the tier
@@ -74,12 +78,35 @@ class TierConnector:
 
     def start(self, kv: KVCacheManager, req: Request, num_device: int, n: int) -> None:
         """Load req's blocks [num_device, num_device + n) from the tier into its table's."""
+        self._loads[req.request_id] = (req, self._load(kv, req, num_device, n))
+
+    def start_remote(self, kv: KVCacheManager, req: Request, num_device: int, n: int) -> None:
+        """start() for a request waiting for remote KV: its load is collected by take_remote()
+        (or stopped by cancel()), never by finished()."""
+        self._remote[req.request_id] = self._load(kv, req, num_device, n)
+
+    def take_remote(self, req: Request, wait: float) -> tuple[int, int] | None:
+        """(blocks loaded, blocks asked) of req's remote-side load once it is done, waiting up
+        to `wait` seconds for it and then stopping it (the blocks not yet loaded are computed
+        instead); None if req has no such load."""
+        load = self._remote.pop(req.request_id, None)
+        if load is None:
+            return None
+        if not load.wait(wait):
+            self.tier.cancel_load(load)
+        return load.num_loaded, load.num_blocks
+
+    def num_remote_blocks(self, request_id: str) -> int:
+        """Blocks a request waiting for remote KV is loading from the tier (0: none)."""
+        load = self._remote.get(request_id)
+        return 0 if load is None else load.num_blocks
+
+    def _load(self, kv: KVCacheManager, req: Request, num_device: int, n: int) -> TierLoad:
         ids = kv.block_ids(req.request_id)[num_device : num_device + n]
         hashes = req.block_hashes[num_device : num_device + n]
-        load = self.tier.load_async(
+        return self.tier.load_async(
             hashes, BlockDestination(self.kv_caches, ids), _Keys(kv, req, num_device, n)
         )
-        self._loads[req.request_id] = (req, load)
 
     def finished(self) -> list[tuple[Request, int]]:
         """Requests whose load is done (in start order), each with its leading blocks loaded."""
@@ -89,10 +116,11 @@ class TierConnector:
         return [(req, load.num_loaded) for _, req, load in done]
 
     def cancel(self, req: Request) -> None:
-        """Stop req's load; returns once its destination blocks may be freed."""
+        """Stop req's load (either kind); returns once its destination blocks may be freed."""
         entry = self._loads.pop(req.request_id, None)
-        if entry is not None:
-            self.tier.cancel_load(entry[1])
+        load = entry[1] if entry is not None else self._remote.pop(req.request_id, None)
+        if load is not None:
+            self.tier.cancel_load(load)
 
     @property
     def num_loading(self) -> int:

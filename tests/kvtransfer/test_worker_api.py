@@ -13,6 +13,7 @@ from kvtransfer.worker_api import (
     KVEvent,
     PrefillResult,
     PromptRequest,
+    PullResult,
     Reservation,
     Role,
     TokenOutput,
@@ -26,7 +27,10 @@ from kvtransfer.worker_client import DecodeClient, as_worker
 EXAMPLES = [
     PromptRequest("r1", (1, 2, 3), {"max_tokens": 4, "seed": 7, "stop": ["x"]}, "salt"),
     PromptRequest("r2", (), {}),
+    PromptRequest("r3", (1,), {}, None, "chat-7", 120.0),
     Reservation(num_hit_blocks=2, dst_block_ids=(9, 4), num_blocks=4),
+    Reservation(num_hit_blocks=3, dst_block_ids=(5,), num_blocks=4, num_tier_blocks=2),
+    PullResult(7, 5, 2, 4096, 0.25),
     PrefillResult("prefilled", 11, 7, 8),
     PrefillResult("error", None, 7, 0, "boom"),
     TokenOutput("r1", (5, 6), "hi", False, None, 8),
@@ -34,6 +38,7 @@ EXAMPLES = [
     TokenOutput("r1", (2,), "", True, "stop", 0, None, 2),
     WorkerInfo("d0", Role.DECODE, 16, "s", 512, 2048, "/m", "gloo"),
     WorkerStats("p0", Role.PREFILL, 1, 0.25, 30, 40, 10, 4, num_held=2, bytes_sent=2**40),
+    WorkerStats("d0", Role.DECODE, tier_medium="disk", tier_usage_bytes=2**33, tier_hits=3),
     KVEvent("stored", (2**64 - 1, 3), 17),
     KVEvent("removed", (5,)),
 ]
