@@ -2,9 +2,12 @@
 
 /proc/<pid>/task/<tid>/stat holds a thread's CPU time in clock ticks (utime, field 14: user;
 stime, field 15: system) after its name in parentheses (field 2, comm: the OS name, which may
-itself hold spaces and parentheses, so it ends at the stat line's LAST ")"). A thread that
-exited is gone from task/; the process's own stat line still counts its time, so a process's
-"exited threads" line is its total less its live threads'.
+itself hold spaces and parentheses, so it ends at the stat line's LAST ")"). Ticks are
+10 ms: a thread's figure is cut down to a whole tick, so with dozens of threads their sum
+falls short of the process's by up to a tick each; a thread's time is therefore taken from
+its schedstat (the first field: nanoseconds on a CPU) where the kernel has one, and from its
+ticks otherwise. A thread that exited is gone from task/; the process's own stat line still
+counts its time, so a process's "exited threads" line is its total less its live threads'.
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ def parse_stat(line: str, ticks_per_s: int = TICKS_PER_S) -> tuple[str, float]:
     return line[open_at + 1 : close_at], (utime + stime) / ticks_per_s
 
 
+def parse_schedstat(text: str) -> float:
+    """A /proc schedstat line's time on a CPU (its first field, ns), in seconds."""
+    return int(text.split()[0]) / 1e9
+
+
 def read_process(pid: int, proc: Path = Path("/proc")) -> tuple[float, list[ThreadCPU]]:
     """(the process's CPU seconds, its live threads); ProcessLookupError once it is gone."""
     try:
@@ -47,7 +55,9 @@ def read_process(pid: int, proc: Path = Path("/proc")) -> tuple[float, list[Thre
         for task in sorted((proc / str(pid) / "task").iterdir(), key=lambda p: int(p.name)):
             try:
                 name, cpu = parse_stat((task / "stat").read_text())
-            except FileNotFoundError:  # exited between the listing and the read
+                if (task / "schedstat").is_file():
+                    cpu = parse_schedstat((task / "schedstat").read_text())
+            except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
                 continue
             threads.append(ThreadCPU(int(task.name), name, cpu))
     except FileNotFoundError as exc:
@@ -90,8 +100,8 @@ def cpu_over_run(
         live += spent
         groups.setdefault(group_name(names.get(t.tid, t.name)), []).append(spent)
     total = total_after - total_before
-    exited = round(total - live, 6)
-    if exited > 0:
+    exited = round(total - live, 6)  # the process total is whole ticks: below 1 is noise
+    if exited >= 1.0 / TICKS_PER_S:
         groups[EXITED] = [exited]
     rows = [ThreadGroupCPU(name, len(v), round(sum(v), 6)) for name, v in groups.items()]
     return round(total, 6), sorted(rows, key=lambda r: (-r.cpu_s, r.name))

@@ -1,6 +1,7 @@
 """The /proc thread reader: a stat line's name (spaces and parentheses included) and CPU
-ticks, threads grouped by name over a run (born, exited, renamed by Python's names), and the
-OS names cluster/thread_names.py gives Python threads, read back from this very process."""
+ticks, a schedstat line's nanoseconds, threads grouped by name over a run (born, exited,
+renamed by Python's names), and the OS names cluster/thread_names.py gives Python threads,
+read back from this very process."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from perf.serving.proc_threads import (
     ThreadGroupCPU,
     cpu_over_run,
     group_name,
+    parse_schedstat,
     parse_stat,
     read_process,
 )
@@ -27,6 +29,7 @@ LINE = "4242 (rpc (serve) 2) S 1 4242 4242 0 -1 4194560 120 0 0 0 250 75 0 0 20 
 
 def test_stat_line():
     assert parse_stat(LINE, ticks_per_s=100) == ("rpc (serve) 2", 3.25)
+    assert parse_schedstat("1250000000 881560 2\n") == 1.25
     with pytest.raises(ValueError, match="not a /proc stat line"):
         parse_stat("4242 rpc S 1")
     with pytest.raises(ValueError, match="fields"):
