@@ -85,3 +85,17 @@ def test_lap_timer_moves_part_times_between_phases():
     assert set(phases.seconds.values()) == {0.0}
     end = phases.lap("kv")
     assert phases.seconds["kv"] >= 0 and end > 0
+
+
+def test_grammar_masks_are_their_own_phase(tiny_llama_tok):
+    engine = LLMEngine(tiny_llama_tok, num_kv_blocks=64, block_size=4)
+    params = SamplingParams(max_tokens=6, temperature=0.0, structured_output={"regex": "a+"})
+    engine.add_request("r", [5, 6, 7, 8], params)
+    phases, walls, tokens = run_steps(engine)
+    assert len(tokens["r"]) >= 1
+    masked = [s["grammar"] > 0 for s in phases]
+    assert all(masked)  # every step of a constrained request fills its bitmask
+    for step, wall in zip(phases, walls, strict=True):
+        assert sum(step.values()) == pytest.approx(wall, rel=1e-9, abs=1e-9)
+    grammar = sample(engine, "engine_step_phase_seconds_sum", {"phase": "grammar"})
+    assert grammar == pytest.approx(sum(s["grammar"] for s in phases), rel=1e-9)
