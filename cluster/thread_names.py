@@ -27,17 +27,21 @@ def _setname():
 _SETNAME = _setname()
 
 
+FOREIGN = "ray-call"  # a thread Python did not start that ran Python code (see below)
+
+
 def name_os_threads() -> dict[int, str]:
     """Give every live Python thread of this process its name at the OS level (its first 15
     bytes) and return {native thread id: full name}. The main thread keeps its OS name (it is
-    the process's name) and so do threads that Python did not start (a _DummyThread: a
-    runtime's own, e.g. Ray's or gRPC's, which name theirs themselves)."""
+    the process's name), and so do threads that Python did not start but that ran Python code
+    (a "Dummy-N" to Python): in a Ray actor those are the threads Ray runs actor calls on (a
+    router's token polls of a worker among them), named FOREIGN in the returned map."""
     out = {}
     for thread in threading.enumerate():
         if thread.native_id is None or thread.ident is None:
             continue
-        out[thread.native_id] = thread.name
-        own = not isinstance(thread, threading._DummyThread)
-        if _SETNAME is not None and own and thread is not threading.main_thread():
+        foreign = isinstance(thread, threading._DummyThread)
+        out[thread.native_id] = FOREIGN if foreign else thread.name
+        if _SETNAME is not None and not foreign and thread is not threading.main_thread():
             _SETNAME(thread.ident, thread.name.encode()[:OS_NAME_BYTES])
     return out
