@@ -29,6 +29,7 @@ from pathlib import Path
 import yaml
 
 from perf.bench.driver import BenchConfig, bench
+from perf.bench.flags import workload_options
 from perf.bench.side_by_side import parse_streams
 from perf.bench.workloads import WORKLOADS, TokenSpace, make_workload
 from perf.serving.breakdown import breakdown_table, engine_breakdown, thread_breakdown, token_path
@@ -59,16 +60,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _pairs(items: list[str], what: str) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"bad {what} {item!r}: expected KEY=VALUE")
-        out[key] = value
-    return out
-
-
 def shape_manifest(base: dict, shape: str, args: argparse.Namespace):
     """The base manifest (a dict) in this shape: replicas, free ports, the flags' fields."""
     from deploy.manifest import parse_manifest
@@ -82,7 +73,7 @@ def shape_manifest(base: dict, shape: str, args: argparse.Namespace):
     if args.threads:
         for pool in ("prefill", "decode"):
             spec[pool]["threads"] = args.threads
-    for key, value in _pairs(args.engine_option, "--engine-option").items():
+    for key, value in workload_options(args.engine_option, "--engine-option").items():
         spec["engine"][key] = yaml.safe_load(value)
     return parse_manifest(data)
 
@@ -166,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--shapes takes {', '.join(SHAPES)}; got {args.shapes!r}")
         if args.requests_per_stream < 1:
             raise ValueError("--requests-per-stream must be >= 1")
-        workload = make_workload(args.workload, _pairs(args.option, "--option"))
+        workload = make_workload(args.workload, workload_options(args.option))
         base = load_manifest(args.manifest).model_dump(mode="json")
         manifests = {shape: shape_manifest(base, shape, args) for shape in shapes}
     except (ValueError, OSError) as exc:
