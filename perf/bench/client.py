@@ -90,12 +90,18 @@ class GrpcClient:
         await self.channel.close()
 
 
+RETRIES = 1  # sends again of a request whose connection closed before any reply (see below)
+
+
 class HttpClient:
     """Keep-alive httpx connections to an OpenAI-compatible server's /v1/completions (a
     Baton router's HTTP door, or another server: base URL such as http://127.0.0.1:8000);
     times are seconds since `start`. `model`: the name sent in each request (None: the first
     one /v1/models lists); `kind`: the server's (perf/bench/servers.py; None: from
-    /v1/models), which decides the fields that make an answer exactly max_tokens long."""
+    /v1/models), which decides the fields that make an answer exactly max_tokens long.
+    A request whose kept-alive connection the server closed before it sent any reply (a
+    server closes idle or used-up connections as it likes: llama-server's after 5 s idle or
+    100 requests) is sent again, once, on a fresh connection: it was never seen."""
 
     def __init__(
         self,
@@ -150,37 +156,45 @@ class HttpClient:
         cached, workers, status, error, server_id = 0, {}, OK, "", ""
         completion_tokens = None
         send = self.now()
-        try:
-            async with self.http.stream(
-                "POST", "/v1/completions", json=body, timeout=timeout
-            ) as reply:
-                server_id = reply.headers.get("x-request-id", "")
-                if reply.status_code != 200:
-                    status, error = f"HTTP_{reply.status_code}", _message(await reply.aread())
-                else:
-                    async for line in reply.aiter_lines():
-                        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                            continue
-                        event = json.loads(line[5:])
-                        if "error" in event:
-                            status, error = _error_status(event["error"]), _message(event)
-                            continue
-                        count = 0
-                        for choice in event.get("choices") or []:
-                            got = chunk_tokens(choice)
-                            count += got if isinstance(got, int) else len(got)
-                            answer += [] if isinstance(got, int) else got
-                        if count:
-                            chunks.append((self.now(), count))
-                        usage = event.get("usage") or {}
-                        completion_tokens = usage.get("completion_tokens", completion_tokens)
-                        details = usage.get("prompt_tokens_details") or {}
-                        cached = details.get("cached_tokens", cached) or 0
-                        workers = event.get("baton") or workers
-        except httpx.TimeoutException as exc:
-            status, error = "DEADLINE_EXCEEDED", str(exc)
-        except httpx.HTTPError as exc:
-            status, error = "UNAVAILABLE", f"{type(exc).__name__}: {exc}"
+        for attempt in range(RETRIES + 1):
+            replied = False
+            try:
+                async with self.http.stream(
+                    "POST", "/v1/completions", json=body, timeout=timeout
+                ) as reply:
+                    replied = True
+                    server_id = reply.headers.get("x-request-id", "")
+                    if reply.status_code != 200:
+                        status, error = f"HTTP_{reply.status_code}", _message(await reply.aread())
+                    else:
+                        async for line in reply.aiter_lines():
+                            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                                continue
+                            event = json.loads(line[5:])
+                            if "error" in event:
+                                status, error = _error_status(event["error"]), _message(event)
+                                continue
+                            count = 0
+                            for choice in event.get("choices") or []:
+                                got = chunk_tokens(choice)
+                                count += got if isinstance(got, int) else len(got)
+                                answer += [] if isinstance(got, int) else got
+                            if count:
+                                chunks.append((self.now(), count))
+                            usage = event.get("usage") or {}
+                            completion_tokens = usage.get("completion_tokens", completion_tokens)
+                            details = usage.get("prompt_tokens_details") or {}
+                            cached = details.get("cached_tokens", cached) or 0
+                            workers = event.get("baton") or workers
+            except httpx.TimeoutException as exc:
+                status, error = "DEADLINE_EXCEEDED", str(exc)
+            except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                if not replied and attempt < RETRIES:
+                    continue  # a kept-alive connection the server closed as this was sent
+                status, error = "UNAVAILABLE", f"{type(exc).__name__}: {exc}"
+            except httpx.HTTPError as exc:
+                status, error = "UNAVAILABLE", f"{type(exc).__name__}: {exc}"
+            break
         if status == OK:
             reconcile(chunks, completion_tokens)
         record = RequestRecord(

@@ -91,6 +91,11 @@ def run_target(
         one(replace(config, num_requests=warmup, duration_s=None, max_concurrency=1))
     summary, records = one(replace(config, max_concurrency=streams))
     summary["config"]["label"] = target.label
+    # the first error of each failure status, to tell why without the records
+    summary["error_examples"] = {}
+    for r in records:
+        if not r.ok:
+            summary["error_examples"].setdefault(r.status, r.error)
     return summary, records
 
 

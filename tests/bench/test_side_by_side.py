@@ -132,3 +132,47 @@ def test_two_labels_of_one_baton_door(tiny_llama, tmp_path, capsys):
         assert s["throughput"]["output_tokens_per_s"] > 0
         # the shared system prompt was cached by the warm-up: every measured prompt hits it
         assert s["cache"]["cached_tokens"] >= 4 * 24
+
+
+def test_a_request_on_a_connection_closed_before_any_reply_is_sent_again():
+    """A server that drops the first connection unanswered (as a kept-alive connection closed
+    under a new request) and answers the second: the request succeeds, counted once."""
+    import asyncio
+
+    from perf.bench.client import HttpClient
+    from perf.bench.workloads import RequestSpec
+
+    events = [
+        {"choices": [{"text": "a", "finish_reason": None}]},
+        {"choices": [{"text": "b", "finish_reason": None}]},
+        {"choices": [{"text": "", "finish_reason": "length"}], "usage": {"completion_tokens": 2}},
+    ]
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    seen = []
+
+    async def handle(reader, writer):
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        length = int(head.lower().split("content-length:")[1].split("\r\n")[0])
+        seen.append(json.loads(await reader.readexactly(length)))
+        if len(seen) > 1:
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n"
+                + f"content-length: {len(body)}\r\n\r\n{body}".encode()
+            )
+            await writer.drain()
+        writer.close()
+
+    async def run():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = HttpClient(f"http://127.0.0.1:{port}", 0.0, model="m", kind="llamacpp")
+        try:
+            return await client.generate(RequestSpec("s", 0, (5, 6, 7), 2), "run", 10.0)
+        finally:
+            await client.close()
+            server.close()
+
+    record, answer = asyncio.run(run())
+    assert record.status == "OK" and record.output_tokens == 2 and answer == []
+    assert len(seen) == 2 and seen[0] == seen[1]
+    assert seen[0]["n_predict"] == 2 and seen[0]["prompt"] == [5, 6, 7]
