@@ -2,7 +2,7 @@
 
     python -m benchmarks.peers build [llamacpp] [vllm]     # llama-server; vLLM's CPU venv
     python -m benchmarks.peers serve llamacpp --parallel 4 # start one, print its URL, wait
-    python -m benchmarks.peers compare [...]               # benchmarks/peers_compare.py
+    python -m benchmarks.peers_compare [...]               # Baton and each peer, in turn
 
 Peers (benchmark-only: nothing in Baton imports this):
 - llamacpp: llama.cpp's `llama-server` built from the llama-cpp-python sdist
@@ -225,19 +225,17 @@ def tail(path: Path, lines: int = 30) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["compare"]:
-        from benchmarks.peers_compare import main as compare_main
-
-        return compare_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.peers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="what", required=True)
     b = sub.add_parser("build", help="build llama-server and/or install vLLM's venv")
     b.add_argument("peers", nargs="*", default=["llamacpp", "vllm"])
     s = sub.add_parser("serve", help="start one peer and wait (Ctrl-C or SIGTERM stops it)")
     s.add_argument("peer", choices=("llamacpp", "vllm"))
     s.add_argument("--parallel", type=int, default=4, help="llama-server slots")
-    sub.add_parser("compare", help="see benchmarks/peers_compare.py")
     args = p.parse_args(argv)
     if args.what == "build":
         for peer in args.peers:

@@ -1,9 +1,9 @@
 """Baton, llama.cpp's llama-server and vLLM's CPU build on the same model, workload and seed,
 one server at a time, one table per workload.
 
-    python -m benchmarks.peers compare                      # the full comparison (quiet machine)
-    python -m benchmarks.peers compare --quick              # a few requests: does it all run?
-    python -m benchmarks.peers compare --servers baton,llamacpp --streams 4 --num-requests 32
+    python -m benchmarks.peers_compare                      # the full comparison (quiet machine)
+    python -m benchmarks.peers_compare --quick              # a few requests: does it all run?
+    python -m benchmarks.peers_compare --servers baton,llamacpp --streams 4 --num-requests 32
 
 Each server is started (benchmarks/peers.py; Baton as a local cluster, aggregated unless
 --baton-shape disaggregated), driven through its /v1/completions by `baton bench --url`'s
@@ -87,7 +87,11 @@ def run_server(kind, plan, tokens, config, streams, args, results, log) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.peers compare", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.peers_compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--servers", default=",".join(SERVERS), help="of: " + ",".join(SERVERS))
     p.add_argument("--workloads", default="shared-prefix,short-prompt")
     p.add_argument("--streams", default="1,4,16")
