@@ -119,6 +119,13 @@ class RouterActor:
                 await asyncio.sleep(1.0)
         return bound
 
+    def process_threads(self) -> dict:
+        """{"pid": this process, "threads": {native id: name}}, each Python thread's OS name
+        set from it first (cluster/thread_names.py; `baton profile serving` reads /proc)."""
+        from cluster.thread_names import name_os_threads
+
+        return {"pid": os.getpid(), "threads": name_os_threads()}
+
     async def start(self, ports: dict | None = None) -> dict:
         """Start both front doors with no workers yet (requests get UNAVAILABLE until
         set_workers); returns the bound ports {"grpc": port, "http": port or None}. `ports`

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,27 @@ def worker_class(role: str):
         def node_id(self) -> str:
             """The Ray node this incarnation runs on (hex)."""
             return ray.get_runtime_context().get_node_id()
+
+        # ---- probes of `baton profile serving` (perf/serving) ----------------------------
+        def process_threads(self) -> dict:
+            """{"pid": this process, "threads": {native id: name}}, each Python thread's
+            OS name set from it first (cluster/thread_names.py)."""
+            from cluster.thread_names import name_os_threads
+
+            return {"pid": os.getpid(), "threads": name_os_threads()}
+
+        def token_times(self, on: bool) -> list[tuple[str, int, float]]:
+            """Start (on) or stop recording when each sampled token's step ended
+            (engine/step_phases.TokenTimes); returns what was recorded until now."""
+            from engine.step_phases import TokenTimes
+
+            def swap():
+                engine = self.engine
+                taken = engine.token_times.take() if engine.token_times is not None else []
+                engine.token_times = TokenTimes() if on else None
+                return taken
+
+            return self.loop.run(swap)
 
     Actor.__name__ = Actor.__qualname__ = f"{base.__name__}Actor"
     # A dead worker is restarted by Ray (its __init__ runs again); calls in flight fail. The

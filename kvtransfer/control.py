@@ -70,7 +70,9 @@ class RpcServer:
                 continue
             except Exception:  # noqa: BLE001 - bad handshake from a stray client
                 continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn,), daemon=True, name="rpc-serve"
+            ).start()
 
     def _serve(self, conn: Connection) -> None:
         with conn:

@@ -155,6 +155,34 @@ class PrefixRepetitionWorkload:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedPrefixWorkload:
+    """One system prompt shared by every request, then a short user turn of each request's
+    own: a prefix cache's best case, the comparison with other servers' prompt caches."""
+
+    system_len: int = 2000
+    user_len: int = 64
+    output_len: int = 64
+
+    def sessions(self, tokens: TokenSpace, seed: int) -> Iterator[Session]:
+        system = tuple(tokens.draw(_rng(seed, "system"), self.system_len))
+        for i in itertools.count():
+            user = tokens.draw(_rng(seed, "user", i), self.user_len)
+            yield OneShot(RequestSpec(f"s{i}", 0, system + tuple(user), self.output_len))
+
+
+@dataclass(frozen=True, slots=True)
+class ShortPromptWorkload:
+    """Short independent prompts (no shared prefix): the "random" workload's prompts with
+    these lengths (the same seed gives the same ids)."""
+
+    input_len: int = 256
+    output_len: int = 64
+
+    def sessions(self, tokens: TokenSpace, seed: int) -> Iterator[Session]:
+        return RandomWorkload(self.input_len, self.output_len).sessions(tokens, seed)
+
+
+@dataclass(frozen=True, slots=True)
 class LongPromptWorkload:
     """Short interactive chats with a very long prompt every `long_every` requests (the first at
     request long_every // 2, mid-stream): the head-of-line blocking case. Defaults fit SmolLM2
@@ -283,6 +311,8 @@ WORKLOADS: dict[str, type] = {
     "agentic": AgenticWorkload,
     "prefix-repetition": PrefixRepetitionWorkload,
     "random": RandomWorkload,
+    "shared-prefix": SharedPrefixWorkload,
+    "short-prompt": ShortPromptWorkload,
     "long-prompt": LongPromptWorkload,
     "trace": TraceWorkload,
 }
