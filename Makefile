@@ -29,6 +29,7 @@ bench-llamacpp: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy  # packages and settings: [tool.mypy] in pyproject.toml
 
 # The wheel installed (not editable) into a fresh venv: `baton`, its subcommands, the shipped
 # step-time profiles (needs no .venv)

@@ -41,7 +41,10 @@ COMMANDS = (
     ),
     Command("bench", "benchmark a running cluster with a workload", "perf.bench.command"),
     Command(
-        "profile", "measure one engine's step times and fit a step-time profile", "perf.profiler"
+        "profile",
+        "measure one engine's step times and fit a step-time profile; `profile serving`: "
+        "where a serving step's time goes (phases, threads, token path)",
+        "perf.profiler",
     ),
     Command("simulate", "a bench run against a simulated cluster", "perf.sim.command"),
     Command(

@@ -142,9 +142,6 @@ class Controller:
         """The cluster as `baton deploy status` shows it."""
         return cluster_status.status(self.state)
 
-    def get_manifest(self) -> dict | None:
-        return self.state.manifest
-
     def pid(self) -> int:
         """This incarnation's process id (tests kill it to show a restart re-adopts)."""
         return os.getpid()

@@ -32,8 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         cluster.start(log=lambda m: print(m, flush=True))
-        print(f"gRPC server on {cluster.address}\n", flush=True)
-        stub = pb_grpc.InferenceStub(grpc.insecure_channel(cluster.address))
+        address, http_address = cluster.address, cluster.http_address
+        if address is None or http_address is None:  # start() sets both (HTTP is asked for)
+            raise RuntimeError("the local cluster did not report its addresses")
+        print(f"gRPC server on {address}\n", flush=True)
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(address))
         for question in QUESTIONS:
             request = pb.GenerateRequest(
                 messages=pb.ChatMessages(
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"cache_hit_rate={w.cache_hit_rate:.2f}"
             )
         print(f"router prefix-cache hit rate: {status.cache_hit_rate:.2f}\n")
-        show_http(cluster.http_address, args.model, SYSTEM, QUESTIONS[0], args.max_tokens)
+        show_http(http_address, args.model, SYSTEM, QUESTIONS[0], args.max_tokens)
     finally:
         print("shutting down ...", flush=True)
         cluster.close()

@@ -56,7 +56,9 @@ def drain(state: ClusterState, leaving: list[Worker], timeout_s: float) -> None:
     ids = ", ".join(w.worker_id for w in leaving)
     state.log(f"draining {ids}")
     while True:
-        routed = ray.get(state.router.handle.active_counts.remote(), timeout=T.DRAIN_QUERY_S)
+        routed: dict[str, int] = ray.get(
+            state.require_router().handle.active_counts.remote(), timeout=T.DRAIN_QUERY_S
+        )
         in_flight = {}
         for w in leaving:
             try:

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import UnionType
-from typing import Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 from deploy.manifest import Manifest, load_manifest, parse_manifest
 from kvtransfer.worker_api import Role
@@ -154,7 +154,7 @@ class LocalCluster:
         self.address: str | None = None
         self.port: int | None = None
         self.http_address: str | None = None  # e.g. http://127.0.0.1:8000, None without HTTP
-        self._controller = None
+        self._controller: Any = None  # the controller actor's handle, once started
 
     def start(self, log=print) -> LocalCluster:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -181,7 +181,7 @@ class LocalCluster:
         )
         self._controller = controller_handle(create=True)
         ray.get(self._controller.apply.remote(self.manifest.model_dump(mode="json")), timeout=900)
-        status = ray.get(self._controller.status.remote(), timeout=60)
+        status: dict = ray.get(self._controller.status.remote(), timeout=60)
         self.address = status["router"]["address"]
         self.port = int(self.address.rsplit(":", 1)[1])
         self.http_address = status["router"].get("http_address")

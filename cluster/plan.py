@@ -174,8 +174,8 @@ def plan(current: Current, desired: Mapping[str, Pool], free: Mapping[str, float
             ),
         ]
         for role in ROLES:
-            for old in replace[role]:
-                steps += [Retire((old,)), Start(role, 1), Pair(), Publish()]
+            for worker_id in replace[role]:
+                steps += [Retire((worker_id,)), Start(role, 1), Pair(), Publish()]
             if start[role] > len(replace[role]):
                 steps.append(Start(role, start[role] - len(replace[role])))
         steps += [Pair(), Publish()]

@@ -23,10 +23,19 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
+from typing import TYPE_CHECKING
 
 import ray
 
 from router.settings import RouterSettings
+
+if TYPE_CHECKING:
+    import grpc
+
+    from router.admission import Admission
+    from router.http_server import HttpServer
+    from router.router import Router
+    from router.security import ApiKeys
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +62,12 @@ class RouterActor:
     def __init__(self, controller, settings: RouterSettings) -> None:
         self.controller = controller
         self.settings = settings
-        self.server = None
-        self.http_server = None
-        self.router = None
-        self.api_keys = None  # router.security.ApiKeys: num_refused for the metrics
-        self.admission = None  # router.admission.Admission: pending, num_refused
-        self._watch_task = None
+        self.server: grpc.aio.Server | None = None
+        self.http_server: HttpServer | None = None
+        self.router: Router | None = None
+        self.api_keys: ApiKeys | None = None  # num_refused for the metrics
+        self.admission: Admission | None = None  # pending, num_refused
+        self._watch_task: asyncio.Task[None] | None = None
         self._last_health: float | None = None  # time.monotonic() of the last report applied
         self._control_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="control")
         self._recovering = False
@@ -110,6 +119,13 @@ class RouterActor:
                 await asyncio.sleep(1.0)
         return bound
 
+    def process_threads(self) -> dict:
+        """{"pid": this process, "threads": {native id: name}}, each Python thread's OS name
+        set from it first (cluster/thread_names.py; `baton profile serving` reads /proc)."""
+        from cluster.thread_names import name_os_threads
+
+        return {"pid": os.getpid(), "threads": name_os_threads()}
+
     async def start(self, ports: dict | None = None) -> dict:
         """Start both front doors with no workers yet (requests get UNAVAILABLE until
         set_workers); returns the bound ports {"grpc": port, "http": port or None}. `ports`
@@ -136,7 +152,7 @@ class RouterActor:
             s = replace(s, port=ports["grpc"])
             if s.http_port is not None and ports.get("http") is not None:
                 s = replace(s, http_port=ports["http"])
-        self.router = Router(
+        self.router = router = Router(
             {},
             {},
             block_size=s.block_size,
@@ -155,26 +171,28 @@ class RouterActor:
         )
         chat_template = read_chat_template(s.chat_template)
         # Checked once, before a request reaches the router's queue: key, then admission.
-        self.api_keys = ApiKeys(load_api_keys(env_var=s.api_key_env, file=s.api_key_file))
+        self.api_keys = api_keys = ApiKeys(
+            load_api_keys(env_var=s.api_key_env, file=s.api_key_file)
+        )
         tls = TLSFiles(**asdict(s.tls)) if s.tls else None
-        self.admission = Admission(s.max_pending_requests)
-        self.router.metrics.read_counter(
+        self.admission = admission = Admission(s.max_pending_requests)
+        router.metrics.read_counter(
             "auth_failures",
             "Requests refused for a missing or unknown API key (both doors).",
-            lambda: self.api_keys.num_refused,
+            lambda: api_keys.num_refused,
         )
-        self.router.metrics.read_counter(
+        router.metrics.read_counter(
             "admission_refused",
             "Requests refused because max_pending_requests were already waiting.",
-            lambda: self.admission.num_refused,
+            lambda: admission.num_refused,
         )
-        metrics = self.router.metrics  # both doors count every error answer there
+        metrics = router.metrics  # both doors count every error answer there
         interceptors = [
-            GrpcKeyInterceptor(self.api_keys, metrics),
-            GrpcAdmissionInterceptor(self.admission, (f"/{SERVICE}/Generate",), metrics),
+            GrpcKeyInterceptor(api_keys, metrics),
+            GrpcAdmissionInterceptor(admission, (f"/{SERVICE}/Generate",), metrics),
         ]
         self.server, port = await start_server(
-            self.router,
+            router,
             s.host,
             s.port,
             tokenizer,
@@ -182,20 +200,20 @@ class RouterActor:
             tls=tls,
             chat_template=chat_template,
         )
-        warn_if_exposed("gRPC", s.host, self.api_keys)
+        warn_if_exposed("gRPC", s.host, api_keys)
         http_port = None
         if s.http_port is not None:
             app = create_app(
-                self.router,
+                router,
                 s.served_model_names,
                 tokenizer=tokenizer,
-                api_keys=self.api_keys,
-                admission=self.admission,
-                metrics_text=lambda: router_scrape(self.router),  # the whole cluster's series
+                api_keys=api_keys,
+                admission=admission,
+                metrics_text=lambda: router_scrape(router),  # the whole cluster's series
                 chat_template=chat_template,
             )
             self.http_server, http_port = await start_http_server(app, s.host, s.http_port, tls)
-            warn_if_exposed("HTTP", s.host, self.api_keys)
+            warn_if_exposed("HTTP", s.host, api_keys)
         self._watch_task = asyncio.create_task(self._watch(s.health_period_s))
         return {"grpc": port, "http": http_port}
 
@@ -211,7 +229,7 @@ class RouterActor:
         from cluster.ray_peer import decode_client, prefill_client
 
         await self._control(
-            self.router.set_workers,
+            self._started().set_workers,
             {w: prefill_client(h) for w, h in prefill.items()},
             {w: decode_client(h) for w, h in decode.items()},
             block_size=block_size,
@@ -225,7 +243,7 @@ class RouterActor:
         they were started with (a change there restarts this actor)."""
         self.settings = settings
         await self._control(
-            self.router.configure,
+            self._started().configure,
             settings.policy,
             settings.local_prefill_tokens,
             settings.wait_for_workers_s,
@@ -239,22 +257,29 @@ class RouterActor:
         return ray.get_runtime_context().get_node_id()
 
     async def active_counts(self) -> dict[str, int]:
-        return await self._control(self.router.active_counts)
+        return await self._control(self._started().active_counts)
 
     async def _control(self, fn, *args, **kwargs):
         """Control calls run on their own threads: never behind blocked request streams."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._control_pool, lambda: fn(*args, **kwargs))
 
+    def _started(self) -> Router:
+        """The Router; the controller calls anything else only after start()."""
+        if self.router is None:
+            raise RuntimeError("the router actor has not started")
+        return self.router
+
     async def stats(self) -> dict:
+        router = self._started()
         return {
-            "hit_rate": self.router.hit_rate(),
-            "policy": self.router.policy_name,
-            "aggregated": self.router.aggregated,
-            "prompt_tokens": self.router.num_prompt_tokens,
-            "cached_tokens": self.router.num_cached_tokens,
+            "hit_rate": router.hit_rate(),
+            "policy": router.policy_name,
+            "aggregated": router.aggregated,
+            "prompt_tokens": router.num_prompt_tokens,
+            "cached_tokens": router.num_cached_tokens,
             # Whether a new request can be served now, as /health and gRPC health answer.
-            "readiness": self.router.readiness().body(),
+            "readiness": router.readiness().body(),
             # Seconds since the controller's last health report (None: none yet); grows
             # while the controller is down, the router serving on meanwhile.
             "health_age_s": None
@@ -272,7 +297,7 @@ class RouterActor:
             except Exception as exc:  # noqa: BLE001 - keep serving; try again next period
                 logger.warning("health check failed: %s", exc)
                 continue
-            await self._control(self.router.update_membership, health)
+            await self._control(self._started().update_membership, health)
             self._last_health = time.monotonic()
 
     async def stop(self) -> None:

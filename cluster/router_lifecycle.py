@@ -10,6 +10,7 @@ reads them.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import ray
 
@@ -38,14 +39,14 @@ def addresses(settings: RouterSettings, ports: dict) -> tuple[str, str | None]:
 def configure_router(state: ClusterState, settings: RouterSettings) -> None:
     """Set what the router changes in place: policy, conditional disaggregation, the
     wait for workers, aggregated mode and the migration limit."""
-    ray.get(state.router.handle.configure.remote(settings), timeout=T.ROUTER_CONFIGURE_S)
+    ray.get(state.require_router().handle.configure.remote(settings), timeout=T.ROUTER_CONFIGURE_S)
 
 
 def ensure_router(state: ClusterState, settings: RouterSettings) -> str | None:
     """Start the router actor, or restart it when what its servers were started with
     changed (RouterSettings.server_key); the rest is set in place. Returns "start",
     "restart" or None."""
-    key = settings.server_key()
+    key: tuple | None = settings.server_key()
     if state.router is not None and key == state.router.key:
         try:
             configure_router(state, settings)
@@ -62,7 +63,7 @@ def ensure_router(state: ClusterState, settings: RouterSettings) -> str | None:
         stop_router(state)
     me = ray.get_runtime_context().current_actor
     # On the head node: the address clients (and a KubeRay Service) reach is stable.
-    handle = RouterActor.options(
+    handle = RouterActor.options(  # type: ignore[attr-defined]  # an ActorClass, to ray
         name=ROUTER_NAME,
         namespace=NAMESPACE,
         lifetime="detached",
@@ -83,7 +84,9 @@ def publish(state: ClusterState, m: Manifest) -> None:
     """Tell the router which workers take new requests; returns once it holds."""
     if state.router is None:
         return
-    pools = {role: {w.worker_id: w.handle for w in state.active(role)} for role in ROLES}
+    pools: dict[str, dict[str, Any]] = {
+        role: {w.worker_id: w.handle for w in state.active(role)} for role in ROLES
+    }
     pool_engine = m.spec.engine_for("prefill")
     max_model_len = None
     for decode in state.active("decode"):  # any that answers: one may be restarting
@@ -95,7 +98,7 @@ def publish(state: ClusterState, m: Manifest) -> None:
         max_model_len = info.max_model_len
         break
     ray.get(
-        state.router.handle.set_workers.remote(
+        state.require_router().handle.set_workers.remote(
             pools["prefill"],
             pools["decode"],
             pool_engine.block_size,
@@ -109,7 +112,9 @@ def publish(state: ClusterState, m: Manifest) -> None:
 def republish(state: ClusterState) -> None:
     """A router Ray restarted came back empty: set its settings and publish the workers of
     the applied manifest again."""
-    state.log(f"the router was restarted; serving again on {state.router.address}")
+    state.log(f"the router was restarted; serving again on {state.require_router().address}")
+    if state.manifest is None:  # the controller publishes only once a manifest was applied
+        raise RuntimeError("no applied manifest to publish the workers of")
     m = parse_manifest(state.manifest)
     configure_router(state, router_settings(m))
     publish(state, m)
@@ -117,9 +122,10 @@ def republish(state: ClusterState) -> None:
 
 def stop_router(state: ClusterState) -> None:
     """Stop the router's servers (open streams get a few seconds) and kill the actor."""
+    router = state.require_router()
     try:
-        ray.get(state.router.handle.stop.remote(), timeout=T.ROUTER_STOP_S)
+        ray.get(router.handle.stop.remote(), timeout=T.ROUTER_STOP_S)
     except Exception as exc:  # noqa: BLE001 - killed below either way
         logger.warning("stopping the router: %s", exc)
-    ray.kill(state.router.handle)
+    ray.kill(router.handle)
     state.router = None

@@ -76,7 +76,9 @@ class ClusterState:
         self.workers_by_id: dict[str, Worker] = {}  # in start order
         self.pairs: set[tuple[str, str]] = set()  # (prefill id, decode id) with a group
         self.unreported: set[str] = set()  # re-paired workers the router was not told of
-        self.next_index = dict.fromkeys(ROLES, 0)  # the next worker id's number, per role
+        self.next_index: dict[str, int] = dict.fromkeys(
+            ROLES, 0
+        )  # the next worker id's number, per role
         self.router: RouterRecord | None = None
         self.events = EventLog()
         self.apply_lock = threading.Lock()  # one reconcile at a time
@@ -89,6 +91,12 @@ class ClusterState:
         """Every worker (active and draining), in start order."""
         with self.state_lock:
             return list(self.workers_by_id.values())
+
+    def require_router(self) -> RouterRecord:
+        """The router actor's record, on the paths that run once the controller started it."""
+        if self.router is None:
+            raise RuntimeError("the cluster has no router actor yet")
+        return self.router
 
     def active(self, role: str) -> list[Worker]:
         """The role's workers that take new requests, in start order."""

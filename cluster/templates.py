@@ -57,7 +57,7 @@ def worker_engine_options(engine: dict, worker_id: str) -> dict:
 def worker_templates(manifest: Manifest) -> dict[str, WorkerTemplate]:
     """The template of each role's workers."""
     spec = manifest.spec
-    out = {}
+    out: dict[str, WorkerTemplate] = {}
     for role in ROLES:
         pool = getattr(spec, role)
         engine = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -29,12 +30,17 @@ def worker_class(role: str):
     """The Ray actor class of a role (a threaded actor: control calls run concurrently)."""
     # Deferred: the worker packages load only in a process that starts a worker; `baton
     # deploy` imports the controller module (and so this one) for its names alone.
+    base: Any  # PrefillWorker or DecodeWorker: a base class chosen at run time
     if role == Role.PREFILL:
-        from prefill_worker.worker import PrefillWorker as cls
-    else:
-        from decode_worker.worker import DecodeWorker as cls
+        from prefill_worker.worker import PrefillWorker
 
-    class Actor(cls):
+        base = PrefillWorker
+    else:
+        from decode_worker.worker import DecodeWorker
+
+        base = DecodeWorker
+
+    class Actor(base):
         def __init__(self, worker_id: str, engine: dict, transfer: dict, threads: int) -> None:
             import torch  # deferred: runs in the worker's process
 
@@ -52,10 +58,33 @@ def worker_class(role: str):
             """The Ray node this incarnation runs on (hex)."""
             return ray.get_runtime_context().get_node_id()
 
-    Actor.__name__ = Actor.__qualname__ = f"{cls.__name__}Actor"
+        # ---- probes of `baton profile serving` (perf/serving) ----------------------------
+        def process_threads(self) -> dict:
+            """{"pid": this process, "threads": {native id: name}}, each Python thread's
+            OS name set from it first (cluster/thread_names.py)."""
+            from cluster.thread_names import name_os_threads
+
+            return {"pid": os.getpid(), "threads": name_os_threads()}
+
+        def token_times(self, on: bool) -> list[tuple[str, int, float]]:
+            """Start (on) or stop recording when each sampled token's step ended
+            (engine/step_phases.TokenTimes); returns what was recorded until now."""
+            from engine.step_phases import TokenTimes
+
+            def swap():
+                engine = self.engine
+                taken = engine.token_times.take() if engine.token_times is not None else []
+                engine.token_times = TokenTimes() if on else None
+                return taken
+
+            return self.loop.run(swap)
+
+    Actor.__name__ = Actor.__qualname__ = f"{base.__name__}Actor"
     # A dead worker is restarted by Ray (its __init__ runs again); calls in flight fail. The
     # controller starts it detached: it outlives a controller that dies (and is re-adopted).
-    return ray.remote(max_concurrency=ACTOR_CONCURRENCY, max_restarts=-1, max_task_retries=0)(Actor)
+    return ray.remote(  # type: ignore[call-overload]  # ray's remote() stubs omit actor options
+        max_concurrency=ACTOR_CONCURRENCY, max_restarts=-1, max_task_retries=0
+    )(Actor)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from engine.errors import InvalidRequestError
 from engine.options import EngineOptions
 from kvtransfer.options import TransferOptions
-from router.policy_names import DEFAULT_POLICY, POLICY_DESCRIPTION, POLICY_NAMES
+from router.policy_names import DEFAULT_POLICY, POLICY_DESCRIPTION, PolicyName
 
 
 class ManifestError(ValueError):
@@ -77,20 +77,29 @@ class _EngineChecks(_Strict):
         return self
 
 
-ModelSpec = create_model(
-    "ModelSpec",
-    __base__=_Strict,
-    __module__=__name__,
-    __doc__="What every worker serves (engine options model, dtype, skip_tokenizer_init).",
-    **option_fields(EngineOptions, MODEL_FIELDS),
-)
-EngineSpec = create_model(
-    "EngineSpec",
-    __base__=_EngineChecks,
-    __module__=__name__,
-    __doc__="Engine options of a pool: EngineOptions less ENGINE_OPTIONS_ELSEWHERE.",
-    **option_fields(EngineOptions, ENGINE_FIELDS),
-)
+if TYPE_CHECKING:  # create_model's fields (EngineOptions') are not visible to a type checker
+
+    class ModelSpec(_Strict):
+        def __getattr__(self, name: str) -> Any: ...
+
+    class EngineSpec(_EngineChecks):
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    ModelSpec = create_model(
+        "ModelSpec",
+        __base__=_Strict,
+        __module__=__name__,
+        __doc__="What every worker serves (engine options model, dtype, skip_tokenizer_init).",
+        **option_fields(EngineOptions, MODEL_FIELDS),
+    )
+    EngineSpec = create_model(
+        "EngineSpec",
+        __base__=_EngineChecks,
+        __module__=__name__,
+        __doc__="Engine options of a pool: EngineOptions less ENGINE_OPTIONS_ELSEWHERE.",
+        **option_fields(EngineOptions, ENGINE_FIELDS),
+    )
 TransferSpec = create_model(
     "TransferSpec",
     __base__=_Strict,
@@ -152,7 +161,7 @@ class TLSSpec(_Strict):
 
 
 class RouterSpec(_Strict):
-    policy: Literal[POLICY_NAMES] = Field(DEFAULT_POLICY, description=POLICY_DESCRIPTION)
+    policy: PolicyName = Field(DEFAULT_POLICY, description=POLICY_DESCRIPTION)
     host: str = Field("127.0.0.1", description="gRPC listen address")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
     local_prefill_tokens: int = Field(
@@ -239,7 +248,8 @@ class ClusterSpecModel(_Strict):
         description="scale-down: how long a leaving worker may take to finish its requests",
     )
 
-    def engine_for(self, role: Literal["prefill", "decode"]) -> EngineSpec:
+    def engine_for(self, role: str) -> EngineSpec:
+        """The engine options of the prefill or decode pool (its own, else spec.engine)."""
         pool = self.prefill if role == "prefill" else self.decode
         return pool.engine or self.engine
 

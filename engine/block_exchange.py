@@ -18,10 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.block_pool import BlockPool
+    from engine.config import EngineConfig
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.model_runner import ModelRunner
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +48,13 @@ class ImportPlan:
 
 class BlockExchangeHooks:
     """The exporting and importing sides of a pull, for LLMEngine."""
+
+    if TYPE_CHECKING:  # what they use of LLMEngine
+        config: EngineConfig
+        pool: BlockPool
+        kv: KVCacheManager
+        runner: ModelRunner
+        _exchanges: dict[str, Request]
 
     def export_blocks(
         self,

@@ -67,7 +67,7 @@ class BlockPool:
         self,
         num_blocks: int,
         enable_caching: bool = True,
-        on_evict: Callable[[KVBlock], None] | None = None,
+        on_evict: Callable[[KVBlock], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if num_blocks < 1:

@@ -16,14 +16,23 @@ gap on (the first token stays the prefill engine's), so its tokens are the same.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.errors import InvalidRequestError, NoFreeBlocksError
 from engine.request import Request, RequestStatus
 from engine.retention import Retention
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.block_pool import BlockPool
+    from engine.config import EngineConfig
+    from engine.grammar import GrammarManager
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.metrics import EngineMetrics
+    from engine.outputs import RequestOutput
+    from engine.scheduler import Scheduler
 
 # How long complete_remote waits for a tier load still running when the remote KV arrived
 # (loads from host memory or a local disk take far less than a prefill and its transfer);
@@ -41,6 +50,43 @@ class HeldBlocks(NamedTuple):
 
 class DisaggregationHooks:
     """The prefill-side and decode-side methods of LLMEngine."""
+
+    if TYPE_CHECKING:  # what they use of LLMEngine (and of RequestOutputs)
+        config: EngineConfig
+        pool: BlockPool
+        kv: KVCacheManager
+        scheduler: Scheduler
+        metrics: EngineMetrics
+        _held: dict[str, HeldBlocks]
+        _pending: dict[str, RequestOutput]
+        _grammar: GrammarManager | None
+        remote_tier_wait_s: float
+
+        def _check_retention(self, retention: Retention | None) -> None: ...
+        @property
+        def grammar(self) -> GrammarManager: ...
+        def _new_request(
+            self,
+            request_id: str,
+            prompt_token_ids: list[int],
+            params: SamplingParams | None,
+            cache_salt: str | None,
+            arrival_time: float | None,
+            seed: int | None,
+            prefill_only: bool,
+        ) -> Request: ...
+        def _forget(self, request_id: str) -> None: ...
+
+        # RequestOutputs._sampled(req, tokens, logprobs, now)
+        _sampled: Callable[
+            [Request, list[int], list[TokenLogprobs | None], float], list[RequestOutput]
+        ]
+
+        def _finish(
+            self, req: Request, status: RequestStatus, tokens: Sequence[int] = (), text: str = ""
+        ) -> list[RequestOutput]: ...
+        @staticmethod
+        def _put(outputs: dict[str, RequestOutput], outs: list[RequestOutput]) -> None: ...
 
     # ---- the prefill side ------------------------------------------------------------------
     def held_block_ids(self, request_id: str) -> list[int]:
@@ -77,7 +123,7 @@ class DisaggregationHooks:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        seed: int,
+        seed: int | None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         retention: Retention | None = None,
@@ -105,7 +151,7 @@ class DisaggregationHooks:
                 f"not enough free KV blocks for {req.num_tokens} tokens "
                 f"({self.pool.num_free_blocks} free)"
             )
-        if n_tier:
+        if n_tier and tier is not None:
             tier.start_remote(self.kv, req, len(hits), n_tier)
         num_present = len(hits) + n_tier
         req.num_cached_tokens = num_present * self.config.block_size
@@ -140,7 +186,12 @@ class DisaggregationHooks:
             )
         req.num_computed_tokens = self._remote_kv_tokens(req)
         self.kv.cache_blocks(req, req.num_computed_tokens)
-        if self._constrained(request_id) and not self._grammar.is_ready(request_id):
+        grammar = self._grammar
+        if (
+            grammar is not None
+            and grammar.is_constrained(request_id)
+            and not grammar.is_ready(request_id)
+        ):
             self.scheduler.hold(req)  # runs once its grammar compiled and replayed the tokens
         else:
             self.scheduler.activate_remote(req)

@@ -16,11 +16,15 @@ import concurrent.futures as cf
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.errors import GrammarRejected
 from engine.structured_output import StructuredOutput
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 COMPILE_THREADS = 2  # compiles in flight at once (each may use xgrammar's own threads too)
 SPEC_FUTURES = 128  # most recent specs whose compile future is shared by later requests
@@ -32,7 +36,7 @@ class _Entry:
 
     spec: StructuredOutput
     future: cf.Future
-    matcher: object | None = None  # xgr.GrammarMatcher once the compile is done
+    matcher: xgr.GrammarMatcher | None = None  # once the compile is done
     accepted: list[int] = field(default_factory=list)
 
 
@@ -64,23 +68,23 @@ class GrammarManager:
         self._by_spec.move_to_end(spec)
         self._entries[request_id] = _Entry(spec, future)
 
-    def _compile(self, spec: StructuredOutput):
+    def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
         c = self._compiler
         match spec.kind:
             case "json":
-                return c.compile_json_schema(spec.json, **spec.json_options())
+                return c.compile_json_schema(spec.text(), **spec.json_options())
             case "json_object":
                 return c.compile_json_schema(
                     '{"type": "object"}', strict_mode=False, **spec.json_options()
                 )
             case "regex":
-                return c.compile_regex(spec.regex)
+                return c.compile_regex(spec.text())
             case "choice":
                 return c.compile_grammar(spec.choice_ebnf())
             case "grammar":
-                return c.compile_grammar(spec.grammar)
+                return c.compile_grammar(spec.text())
             case "structural_tag":
-                return c.compile_structural_tag(spec.structural_tag)
+                return c.compile_structural_tag(spec.text())
         raise ValueError(f"unknown structured_output kind {spec.kind!r}")
 
     def is_constrained(self, request_id: str) -> bool:
@@ -97,7 +101,7 @@ class GrammarManager:
     def take_compiled(self) -> list[tuple[str, str | None]]:
         """Requests whose compile finished since the last call: (id, None) with their matcher
         made, or (id, error message) when the compile failed (the entry is dropped)."""
-        done = []
+        done: list[tuple[str, str | None]] = []
         for rid, entry in list(self._entries.items()):
             if entry.matcher is not None or not entry.future.done():
                 continue
@@ -133,26 +137,34 @@ class GrammarManager:
         """Bring the matcher to exactly the `generated` tokens; True if it has terminated
         (a stop token ended the grammar). Raises GrammarRejected on a token it forbids."""
         entry = self._entries[request_id]
+        matcher = _matcher(request_id, entry)
         accepted = entry.accepted
         keep = len(accepted)
         if keep > len(generated) or accepted != list(generated[:keep]):
             keep = 0
             while keep < min(len(accepted), len(generated)) and accepted[keep] == generated[keep]:
                 keep += 1
-            entry.matcher.rollback(len(accepted) - keep)
+            matcher.rollback(len(accepted) - keep)
             del accepted[keep:]
         for token in generated[keep:]:
-            if entry.matcher.is_terminated() or not entry.matcher.accept_token(int(token)):
+            if matcher.is_terminated() or not matcher.accept_token(int(token)):
                 raise GrammarRejected(
                     f"structured_output.{entry.spec.kind}: token {token} (output position "
                     f"{len(accepted)}) is not allowed by the grammar"
                 )
             accepted.append(int(token))
-        return entry.matcher.is_terminated()
+        return matcher.is_terminated()
 
     def bitmask(self, request_id: str, generated: Sequence[int]) -> torch.Tensor:
         """[ceil(V / 32)] int32: the tokens the grammar allows after `generated`."""
         self.sync(request_id, generated)
         mask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
-        self._entries[request_id].matcher.fill_next_token_bitmask(mask, 0)
+        _matcher(request_id, self._entries[request_id]).fill_next_token_bitmask(mask, 0)
         return mask[0]
+
+
+def _matcher(request_id: str, entry: _Entry) -> xgr.GrammarMatcher:
+    """entry's matcher; matching runs only once is_ready(request_id)."""
+    if entry.matcher is None:
+        raise RuntimeError(f"request {request_id!r}: its grammar is still compiling")
+    return entry.matcher

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from typing import cast
 
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
@@ -44,19 +45,21 @@ class LLM:
     ) -> list[CompletionOutput]:
         """Outputs in the order of the prompts, n per prompt (its choices in index order).
         A single prompt may be passed bare."""
+        # A bare prompt (a string, or token ids) or a sequence of them: told apart at run time
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]
-        prompts = list(prompts)
+            batch = [cast(Prompt, prompts)]
+        else:
+            batch = list(cast("Sequence[Prompt]", prompts))
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise InvalidRequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+            params = [params or SamplingParams()] * len(batch)
+        if len(params) != len(batch):
+            raise InvalidRequestError(f"{len(params)} SamplingParams for {len(batch)} prompts")
         engine = self.engine
         order: list[tuple[str, int]] = []  # (request id, choice index)
         state: dict[tuple[str, int], dict] = {}
-        for prompt, p in zip(prompts, params, strict=True):
+        for prompt, p in zip(batch, params, strict=True):
             rid = f"llm-{next(self._ids)}"
             ids = self.encode(prompt)
             req = engine.add_request(rid, ids, p, cache_salt=cache_salt)
@@ -115,13 +118,20 @@ class LLM:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise InvalidRequestError("this model has no tokenizer chat template")
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        # One conversation (a list of messages) or a list of them: told apart by the first item
+        if messages and isinstance(messages[0], dict):
+            convs = [messages]
+        else:
+            convs = cast("list[list[dict]]", messages)
         prompts = [self.chat_token_ids(c, add_generation_prompt) for c in convs]
         return self.generate(prompts, params)
 
     def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered through the chat template."""
-        ids = self.engine.tokenizer.apply_chat_template(
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise InvalidRequestError("this model has no tokenizer chat template")
+        ids = tok.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True
         )
         if hasattr(ids, "keys"):

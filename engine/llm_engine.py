@@ -29,6 +29,7 @@ from engine.sampler import SampleRequest, choice_seed
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_model import find_step_model, profile_key
+from engine.step_phases import StepPhases, TokenTimes
 from engine.tokenizer import eos_token_ids, load_tokenizer
 
 TIER_IDLE_WAIT_S = 0.01  # a step with nothing to run waits this long for a KV tier load
@@ -79,6 +80,9 @@ class LLMEngine(DisaggregationHooks, BlockExchangeHooks, RequestOutputs):
         )
         self.kv = KVCacheManager(self.pool, self.config.block_size, self.config.hash_seed)
         self.metrics = EngineMetrics()  # this engine's own registry (engine/metrics.py)
+        # The step's lap timer, shared with the runner (engine/step_phases.py)
+        self.phases = self.runner.phases = StepPhases()
+        self.token_times: TokenTimes | None = None  # set: each token's step end is recorded
         if self.kv_tier is not None:
             self.metrics.registry.register(TierCollector(self.kv_tier))
         self.scheduler = Scheduler(
@@ -345,13 +349,15 @@ class LLMEngine(DisaggregationHooks, BlockExchangeHooks, RequestOutputs):
         if self.kv_tier is None:
             return
         if self.kv_tier.persistent:
-            self.scheduler.tier.persist(self.pool)
+            self.scheduler.require_tier().persist(self.pool)
         self.kv_tier.close()
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> StepResult:
         """Schedule one batch, run it, and return what each request gained."""
         step_start = time.perf_counter()
+        phases = self.phases
+        phases.begin(step_start)
         self._start_grammars()
         result = StepResult(outputs=self.take_pending())
         batch = self.scheduler.schedule()
@@ -364,13 +370,17 @@ class LLMEngine(DisaggregationHooks, BlockExchangeHooks, RequestOutputs):
             if req.scheduled_time is None:
                 req.scheduled_time = now
                 self.metrics.scheduled(req, now)
+        phases.lap("schedule")
         if not batch.is_empty():
             rows = [self._row(req, batch.num_tokens[req.request_id]) for req in batch.requests]
-            out = self.runner.execute(rows)
+            out = self.runner.execute(rows)  # laps inputs, forward, logits, sample
             if self.scheduler.budget is not None and self.runner.device.type == "cuda":
                 torch.cuda.synchronize(self.runner.device)  # a partial prefill returns unsynced
             for i, entries in out.prompt_logprobs.items():
-                batch.requests[i].prompt_logprobs.extend(entries)
+                kept = batch.requests[i].prompt_logprobs
+                if kept is None:  # only a row with a span (needs_prompt_logprobs) gets entries
+                    raise RuntimeError(f"{batch.requests[i]!r}: prompt logprobs it never asked for")
+                kept.extend(entries)
             self.scheduler.update_after_step(batch)
             now = time.monotonic()
             k = 0  # the step's samples, rows in order (a forking prefill has n)
@@ -383,16 +393,21 @@ class LLMEngine(DisaggregationHooks, BlockExchangeHooks, RequestOutputs):
                     outs = self._sampled(req, out.tokens[k : k + m], out.logprobs[k : k + m], now)
                     self._put(result.outputs, outs)
                     k += m
+                    if self.token_times is not None:  # the row's own token (forks aside)
+                        self.token_times.sampled(req.request_id, req.num_output_tokens - 1)
             result.outputs = finished_last(result.outputs)
+            phases.lap("outputs")
         elif self.scheduler.tier is not None:
             self.scheduler.tier.wait_any(TIER_IDLE_WAIT_S)  # only loads left: do not spin
         result.kv_events = self.take_kv_events()
         self.record_state(len(batch.preempted))
-        end = time.perf_counter()
+        end = phases.lap("kv")  # the phases add up to end - step_start
+        if self.token_times is not None:
+            self.token_times.step_ended(time.monotonic())
         if not batch.is_empty():  # the whole step, scheduling and outputs too: what ITL sees
             gap = None if self._went_on_from is None else step_start - self._went_on_from
             self.scheduler.observe(batch, end - step_start, gap)
-            self.metrics.stepped(end - step_start)
+            self.metrics.stepped(end - step_start, phases.seconds, gap)
         # With requests left the caller steps again at once: the time until then is a gap
         # every running decode waits too (the engine loop's dispatch and calls).
         self._went_on_from = end if self.has_unfinished() else None
@@ -449,12 +464,15 @@ class LLMEngine(DisaggregationHooks, BlockExchangeHooks, RequestOutputs):
             )
         span = None
         if req.needs_prompt_logprobs:
-            lo = len(req.prompt_logprobs)
+            kept, top_n = req.prompt_logprobs, req.params.prompt_logprobs
+            if kept is None or top_n is None:  # both set whenever it needs prompt logprobs
+                raise RuntimeError(f"{req!r}: needs prompt logprobs but has no list for them")
+            lo = len(kept)
             if lo < req.num_computed_tokens + 1:
                 raise RuntimeError(f"{req!r}: prompt logprobs from {lo} are missing")
             hi = min(req.num_computed_tokens + n, req.num_prompt_tokens - 1) + 1
             if lo < hi:
-                span = PromptLogprobsSpan(lo, hi, req.params.prompt_logprobs)
+                span = PromptLogprobsSpan(lo, hi, top_n)
         return BatchRow(
             req.token_ids,
             req.num_computed_tokens,
@@ -474,8 +492,11 @@ class LLMEngine(DisaggregationHooks, BlockExchangeHooks, RequestOutputs):
                 frozenset() if p.ignore_eos else frozenset(self.eos_token_ids)
             )
         bitmask = None
-        if self._constrained(req.request_id):
-            bitmask = self._grammar.bitmask(req.request_id, req.generated_token_ids)
+        grammar = self._grammar
+        if grammar is not None and grammar.is_constrained(req.request_id):
+            self.phases.lap("inputs")
+            bitmask = grammar.bitmask(req.request_id, req.generated_token_ids)
+            self.phases.lap("grammar")
         return SampleRequest(
             p,
             self._seeds[req.request_id],

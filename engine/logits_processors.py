@@ -44,15 +44,16 @@ def process_logits(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> t
 
 def _apply_bitmasks(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> None:
     """Mask (-inf) the tokens each constrained row's grammar forbids, in one batched call."""
-    constrained = [i for i, r in enumerate(requests) if r.bitmask is not None]
+    bitmasks = {i: r.bitmask for i, r in enumerate(requests) if r.bitmask is not None}
+    constrained = list(bitmasks)
     if not constrained:
         return
     import xgrammar as xgr
 
-    first = requests[constrained[0]].bitmask
+    first = bitmasks[constrained[0]]
     masks = torch.full((len(requests), first.shape[-1]), -1, dtype=first.dtype)
-    for i in constrained:
-        masks[i] = requests[i].bitmask
+    for i, bitmask in bitmasks.items():
+        masks[i] = bitmask
     xgr.apply_token_bitmask_inplace(
         logits, masks.to(logits.device), vocab_size=logits.shape[-1], indices=constrained
     )

@@ -17,6 +17,12 @@ Units and scopes (the same as vLLM v1, so that its dashboards map over):
   engine_step_duration_seconds  Baton's own: wall time of each engine step that ran a batch
                             (scheduling, the model, sampling, outputs): its _sum over a run is
                             the time the engine computed, what a step profile predicts
+  engine_step_phase_seconds{phase}  Baton's own: the same steps by phase (engine/step_phases.py
+                            PHASES: schedule, inputs, forward, matmul, attention, norms,
+                            logits, sample, grammar, outputs, kv); a step's phases add up to
+                            its engine_step_duration_seconds, so the _sums do over a run
+  engine_step_gap_seconds   Baton's own: from the end of a step that left work to the start of
+                            the next (the engine loop's dispatch, calls between steps, GC)
   itl_target_floor_steps_total  Baton's own: steps (with itl_target_ms) whose one-block floor
                             chunk alone was predicted over the target (a target this hardware
                             cannot hold at that context and load)
@@ -27,6 +33,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.request import Request, RequestStatus
+from engine.step_phases import PHASES
 
 PREFIX = "baton:"
 
@@ -47,6 +54,11 @@ REQUEST_LATENCY_BUCKETS = (
 )  # fmt: skip
 # vLLM's NIXL connector's transfer-time histogram (vllm:nixl_xfer_time_seconds,
 # vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py, NixlPromMetrics).
+# A phase of a step, or the gap between steps: tens of microseconds to seconds.
+PHASE_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+    0.5, 1.0, 2.5,
+)  # fmt: skip
 KV_TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
 
 NORMAL_FINISH = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
@@ -101,6 +113,20 @@ class EngineMetrics:
             buckets=ITL_BUCKETS,
             registry=r,
         )
+        phase_time = Histogram(
+            f"{PREFIX}engine_step_phase_seconds",
+            "Wall time of one phase of an engine step that ran a batch, in seconds.",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.phase_time = {phase: phase_time.labels(phase=phase) for phase in PHASES}
+        self.step_gap = Histogram(
+            f"{PREFIX}engine_step_gap_seconds",
+            "From the end of an engine step that left work to the start of the next, in seconds.",
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
         self.queue_time = _histogram("request_queue_time_seconds", "arrival -> first scheduled", r)
         self.prefill_time = _histogram(
             "request_prefill_time_seconds", "first scheduled -> first token", r
@@ -128,9 +154,18 @@ class EngineMetrics:
             if req.scheduled_time is not None:
                 self.prefill_time.observe(max(0.0, now - req.scheduled_time))
 
-    def stepped(self, seconds: float) -> None:
-        """One step that ran a batch took `seconds` (wall time)."""
+    def stepped(
+        self, seconds: float, phases: dict[str, float] | None = None, gap: float | None = None
+    ) -> None:
+        """One step that ran a batch took `seconds` (wall time), `phases` of it by phase
+        (zero phases are not observed), `gap` after the previous step's end (None: the engine
+        had been idle)."""
         self.step_time.observe(seconds)
+        for phase, spent in (phases or {}).items():
+            if spent:
+                self.phase_time[phase].observe(spent)
+        if gap is not None:
+            self.step_gap.observe(gap)
 
     def finished(self, req: Request, now: float) -> None:
         """req finished; a normal finish (stop or length) records its decode time."""

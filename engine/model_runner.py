@@ -16,6 +16,7 @@ from engine.model.fused_decode import MAX_ROWS as MAX_FUSED_ROWS
 from engine.model.fused_decode import FusedDecoder
 from engine.model.loader import load_model
 from engine.sampler import SampleRequest, TokenLogprobs, compute_logprobs, sample, top_logprobs
+from engine.step_phases import FUSED_PART_PHASES, StepPhases
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,10 @@ class ModelRunner:
         )
         # Decode-only steps in one C call where the model allows (engine/model/fused_decode.py)
         self.fused = FusedDecoder.build(self.model, self.kv_caches, self.backend, config)
+        # execute() laps its phases here; the engine shares its own (engine/step_phases.py)
+        self.phases = StepPhases()
+        if self.fused is not None:
+            self.fused.profile(True)  # its part timers feed the phases (a few us a step)
 
     def block_bytes(self) -> int:
         """Bytes one block occupies across all layers (keys and values)."""
@@ -169,14 +174,20 @@ class ModelRunner:
         selection = None  # every position is wanted once (all decode): no selection needed
         if wanted != list(range(len(input_ids))):
             selection = torch.tensor(wanted, dtype=torch.long, device=self.device)
+        self.phases.lap("inputs")
         hidden = self.model(ids, pos, self.kv_caches, meta, self.backend, selection)  # [W, E]
+        self.phases.lap("forward")
         tokens: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
         if logit_rows:
             logits = self.model.compute_logits(hidden[: len(logit_rows)])  # [S, V] fp32
+            self.phases.lap("logits")
             tokens = sample(logits, samples)
             logprobs = compute_logprobs(logits, tokens, samples)
+            self.phases.lap("sample")
         spans = self._prompt_logprobs(rows, hidden[len(logit_rows) :]) if span_rows else {}
+        if span_rows:
+            self.phases.lap("logits")
         return StepOutput(tokens, logprobs, spans)
 
     def _prompt_logprobs(
@@ -203,28 +214,37 @@ class ModelRunner:
         """A step of one token per row (each drawing at most one sample) through the fused C
         step; None where it does not run (the caller then takes the unfused path; nothing was
         written)."""
-        if not self.fused.serves(self.kv_caches):
+        fused = self.fused
+        if fused is None or not fused.serves(self.kv_caches):
             return None
         wanted = [i for i, row in enumerate(rows) if row.samples]
+        timings = fused.timings  # None unless profiling: seconds per part, accumulated
+        before = list(timings) if timings is not None else None
+        self.phases.lap("inputs")
         if len(rows) == 1:
             row = rows[0]
-            out = self.fused.step(
-                row.token_ids[row.start], row.block_ids, row.start + 1, bool(wanted)
-            )
+            out = fused.step(row.token_ids[row.start], row.block_ids, row.start + 1, bool(wanted))
         else:
-            out = self.fused.step_rows(
+            out = fused.step_rows(
                 [row.token_ids[row.start] for row in rows],
                 [row.block_ids for row in rows],
                 [row.start + 1 for row in rows],
                 wanted,
             )
+        self.phases.lap("forward")
         if out is None:
             return None
+        if before is not None and timings is not None:  # the C parts of the call, out of "forward"
+            for phase, was, now in zip(FUSED_PART_PHASES, before, timings, strict=True):
+                self.phases.move("forward", phase, now - was)
         if not wanted:
             return StepOutput([], [], {})
         hidden, logits = out
         if logits is None:  # the output projection is not in GGUF blocks
             logits = self.model.compute_logits(hidden[wanted])
+            self.phases.lap("logits")
         samples = [rows[i].samples[0] for i in wanted]
         tokens = sample(logits, samples)
-        return StepOutput(tokens, compute_logprobs(logits, tokens, samples), {})
+        result = StepOutput(tokens, compute_logprobs(logits, tokens, samples), {})
+        self.phases.lap("sample")
+        return result

@@ -9,6 +9,9 @@ finish_reason); the request's last output, once every choice ended, has finished
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from engine.choices import choice_id
 from engine.disaggregation import HeldBlocks
 from engine.errors import GrammarRejected
@@ -16,9 +19,35 @@ from engine.outputs import RequestOutput
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampler import TokenLogprobs, choice_seed
 
+if TYPE_CHECKING:
+    from engine.choices import ChoiceGroup
+    from engine.detokenizer import IncrementalDetokenizer
+    from engine.grammar import GrammarManager
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.metrics import EngineMetrics
+    from engine.model_runner import ModelRunner
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import Scheduler
+
 
 class RequestOutputs:
     """Appending tokens, finishing choices and forking them, for LLMEngine."""
+
+    if TYPE_CHECKING:  # what they use of LLMEngine
+        kv: KVCacheManager
+        runner: ModelRunner
+        scheduler: Scheduler
+        metrics: EngineMetrics
+        eos_token_ids: set[int]
+        max_model_len: int
+        _seeds: dict[str, int]
+        _detok: dict[str, IncrementalDetokenizer]
+        _groups: dict[str, ChoiceGroup]
+        _held: dict[str, HeldBlocks]
+        _grammar: GrammarManager | None
+
+        def _constrained(self, request_id: str) -> bool: ...
+        def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer: ...
 
     def _sampled(
         self,
@@ -70,14 +99,14 @@ class RequestOutputs:
         child.block_hashes = list(parent.block_hashes)
         self._seeds[cid] = choice_seed(self._seeds[parent.request_id], index)
         self._detok[cid] = self._detokenizer(parent.params)
-        constrained = self._constrained(parent.request_id)
-        if constrained:
-            self._grammar.fork(parent.request_id, cid)
+        grammar = self._grammar if self._constrained(parent.request_id) else None
+        if grammar is not None:
+            grammar.fork(parent.request_id, cid)
         copies = self.kv.fork(parent.request_id, cid, parent.num_computed_tokens)
         if copies is not None:
             self.runner.copy_blocks(copies)
             child.num_computed_tokens = parent.num_computed_tokens
-        if constrained and not self._grammar.is_ready(cid):
+        if grammar is not None and not grammar.is_ready(cid):
             self.scheduler.hold(child)  # replays its first token once the grammar compiled
         elif copies is None:  # no block free for its copy of the partial block: recompute
             self.scheduler.add(child)
@@ -142,7 +171,7 @@ class RequestOutputs:
         return None
 
     def _finish(
-        self, req: Request, status: RequestStatus, tokens: list[int] = (), text: str = ""
+        self, req: Request, status: RequestStatus, tokens: Sequence[int] = (), text: str = ""
     ) -> list[RequestOutput]:
         """End req (one choice) with `status`: its last output, then those of the choices
         that never forked off it (they end the same way). A prefilled request keeps its

@@ -97,12 +97,13 @@ def compute_logprobs(
 ) -> list[TokenLogprobs | None]:
     """Logprobs for the rows whose params ask for them (None elsewhere)."""
     out: list[TokenLogprobs | None] = [None] * len(tokens)
-    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    top_n = {i: r.params.logprobs for i, r in enumerate(requests) if r.params.logprobs is not None}
+    rows = list(top_n)
     if not rows:
         return out
     logp = torch.log_softmax(logits[rows], dim=-1)
     for j, i in enumerate(rows):
-        out[i] = top_logprobs(logp[j : j + 1], [tokens[i]], requests[i].params.logprobs)[0]
+        out[i] = top_logprobs(logp[j : j + 1], [tokens[i]], top_n[i])[0]
     return out
 
 

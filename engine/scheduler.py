@@ -65,6 +65,12 @@ class Scheduler:
         self.running: list[Request] = []  # admission order; the last one is the newest
         self.requests: dict[str, Request] = {}
 
+    def require_tier(self) -> TierConnector:
+        """The tier, on the paths only a tier opens (a request waiting for tier KV)."""
+        if self.tier is None:
+            raise RuntimeError("a KV tier load in a scheduler without a KV tier")
+        return self.tier
+
     # ---- lifecycle -----------------------------------------------------------------------
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -231,13 +237,13 @@ class Scheduler:
             return False
         self.waiting.popleft()
         req.status = RequestStatus.WAITING_FOR_TIER_KV
-        self.tier.start(self.kv, req, len(hits), n_tier)
+        self.require_tier().start(self.kv, req, len(hits), n_tier)
         return True
 
     def _finish_tier_loads(self) -> None:
         """Requests whose tier blocks are in place join the running batch, their loaded
         blocks cached like computed ones (a block that failed to load is computed instead)."""
-        for req, n_loaded in self.tier.finished():
+        for req, n_loaded in self.require_tier().finished():
             req.num_computed_tokens += n_loaded * self.kv.block_size
             self.kv.cache_blocks(req, req.num_computed_tokens)
             if req.num_cached_tokens is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import json as json_lib
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -78,6 +78,13 @@ class StructuredOutput:
         """The name of the one constraint that is set."""
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
+    def text(self) -> str:
+        """The text of a json, regex, grammar or structural_tag spec (its kind's field)."""
+        value = getattr(self, self.kind)
+        if not isinstance(value, str):
+            raise ValueError(f"structured_output.{self.kind} has no text")
+        return value
+
     def to_dict(self) -> dict[str, Any]:
         """Plain values (msgpack-able) that of() turns back into this spec."""
         out: dict[str, Any] = {self.kind: getattr(self, self.kind)}
@@ -106,22 +113,22 @@ class StructuredOutput:
 
         match self.kind:
             case "json":
-                grammar = xgr.Grammar.from_json_schema(self.json, **self.json_options())
+                grammar = xgr.Grammar.from_json_schema(self.text(), **self.json_options())
             case "json_object":
                 grammar = xgr.Grammar.from_json_schema(
                     '{"type": "object"}', strict_mode=False, **self.json_options()
                 )
             case "regex":
-                grammar = xgr.Grammar.from_regex(self.regex)
+                grammar = xgr.Grammar.from_regex(self.text())
             case "choice":
                 return {"type": "grammar", "grammar": self.choice_ebnf()}
             case "grammar":
                 return {"type": "grammar", "grammar": self.grammar}
             case _:  # structural_tag
-                tag = json_lib.loads(self.structural_tag)
+                tag = json_lib.loads(self.text())
                 if "format" in tag:
                     return tag["format"]
-                grammar = xgr.Grammar.from_structural_tag(self.structural_tag)
+                grammar = xgr.Grammar.from_structural_tag(self.text())
         return {"type": "grammar", "grammar": str(grammar)}
 
     def _validate(self) -> None:
@@ -184,12 +191,13 @@ def _grammar_problem(kind: str, text: str) -> str | None:
     """Why xgrammar rejects this grammar (no tokenizer involved), or None; cached by spec."""
     import xgrammar as xgr  # imports torch and a native library: only when a spec is given
 
-    build = {
+    builders: dict[str, Callable[[str], object]] = {
         "json": xgr.Grammar.from_json_schema,
         "regex": xgr.Grammar.from_regex,
         "grammar": xgr.Grammar.from_ebnf,
         "structural_tag": xgr.Grammar.from_structural_tag,
-    }[kind]
+    }
+    build = builders[kind]
     try:
         build(text)
     except (RuntimeError, ValueError, TypeError) as exc:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 def _make_gloo(
     store: dist.Store, rank: int, timeout: timedelta, device: torch.device, local_host: str
 ) -> Any:
-    opts = dist.ProcessGroupGloo._Options()
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
     # Bind to the interface that reaches the peer, not whatever the hostname resolves to.
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
     opts._timeout = timeout

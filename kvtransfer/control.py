@@ -70,7 +70,9 @@ class RpcServer:
                 continue
             except Exception:  # noqa: BLE001 - bad handshake from a stray client
                 continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn,), daemon=True, name="rpc-serve"
+            ).start()
 
     def _serve(self, conn: Connection) -> None:
         with conn:
@@ -79,6 +81,7 @@ class RpcServer:
                     method, args, kwargs = conn.recv()
                 except (EOFError, OSError):
                     return
+                result: tuple[Any, ...]
                 try:
                     if method.startswith("_"):
                         raise AttributeError(f"{method} is not a public method")

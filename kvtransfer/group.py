@@ -88,7 +88,7 @@ class GroupRegistry:
             self.host_address,
             tcp,
         )
-        group.store.set(EPOCH_KEY, "0")  # in-process server: cannot hang
+        group.live_store().set(EPOCH_KEY, "0")  # in-process server: cannot hang
         self._add(group)
         return {"host": self.host_address, "port": tcp.port, "group": name, "backend": self.backend}
 

@@ -160,6 +160,12 @@ class PeerGroup:
                 if self.closed:
                     self._release()
 
+    def live_store(self) -> dist.Store:
+        """The pair's store; PeerLost once it was released (the peer was removed)."""
+        if self.store is None:
+            raise PeerLost(f"peer {self.peer_id!r} was removed; join/host it again")
+        return self.store
+
     # ---- store operations (call inside a session; each bounded by `timeout`) ----------------
     def _bounded(self, what: str, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         if self._caller is None:
@@ -179,7 +185,9 @@ class PeerGroup:
 
     def epoch(self) -> int:
         """The pair's current epoch as recorded in the store."""
-        return int(self._bounded("reading the pair epoch", lambda: self.store.get(EPOCH_KEY)))
+        return int(
+            self._bounded("reading the pair epoch", lambda: self.live_store().get(EPOCH_KEY))
+        )
 
     def publish_failure(self) -> None:
         """Advance the store's epoch past a failure this side deferred (joiner side)."""
@@ -207,7 +215,7 @@ class PeerGroup:
     def announce(self, frame: bytes) -> None:
         """Queue a frame for the peer (host: a transfer or a pull ask; joiner: an answer)."""
         outbox = self._outbox
-        self._bounded("announcing a transfer", lambda: self.store.queue_push(outbox, frame))
+        self._bounded("announcing a transfer", lambda: self.live_store().queue_push(outbox, frame))
 
     def next_announcement(self, wait: float) -> bytes | None:
         """Pop the peer's oldest frame, waiting up to `wait` seconds; None if none came."""
@@ -217,29 +225,29 @@ class PeerGroup:
         def pop() -> bytes | None:
             # Blocking pop: the store wakes us as soon as a frame is pushed (no polling). The
             # client's timeout is per store object and only this session uses it.
-            self.store.set_timeout(timedelta(seconds=wait))
+            self.live_store().set_timeout(timedelta(seconds=wait))
             try:
-                return self.store.queue_pop(inbox, block=True)
+                return self.live_store().queue_pop(inbox, block=True)
             except dist.DistNetworkError:
                 raise  # the host is gone
             except dist.DistStoreError:
                 return None  # the wait timed out with the queue still empty
             finally:
-                self.store.set_timeout(timedelta(seconds=self.timeout))
+                self.live_store().set_timeout(timedelta(seconds=self.timeout))
 
         return self._bounded("waiting for an announcement", pop, timeout=wait + self.timeout)
 
     def num_announcements(self) -> int:
         """The peer's frames queued for this side and not yet popped."""
         inbox = self._inbox
-        return self._bounded("counting announcements", lambda: self.store.queue_len(inbox))
+        return self._bounded("counting announcements", lambda: self.live_store().queue_len(inbox))
 
     def connect(self, epoch: int) -> Any:
         """The backend group for `epoch`, built now if needed (blocks until the peer joins)."""
         if self.pg is not None and self.pg_epoch == epoch:
             return self.pg
         self._abort()
-        store = dist.PrefixStore(f"epoch{epoch}", self.store)
+        store = dist.PrefixStore(f"epoch{epoch}", self.live_store())
         make = BACKENDS[self.backend]
         timeout = timedelta(seconds=self.timeout)
 
@@ -288,7 +296,7 @@ class PeerGroup:
         # Compare-and-set: when both sides report the same failure, the epoch moves only once.
         self._bounded(
             "advancing the pair epoch",
-            lambda: self.store.compare_set(EPOCH_KEY, str(epoch), str(epoch + 1)),
+            lambda: self.live_store().compare_set(EPOCH_KEY, str(epoch), str(epoch + 1)),
         )
 
     # ---- teardown -------------------------------------------------------------------------

@@ -101,6 +101,8 @@ def recv(
         if regions is not None:
             buf = next(regions)  # post(i) runs for i = 0, 1, 2, ... in order
         else:
+            if scratch is None:  # set whenever the receive is not direct
+                raise RuntimeError("a staged receive without scratch memory")
             _, _, _, (_, _, n) = messages[i]
             offset = (i % limit) * chunk
             buf = scratch[offset : offset + n * block_bytes]

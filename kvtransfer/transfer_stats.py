@@ -24,11 +24,6 @@ class TransferStats:
         """All bytes the transfer put on the wire."""
         return self.payload_bytes + self.control_bytes
 
-    @property
-    def gb_per_s(self) -> float:
-        """Effective payload throughput in GB/s (1e9 bytes)."""
-        return self.payload_bytes / max(self.seconds, 1e-9) / 1e9
-
 
 def stats_of(
     desc: TransferDescriptor, num_messages: int, payload: int, control: int, seconds: float

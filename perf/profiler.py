@@ -3,6 +3,7 @@
     baton profile [--model smollm2-135m-instruct] [--threads 1] [--repeats 3]
                     [--quick] [--out FILE]
     baton profile --refit engine/profiles/<key>.json [--out FILE]
+    baton profile serving [...]   (a running cluster's steps by phase: perf/serving/command.py)
 
 Drives LLMEngine steps directly with crafted requests: a grid point is a step of D decode
 rows at context L plus (unless P = 0) one prefill chunk of P tokens after C cached tokens;
@@ -115,7 +116,7 @@ class Profiler:
         self.decoders = [self._add(prefix + self.prompts(1), DECODING) for _ in range(count)]
         while any(
             r.num_tokens - r.num_computed_tokens > 1
-            for r in map(self.engine.scheduler.requests.get, self.decoders)
+            for r in map(self.engine.scheduler.requests.__getitem__, self.decoders)
         ):
             self.engine.step()
 
@@ -225,6 +226,11 @@ def refit(path: Path, out: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serving"]:  # where a serving step's time goes (perf/serving)
+        from perf.serving.command import main as serving_main
+
+        return serving_main(argv[1:])
     parser = argparse.ArgumentParser(prog="baton profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")

@@ -12,6 +12,7 @@ called in process, over kvtransfer.control RPC or as Ray actor methods.
 from __future__ import annotations
 
 import logging
+import operator
 import queue
 import random
 import threading
@@ -115,7 +116,8 @@ class PrefillWorker(TransferEndpoint):
             self._attach_peer(decode_id, peer)
             if decode_id not in self.registry:
                 address = self.registry.host(decode_id)
-                self._senders[decode_id] = q = queue.Queue()
+                q: queue.Queue[_SendJob | _PullJob | None] = queue.Queue()
+                self._senders[decode_id] = q
                 threading.Thread(
                     target=self._send_loop,
                     args=(decode_id, q),
@@ -176,8 +178,9 @@ class PrefillWorker(TransferEndpoint):
         if out.finish_reason != "prefilled":
             return PrefillResult(out.finish_reason, None, seed, out.num_cached_tokens, out.error)
         handoff = prefill_handoff(outs)
+        first_token: int = handoff["first_tokens"][0]
         result = PrefillResult(
-            out.finish_reason, handoff["first_tokens"][0], seed, out.num_cached_tokens, out.error
+            out.finish_reason, first_token, seed, out.num_cached_tokens, out.error
         )
         if decode_id is None:
             self.loop.run(self.engine.release_held, rid)
@@ -207,7 +210,7 @@ class PrefillWorker(TransferEndpoint):
                 decode_id,
                 missing,
                 tuple(reservation.dst_block_ids),
-                result.first_token,
+                first_token,
                 {"seed": seed, "params": params, **handoff},
                 len(prompt),
                 hashes,
@@ -246,7 +249,9 @@ class PrefillWorker(TransferEndpoint):
         if not plan.dst_block_ids:  # all cached here already, or no block free
             return PullResult(plan.num_blocks, plan.start, 0)
         run = tokens[: plan.num_blocks * self.engine.config.block_size]
-        ask = PullAsk(pull_id, plan.block_hashes, run, cache_salt, plan.start, plan.dst_block_ids)
+        ask = PullAsk(
+            pull_id, plan.block_hashes, tuple(run), cache_salt, plan.start, plan.dst_block_ids
+        )
         job = _PullJob(decode_id, ask)
         sender.put(job)
         try:
@@ -289,9 +294,7 @@ class PrefillWorker(TransferEndpoint):
     def _renew_loop(self) -> None:
         while not self._stopped.wait(self.options.lease_seconds / 3):
             for rid, decode_id in list(self._computing.items()):
-                self._notify_peer(
-                    decode_id, f"renew({rid})", lambda decode, rid=rid: decode.renew(rid)
-                )
+                self._notify_peer(decode_id, f"renew({rid})", operator.methodcaller("renew", rid))
 
     def _sender(self, decode_id: str) -> queue.Queue:
         """The send queue of a paired decode worker; UnknownPeer when there is no pair group

@@ -159,7 +159,7 @@ def tool_plan(
     functions = {t.function.name: t.function.parameters for t in tools}
     if choice is None:
         choice = "auto" if tools else "none"
-    mode: str
+    mode: Literal["none", "auto", "required"]
     names = list(functions)
     if isinstance(choice, NamedToolChoice):
         names, mode = [choice.function.name], "required"

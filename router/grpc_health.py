@@ -29,9 +29,11 @@ class RouterHealth(health.aio.HealthServicer):
     async def refresh(self) -> None:
         """Set every service's status from the router's readiness now."""
         serving = self.router.readiness().serving
-        status = health_pb2.HealthCheckResponse.NOT_SERVING
-        if serving:
-            status = health_pb2.HealthCheckResponse.SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for service in self.services:
             await self.set(service, status)
 

@@ -84,7 +84,7 @@ def generate_disaggregated(
         )
     except _DecodeFailed as failed:  # the router blames the decode worker (request_life.watch)
         _PREFILL_CALLS.submit(prefill.abort, request_id, False)
-        raise failed.__cause__ from None
+        raise failed.error from None
     except UnknownPeer as exc:  # not paired (yet): the router waits for the controller
         decode.abort(request_id, propagate=False)
         raise PairNotReady(prefill_id, decode_id, str(exc)) from exc
@@ -104,7 +104,9 @@ def generate_disaggregated(
     if not first.prefilled:
         decode.abort(request_id, propagate=False)
         yield error_output(
-            request_id, first.error or f"prefill {first.finish_reason}", first.finish_reason
+            request_id,
+            first.error or f"prefill {first.finish_reason}",
+            first.finish_reason or "error",
         )
         return
     for out in early:
@@ -118,7 +120,11 @@ def generate_disaggregated(
 
 
 class _DecodeFailed(Exception):
-    """The decode worker's poll failed while the prefill ran (its __cause__ says how)."""
+    """The decode worker's poll failed while the prefill ran (`error` says how)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 def _prefill_while_leased(
@@ -147,7 +153,7 @@ def _prefill_while_leased(
         try:
             polled = decode.poll(request.request_id, 0.0)
         except Exception as exc:
-            raise _DecodeFailed from exc
+            raise _DecodeFailed(exc) from exc
         early.extend(o.to_dict() for o in polled)
         if early and kv_never_arrived(early[-1], prefill_id):
             return None

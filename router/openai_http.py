@@ -108,6 +108,8 @@ class OpenAIDoor:
             self._need_tokenizer("messages")
             messages = [m.template_dict() for m in req.messages]
             tools = list(req.plan.offered) or None
+            if self.renderer is None:  # made with the tokenizer
+                raise RuntimeError("a tokenizer without a chat renderer")
             ids = await self.run(self.renderer.render, messages, tools, req.chat_template_kwargs)
             prompts = [ids]
         params = [sampling_for(req, len(ids), limit) for ids in prompts]

@@ -29,7 +29,8 @@ back to the workers holding its context, which keep its blocks that long).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
@@ -39,6 +40,9 @@ from router.chat_protocol import ChatMessage, Tool, ToolChoice, ToolPlan, check_
 from router.chat_protocol import tool_plan as make_tool_plan
 from router.structured_output import Constraint, ResponseFormat, StructuredOutputs, constraint
 from router.tool_calls import structural_tag
+
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
 
 # Undeclared fields whose refusal says what to send instead.
 HINTS = {
@@ -259,7 +263,7 @@ class CompletionRequest(_Common):
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str | list):
             return list(p)
-        return [p] if p or p == "" else []
+        return [cast("str | list[int]", p)] if p or p == "" else []  # one text or token ids
 
     def sampling(self, max_tokens: int | None) -> dict:
         out = super().sampling(max_tokens)
@@ -329,17 +333,20 @@ class ChatCompletionRequest(_Common):
 
     @property
     def plan(self) -> ToolPlan:
+        """The request's tools and tool_choice (made by problems(), which parse() runs)."""
+        if self._tool_plan is None:
+            raise RuntimeError("the tool plan is made by problems() (parse())")
         return self._tool_plan
 
     @property
     def constraint_param(self) -> str | None:
-        return "tools" if self._tool_plan.mode == "required" else super().constraint_param
+        return "tools" if self.plan.mode == "required" else super().constraint_param
 
     def sampling(self, max_tokens: int | None) -> dict:
         out = super().sampling(max_tokens)
         if self.logprobs:
             out["logprobs"] = self.top_logprobs or 0
-        plan = self._tool_plan
+        plan = self.plan
         if plan.mode == "required":  # the reply is calls only: a response format has no text
             tag = structural_tag(list(plan.callable), plan.parallel)
             out["structured_output"] = {"structural_tag": tag}
@@ -362,13 +369,15 @@ def parse(cls: type[_Common], body: object) -> _Common:
     return request
 
 
-def in_body_order(problems: list[tuple[str | None, str]], body: dict) -> list:
+def in_body_order(
+    problems: Sequence[tuple[str | None, str]], body: dict
+) -> list[tuple[str | None, str]]:
     """Problems sorted as their top-level fields appear in the request body."""
     keys = {k: i for i, k in enumerate(body)}
     return sorted(problems, key=lambda p: keys.get((p[0] or "").split(".")[0], len(keys)))
 
 
-def refusal(problems: list[tuple[str | None, str]]) -> InvalidField:
+def refusal(problems: Sequence[tuple[str | None, str]]) -> InvalidField:
     """One InvalidField for all (param, reason) problems."""
     params = [p for p, _ in problems if p]
     if len(problems) == 1:
@@ -382,7 +391,9 @@ def refusal(problems: list[tuple[str | None, str]]) -> InvalidField:
 def field_errors(exc: ValidationError, prefix: str = "") -> list[tuple[str | None, str]]:
     """Every validation error as (field path, a sentence that names it). A field that fails
     every member of a union reports one error: the first of the member that got furthest."""
-    chosen: dict[tuple, tuple[int, str | None, dict]] = {}  # union field -> (depth, member, err)
+    chosen: dict[
+        tuple, tuple[int, str | None, ErrorDetails]
+    ] = {}  # union field -> (depth, member, err)
     order: list[tuple] = []
     for error in exc.errors(include_url=False):
         loc = [str(p) for p in error["loc"]]
@@ -398,7 +409,7 @@ def field_errors(exc: ValidationError, prefix: str = "") -> list[tuple[str | Non
     return [_sentence(chosen[key][2], prefix) for key in order]
 
 
-def _sentence(error: dict, prefix: str) -> tuple[str | None, str]:
+def _sentence(error: ErrorDetails, prefix: str) -> tuple[str | None, str]:
     loc = [str(p) for p in error["loc"] if not _union_tag(str(p))]
     field = prefix + ".".join(loc) if loc else (prefix.rstrip(".") or None)
     if error["type"] == "extra_forbidden":

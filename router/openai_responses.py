@@ -116,7 +116,9 @@ class Reply:
             if delta.tool_calls:
                 body["tool_calls"] = delta.tool_calls
             choice: dict = {"delta": body}
-            logprobs = {"content": delta.logprobs, "refusal": None} if delta.logprobs else None
+            logprobs: dict | list | None = (
+                {"content": delta.logprobs, "refusal": None} if delta.logprobs else None
+            )
         else:
             choice = {"text": delta.text}
             logprobs = delta.logprobs

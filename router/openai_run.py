@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.sampling_params import SamplingParams
-from router.openai_choices import ChoiceOptions
+from router.openai_choices import ChoiceOptions, Delta
 from router.openai_logprobs import TokenText
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, InvalidField
 from router.openai_responses import Reply, raise_if_failed
@@ -54,7 +54,7 @@ class Run:
             if first is not None and first["finished"]:
                 raise_if_failed(self.reply.request_id, first["finish_reason"], first.get("error"))
 
-    async def deltas(self) -> AsyncIterator[tuple[int, object]]:
+    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
         """(choice index, Delta) as outputs arrive: an echoed prompt's text first."""
         echo = self.prepared.echo_texts
         async for i, out in merged(self.streams, self.firsts):

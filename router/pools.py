@@ -110,14 +110,12 @@ class WorkerPools:
                 self.index.remove_worker(worker_id)
                 self.load.forget(worker_id)
                 self._healthy.pop(worker_id, None)
-            if block_size is not None and (block_size, hash_seed) != (
-                self.block_size,
-                self.hash_seed,
-            ):
+            seed = self.hash_seed if hash_seed is None else hash_seed  # None: unchanged
+            if block_size is not None and (block_size, seed) != (self.block_size, self.hash_seed):
                 for worker_id in old & new:  # its hashes were computed the old way
                     self.index.remove_worker(worker_id)
                     self.index.add_worker(worker_id)
-                self.block_size, self.hash_seed = block_size, hash_seed
+                self.block_size, self.hash_seed = block_size, seed
             for worker_id in new - old:
                 self.index.add_worker(worker_id)
             self.prefill, self.decode = dict(prefill), dict(decode)
@@ -220,11 +218,15 @@ class WorkerPools:
     def refresh_targets(self) -> list[tuple[str, PrefillAPI | DecodeAPI]]:
         """The members whose KV events the index takes (healthy ones: others may hang)."""
         with self._lock:
-            members = [*self.prefill.items(), *self.decode.items()]
+            members: list[tuple[str, PrefillAPI | DecodeAPI]] = [
+                *self.prefill.items(),
+                *self.decode.items(),
+            ]
             return [(w, worker) for w, worker in members if self._healthy.get(w, True)]
 
-    def apply_kv_events(self, events: Mapping[str, list]) -> None:
-        """Apply each worker's KV events to the index, skipping workers that left meanwhile."""
+    def apply_kv_events(self, events: Mapping[str, list | None]) -> None:
+        """Apply each worker's KV events (None: it did not answer) to the index, skipping
+        workers that left meanwhile."""
         with self._lock:
             current = {*self.prefill, *self.decode}
             for worker_id, worker_events in events.items():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 from router.tool_calls import ArgumentsDelta, CallStarted, TextDelta
 
@@ -51,11 +52,12 @@ class ResponseBuilder:
                 if self._open is None or self._open["type"] != "message":
                     out += self._close()
                     out += self._open_message()
-                part = self._open["content"][0]
+                message = self._open_item()
+                part = message["content"][0]
                 part["text"] += event.text
                 out.append(
                     self._text_event(
-                        "response.output_text.delta", self._open, delta=event.text, logprobs=[]
+                        "response.output_text.delta", message, delta=event.text, logprobs=[]
                     )
                 )
             elif isinstance(event, CallStarted):
@@ -70,11 +72,12 @@ class ResponseBuilder:
                 }
                 out += self._add(item)
             elif isinstance(event, ArgumentsDelta):
-                self._open["arguments"] += event.text
+                call = self._open_item()  # opened by its CallStarted
+                call["arguments"] += event.text
                 out.append(
                     self._event(
                         "response.function_call_arguments.delta",
-                        item_id=self._open["id"],
+                        item_id=call["id"],
                         output_index=len(self.items) - 1,
                         delta=event.text,
                     )
@@ -141,8 +144,14 @@ class ResponseBuilder:
             "user": req.user,
         }
 
+    def _open_item(self) -> dict:
+        """The item still being written."""
+        if self._open is None:
+            raise RuntimeError("an output event with no output item open")
+        return self._open
+
     def _open_message(self) -> list[dict]:
-        item = {
+        item: dict[str, Any] = {
             "id": _id("msg"),
             "type": "message",
             "role": "assistant",

@@ -14,7 +14,7 @@ workers, or kvtransfer.worker_client clients over RPC or Ray). The front doors
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -88,7 +88,7 @@ class Router:
         params: dict,
         cache_salt: str | None = None,
         session: SessionHint | None = None,
-    ) -> Iterator[dict]:
+    ) -> Generator[dict, None, None]:
         """Output dicts of one request; the last carries prefill_worker and decode_worker.
 
         A session (router/sessions.py) is checked first (InvalidRequestError naming the field),

@@ -173,7 +173,7 @@ def uvicorn_ssl_options(tls: TLSFiles | None) -> dict:
     """uvicorn.Config keyword arguments for TLS ({} for plain HTTP)."""
     if tls is None:
         return {}
-    options = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
+    options: dict[str, object] = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
     if tls.client_ca_file:
         options.update(ssl_ca_certs=tls.client_ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
     return options

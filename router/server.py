@@ -35,7 +35,6 @@ from router.sessions import SessionHint, session_hint
 logger = logging.getLogger(__name__)
 SERVICE = "baton.v1.Inference"
 STREAM_THREADS = 512
-_DONE = object()
 
 
 # Optional scalar fields of the proto's SamplingParams, passed as they are (floats rounded to
@@ -137,6 +136,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         ]
         if not messages:
             raise InvalidRequestError("messages is empty")
+        if self.renderer is None:  # made with the tokenizer
+            raise RuntimeError("a tokenizer without a chat renderer")
         return self.renderer.render(messages)
 
     async def Generate(self, request, context):  # noqa: N802 - gRPC method name
@@ -160,8 +161,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         completion = 0
         try:
             while True:
-                out = await asyncio.to_thread(next, stream, _DONE)
-                if out is _DONE:
+                out = await asyncio.to_thread(next, stream, None)  # outputs are dicts
+                if out is None:
                     return
                 completion += len(out["token_ids"])
                 reply = pb.GenerateResponse(
@@ -233,7 +234,7 @@ async def start_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     tls: TLSFiles | None = None,
     chat_template: str | None = None,
-) -> tuple[object, int]:
+) -> tuple[grpc.aio.Server, int]:
     """Start the aio server (TLS when given; interceptors such as router.security's key
     check and router.admission's bound run before the servicer; chat_template replaces the
     tokenizer's); returns (server, bound port). Port 0 picks a free one."""

@@ -96,7 +96,7 @@ async def merged(streams: list[TokenStream], firsts: list[dict | None]):
     try:
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=pending.get):
+            for task in sorted(done, key=pending.__getitem__):
                 i = pending.pop(task)
                 out = task.result()
                 if out is None:

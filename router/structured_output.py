@@ -113,6 +113,8 @@ def _from_response_format(rf: ResponseFormat, prefix: str) -> Constraint | None:
         return Constraint({"json_object": True}, where)
     if rf.type == "json_schema":
         spec = rf.json_schema
+        if spec is None:  # the model's validator requires it for this type
+            raise ValueError(f"type 'json_schema' needs {where}.json_schema")
         if spec.schema_ is None or spec.schema_ is True:  # no schema: any JSON object
             return Constraint({"json_object": True}, f"{where}.json_schema")
         param = f"{where}.schema" if prefix else f"{where}.json_schema.schema"

@@ -192,17 +192,19 @@ class WorkerChooser:
         if prefill is not None:
             pull, decision = self._pull_or_local(hashes, n, prefill, decode, local, decode_loads)
             local = local if decision is None else decision == LOCAL
-        worker = decode.worker_id if local else prefill.worker_id
+        worker = decode.worker_id if local or prefill is None else prefill.worker_id
         hits = index.hits(worker, hashes[: min(len(hashes), (n - 1) // bs)])
         if pull is not None:
             uncached = n - max(pull.num_blocks, hits.blocks) * bs
         else:
             uncached = n - hits.blocks * bs
         return Choice(
-            prefill=None if local else (prefill.worker_id, view.prefill[prefill.worker_id]),
+            prefill=None
+            if local or prefill is None
+            else (prefill.worker_id, view.prefill[prefill.worker_id]),
             decode=(decode.worker_id, view.decode[decode.worker_id]),
             policy=self.policy_name,
-            uncached_tokens=0 if local else uncached,
+            uncached_tokens=0 if local or prefill is None else uncached,
             fits=decode.fits,
             can_fit_later=decode.can_fit_later,
             pull=pull,

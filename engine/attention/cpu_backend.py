@@ -54,10 +54,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """q: [T, H, D]; blocks: [2, KVH, num_blocks, block_size, D]. Returns [Bd, H, D]."""
         if q.dtype != torch.float32 or q.device.type != "cpu":
             return super()._decode(q, blocks, plan, scale)
-        qd = (q if plan.all_decode else q.index_select(0, plan.decode_rows)).contiguous()
+        decode_rows, tables, decode_lens = plan.decode_tensors()  # tables: [Bd, blocks] int64
+        qd = (q if plan.all_decode else q.index_select(0, decode_rows)).contiguous()
         out = torch.empty_like(qd)
         _, num_kv_heads, _, block_size, head_dim = blocks.shape
-        tables = plan.decode_blocks  # [Bd, blocks] int64, contiguous
         isa = () if self._isa is None else (self._isa,)
         kernel = (
             self._lib.baton_paged_decode if self._isa is None else self._lib.baton_paged_decode_isa
@@ -68,7 +68,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             *blocks.stride()[:4],
             tables.data_ptr(),
             tables.shape[1],
-            plan.decode_lens.data_ptr(),
+            decode_lens.data_ptr(),
             qd.shape[0],
             qd.shape[1],
             num_kv_heads,

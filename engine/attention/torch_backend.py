@@ -42,6 +42,12 @@ class _StepPlan:
     all_decode: bool  # every sequence decodes: decode row i is query row i
     prefills: list[_PrefillSeq]
 
+    def decode_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(decode_rows, decode_blocks, decode_lens), all set when the step has decode tokens."""
+        if self.decode_rows is None or self.decode_blocks is None or self.decode_lens is None:
+            raise RuntimeError("decode attention on a step without decode tokens")
+        return self.decode_rows, self.decode_blocks, self.decode_lens
+
 
 def context_slots(block_tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
     """[S, length] cache slot of positions 0..length-1 of every sequence (padding: block 0)."""
@@ -103,7 +109,7 @@ class TorchAttentionBackend(AttentionBackend):
                 decode_mask_neg = torch.arange(length, device=device)[None, :] >= lens[:, None]
                 decode_mask_neg = decode_mask_neg[:, None, :]  # [Bd, 1, L]
             decode_rows = meta.query_start_loc[idx].long()
-        prefills = []
+        prefills: list[_PrefillSeq] = []
         start = 0
         for s, (q_len, s_len) in enumerate(zip(meta.query_lens, meta.seq_lens, strict=True)):
             if q_len > 1:
@@ -154,6 +160,8 @@ class TorchAttentionBackend(AttentionBackend):
         if self._plan_for is not meta:
             self.begin_step(meta)
         plan = self._plan
+        if plan is None:  # begin_step() sets it
+            raise RuntimeError("attention forward without a step plan")
         blocks, cache = self._views(kv_cache)
         write_kv(k, v, cache, meta.slot_mapping)
         if plan.all_decode:  # rows are the sequences in order: nothing to scatter
@@ -186,22 +194,22 @@ class TorchAttentionBackend(AttentionBackend):
             out[seq.rows] = o[0].transpose(0, 1)
         return out
 
-    @staticmethod
     def _decode(
-        q: torch.Tensor, blocks: torch.Tensor, plan: _StepPlan, scale: float
+        self, q: torch.Tensor, blocks: torch.Tensor, plan: _StepPlan, scale: float
     ) -> torch.Tensor:
         """One query per sequence: batched matmul-softmax-matmul over (KVH x Bd) matrices
         (SDPA's CPU flash kernel is slow for single-token queries). Whole blocks are gathered
         (contiguous block_size x D rows per head). Returns [Bd, H, D]."""
-        bd, num_ctx_blocks = plan.decode_blocks.shape
+        decode_rows, decode_blocks, _ = plan.decode_tensors()
+        bd, num_ctx_blocks = decode_blocks.shape
         _, num_kv_heads, _, block_size, head_dim = blocks.shape
         length = num_ctx_blocks * block_size
         group = q.shape[1] // num_kv_heads
         # Keys and values of every context block in one gather: [2, KVH, Bd * L, D]
-        kv = _gather_blocks(blocks, plan.decode_blocks.reshape(-1))
+        kv = _gather_blocks(blocks, decode_blocks.reshape(-1))
         kd = kv[0].view(num_kv_heads * bd, length, head_dim)
         vd = kv[1].view(num_kv_heads * bd, length, head_dim)
-        qd = q if plan.all_decode else q.index_select(0, plan.decode_rows)
+        qd = q if plan.all_decode else q.index_select(0, decode_rows)
         if bd == 1:  # [KVH, G, D] queries against exactly the sequence's keys
             n = plan.decode_len
             scores = torch.bmm(
@@ -217,6 +225,8 @@ class TorchAttentionBackend(AttentionBackend):
         qd = qd.transpose(0, 1).reshape(num_kv_heads * bd, group, head_dim)
         scores = torch.bmm(qd, kd.transpose(1, 2)).mul_(scale)  # [KVH * Bd, G, L]
         scores = scores.view(num_kv_heads, bd, group, length).float()
+        if plan.decode_mask_neg is None:  # set whenever Bd > 1
+            raise RuntimeError("decode attention over several sequences without a mask")
         scores = scores.masked_fill_(plan.decode_mask_neg, float("-inf"))
         probs = scores.softmax(-1).to(vd.dtype).view(num_kv_heads * bd, group, length)
         od = torch.bmm(probs, vd)  # [KVH * Bd, G, D]

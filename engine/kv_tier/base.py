@@ -141,6 +141,8 @@ class KVTier(ABC):
             # Touched tail first: the head of a prefix is the most recently used.
             for h in reversed(hashes):
                 entry = self._index.get(h)
+                if entry is None:  # leading() found it under this same lock
+                    raise RuntimeError(f"tier index lost held block {h:#x}")
                 entry.pins += 1
                 self._index.touch(h, self._tick())
         load = TierLoad(hashes, dst, start_event(dst.device) if hashes else None)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import torch
 
@@ -49,6 +49,8 @@ class TierConnector:
         """BlockPool hook, called before a cached block is reused: copy its KV to the tier
         (True when queued)."""
         key = block.hash_key
+        if block.block_hash is None:  # never cached: nothing a tier could look up
+            return False
         views = block_views(self.kv_caches, block.block_id)
         return self.tier.offer(block.block_hash, views, key[0] if key else None, key)
 
@@ -133,7 +135,7 @@ class TierConnector:
         return self.tier.take_events()
 
 
-class _Keys(Sequence):
+class _Keys(Sequence[HashKey]):
     """The hash keys of req's blocks [start, start + n), computed on access (a lookup reads
     them only up to its first miss)."""
 
@@ -143,7 +145,13 @@ class _Keys(Sequence):
     def __len__(self) -> int:
         return self._n
 
-    def __getitem__(self, i: int) -> HashKey:
+    @overload
+    def __getitem__(self, i: int) -> HashKey: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[HashKey]: ...
+    def __getitem__(self, i: int | slice) -> HashKey | list[HashKey]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
         if not 0 <= i < self._n:
             raise IndexError(i)
         return self._kv.hash_key(self._req, self._start + i)

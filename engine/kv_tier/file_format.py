@@ -16,6 +16,7 @@ is read (a load), never trusted without it.
 from __future__ import annotations
 
 import hashlib
+import io
 import struct
 import zlib
 from dataclasses import dataclass
@@ -88,14 +89,14 @@ class BlockHeader:
         return None
 
 
-def payload_digest(payload: memoryview | bytes) -> bytes:
+def payload_digest(payload: memoryview | bytes | bytearray) -> bytes:
     return hashlib.blake2b(payload, digest_size=DIGEST_SIZE).digest()
 
 
 def tensor_bytes(block: torch.Tensor) -> memoryview:
     """The raw bytes of a (CPU) block tensor, C order, without copying a contiguous one."""
     flat = block.contiguous().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy())
+    return flat.numpy().data
 
 
 def make_header(
@@ -210,7 +211,7 @@ def _unpack_header(packed: bytes) -> BlockHeader:
     return header
 
 
-def read_payload(f: BinaryIO, header: BlockHeader, identity: TierIdentity) -> torch.Tensor:
+def read_payload(f: io.BufferedIOBase, header: BlockHeader, identity: TierIdentity) -> torch.Tensor:
     """The payload after read_header(), digest-checked, as a block tensor of `identity`
     (check_header() passed first)."""
     data = bytearray(header.payload_len)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from engine.attention.kv_layout import head_major
 from engine.model.gguf_kernel import INT8_ISA_IDS
 from engine.model.gguf_linear import GGUFBlockLinear
 from engine.native import load_kernel_library
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +136,15 @@ def _matrix(layer: object) -> Matrix | None:
     )
 
 
-def _block_layers(model: torch.nn.Module) -> list[GGUFBlockLinear]:
-    """Every layer matrix of the model, and its output projection where that is in blocks."""
-    matrices = [lin for layer in model.layers for lin in layer.linears()]
+def _block_layers(model: LlamaForCausalLM) -> list[GGUFBlockLinear]:
+    """Every layer matrix of the model (all in blocks once _refusal passed), and its output
+    projection where that is in blocks."""
+    matrices = [
+        lin
+        for layer in model.decoder_layers()
+        for lin in layer.linears()
+        if isinstance(lin, GGUFBlockLinear)
+    ]
     if isinstance(model.lm_head, GGUFBlockLinear):
         matrices.append(model.lm_head)
     return matrices
@@ -159,7 +169,7 @@ class FusedDecoder:
 
     @classmethod
     def build(
-        cls, model: torch.nn.Module, kv_caches: list[torch.Tensor], backend: object, config
+        cls, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], backend: object, config
     ) -> FusedDecoder | None:
         """The fused step for this model and cache, or None (and why, logged) where the
         unfused path must run every step."""
@@ -167,13 +177,13 @@ class FusedDecoder:
         lib = load_kernel() if reason is None else None
         if reason is None and lib is None:
             reason = "decode_step.c could not be built or loaded here"
-        if reason is not None:
+        if reason is not None or lib is None:  # lib is None only with a reason
             logger.info("fused decode step off: %s", reason)
             return None
         a = model.args
         keep: list = []
         layers = (Layer * a.num_layers)()
-        for i, (layer, cache) in enumerate(zip(model.layers, kv_caches, strict=True)):
+        for i, (layer, cache) in enumerate(zip(model.decoder_layers(), kv_caches, strict=True)):
             storage = head_major(cache)
             keep.append(storage)
             layers[i] = Layer(
@@ -221,7 +231,7 @@ class FusedDecoder:
 
     @staticmethod
     def _refusal(
-        model: torch.nn.Module, kv_caches: list[torch.Tensor], backend: object, config
+        model: LlamaForCausalLM, kv_caches: list[torch.Tensor], backend: object, config
     ) -> str | None:
         """Why this model cannot run fused (None: it can)."""
         if not getattr(config, "fused_decode", True):
@@ -236,7 +246,7 @@ class FusedDecoder:
         a = model.args
         if a.hidden_size % 8 or a.head_dim % 8 or a.num_heads % a.num_kv_heads:
             return "shapes the C step does not take"
-        for i, layer in enumerate(model.layers):
+        for i, layer in enumerate(model.decoder_layers()):
             if any(_matrix(lin) is None for lin in layer.linears()):
                 return f"layer {i} has a matrix without Q4_1 / Q8_0 blocks"
         int8 = bool(getattr(config, "int8_activations", False))

@@ -20,6 +20,7 @@ import ctypes
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -33,6 +34,9 @@ from engine.model.gguf_kernel import (
     int8_isa,
     load_kernel,
 )
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +72,10 @@ class GGUFBlockLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.dense.weight
+        weight = self.dense.weight
+        if not isinstance(weight, torch.Tensor):  # nn.Linear and PackedLinear hold one
+            raise TypeError(f"{type(self.dense).__name__} has no weight tensor")
+        return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= QUANT_MAX_ROWS and x.dtype == torch.float32:
@@ -88,7 +95,7 @@ def read_blocks(path: Path) -> dict[str, tuple[torch.Tensor, int]]:
     return out
 
 
-def _head(model: nn.Module) -> nn.Module:
+def _head(model: LlamaForCausalLM) -> nn.Module:
     """The output projection as a layer (a tied model without oneDNN has none of its own)."""
     if model.lm_head is not None:
         return model.lm_head
@@ -98,7 +105,7 @@ def _head(model: nn.Module) -> nn.Module:
 
 
 def attach_gguf_blocks(
-    model: nn.Module,
+    model: LlamaForCausalLM,
     blocks_file: Path,
     target: Callable,
     int8_activations: bool = False,
@@ -134,6 +141,8 @@ def attach_gguf_blocks(
             continue  # mixed block types in one fused matrix: keep it dense
         blocks = torch.cat([shards[s][0] for s in shard_order])
         weight = layer.weight
+        if not isinstance(weight, torch.Tensor):  # every projection is a linear layer
+            raise TypeError(f"{owner_name} has no weight tensor")
         if blocks.shape[0] != weight.shape[0]:
             continue  # not every part of a fused matrix is quantized
         if owner_name.endswith("qkv_proj"):  # the rows as the float32 weight has them

@@ -6,7 +6,9 @@ D = head dim, E = hidden size, I = intermediate size, V = vocab.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -231,7 +233,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = (
+        # nn.Linear, or PackedLinear / GGUFBlockLinear once packed; None: tied to embed_tokens
+        self.lm_head: nn.Module | None = (
             None
             if args.tie_word_embeddings
             else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -239,6 +242,10 @@ class LlamaForCausalLM(nn.Module):
         # RoPE tables [max_positions, D / 2]: (cis,) complex for float32, else (cos, sin); set
         # by set_rope() after weights are materialized.
         self.rope_tables: tuple[torch.Tensor, ...] = ()
+
+    def decoder_layers(self) -> Sequence[LlamaDecoderLayer]:
+        """self.layers, typed (nn.ModuleList's items are plain nn.Modules to a type checker)."""
+        return cast("Sequence[LlamaDecoderLayer]", self.layers)
 
     def set_rope(self, inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0) -> None:
         """Precompute the rotations for positions [0, max_positions). inv_freq: [D / 2]."""
@@ -258,7 +265,7 @@ class LlamaForCausalLM(nn.Module):
         """Put every layer's q and k projection rows (weights and biases) in rotation-pair
         order (see interleaved_rope_order); call once, after loading HF-layout weights."""
         order = self.qk_row_order()
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             proj = layer.self_attn.qkv_proj
             for param in (proj.weight, proj.bias):
                 if param is not None:
@@ -286,8 +293,9 @@ class LlamaForCausalLM(nn.Module):
         backend.begin_step(meta)
         rope = tuple(t.index_select(0, positions).unsqueeze(1) for t in self.rope_tables)
         x, delta = self.embed_tokens(input_ids), None  # the hidden state is x + delta
-        last = len(self.layers) - 1
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        layers = self.decoder_layers()
+        last = len(layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             x, delta = layer.forward_pending(
                 x, delta, rope, kv_cache, meta, backend, rows if i == last else None
             )
@@ -306,9 +314,8 @@ class LlamaForCausalLM(nn.Module):
         if not onednn_available(self.embed_tokens.weight):
             return
         pack_linears(self.layers)
-        head = self.lm_head if self.lm_head is not None else None
-        self.lm_head = (
-            PackedLinear.from_linear(head)
-            if head is not None
-            else PackedLinear(self.embed_tokens.weight, None)
-        )
+        head = self.lm_head
+        if head is None:
+            self.lm_head = PackedLinear(self.embed_tokens.weight, None)
+        elif isinstance(head, nn.Linear):  # (a head packed before stays as it is)
+            self.lm_head = PackedLinear.from_linear(head)

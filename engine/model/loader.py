@@ -160,7 +160,7 @@ def load_model(
                     ours, shard = target
                     if ours not in params:
                         raise ValueError(f"checkpoint tensor {name} has no place in the model")
-                    dest = params[ours]
+                    dest: torch.Tensor = params[ours]
                     if shard is not None:
                         dest = dest[_shard_rows(model, ours, shard)]
                     tensor = f.get_tensor(name)

@@ -14,6 +14,7 @@ import time
 import grpc
 import httpx
 
+from perf.bench.servers import chunk_tokens, reconcile, request_fields, server_kind
 from perf.bench.timeline import OK, RequestRecord
 from perf.bench.workloads import RequestSpec
 from router.proto import inference_pb2 as pb
@@ -86,6 +87,7 @@ class GrpcClient:
             error=error,
             kind=spec.kind,
             tenant=spec.tenant,
+            server_request_id=request.request_id,
         )
         return record, answer
 
@@ -93,17 +95,31 @@ class GrpcClient:
         await self.channel.close()
 
 
+RETRIES = 1  # sends again of a request whose connection closed before any reply (see below)
+
+
 class HttpClient:
-    """Keep-alive httpx connections to a router's OpenAI-compatible door (base URL such as
-    http://127.0.0.1:8000); times are seconds since `start`. `model`: the name sent in each
-    request (None: the first one /v1/models lists)."""
+    """Keep-alive httpx connections to an OpenAI-compatible server's /v1/completions (a
+    Baton router's HTTP door, or another server: base URL such as http://127.0.0.1:8000);
+    times are seconds since `start`. `model`: the name sent in each request (None: the first
+    one /v1/models lists); `kind`: the server's (perf/bench/servers.py; None: from
+    /v1/models), which decides the fields that make an answer exactly max_tokens long.
+    A request whose kept-alive connection the server closed before it sent any reply (a
+    server closes idle or used-up connections as it likes: llama-server's after 5 s idle or
+    100 requests) is sent again, once, on a fresh connection: it was never seen."""
 
     def __init__(
-        self, url: str, start: float, api_key: str | None = None, model: str | None = None
+        self,
+        url: str,
+        start: float,
+        api_key: str | None = None,
+        model: str | None = None,
+        kind: str | None = None,
     ) -> None:
         self.address = url.rstrip("/")
         self.start = start
         self.model = model
+        self.kind = kind
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         self.http = httpx.AsyncClient(
@@ -115,11 +131,13 @@ class HttpClient:
 
     async def workers(self, timeout: float = 30.0) -> dict[str, list[str]]:
         """The HTTP door has no ClusterStatus: no worker list (load balance counts the workers
-        the records name). Learns the model name from /v1/models when none was given."""
-        if self.model is None:
+        the records name). Learns the model name and the server's kind from /v1/models when
+        they were not given."""
+        if self.model is None or self.kind is None:
             reply = await self.http.get("/v1/models", timeout=timeout)
             reply.raise_for_status()
-            self.model = reply.json()["data"][0]["id"]
+            self.model = self.model or reply.json()["data"][0]["id"]
+            self.kind = self.kind or server_kind(reply.json())
         return {}
 
     async def generate(
@@ -132,10 +150,9 @@ class HttpClient:
             "prompt": list(spec.prompt_token_ids),
             "max_tokens": spec.max_tokens,
             "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **request_fields(self.kind or "baton", spec.max_tokens),
         }
         if spec.cache_salt:
             body["cache_salt"] = spec.cache_salt
@@ -145,36 +162,51 @@ class HttpClient:
                 body["retention_seconds"] = spec.retention_seconds
         chunks: list[tuple[float, int]] = []
         answer: list[int] = []
-        cached, workers, status, error = 0, {}, OK, ""
+        cached, status, error, server_id = 0, OK, "", ""
+        workers: dict[str, str] = {}  # the last chunk's "baton": the workers that served it
+        completion_tokens = None
         send = self.now()
-        try:
-            async with self.http.stream(
-                "POST", "/v1/completions", json=body, timeout=timeout
-            ) as reply:
-                if reply.status_code != 200:
-                    status, error = f"HTTP_{reply.status_code}", _message(await reply.aread())
-                else:
-                    async for line in reply.aiter_lines():
-                        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                            continue
-                        event = json.loads(line[5:])
-                        if "error" in event:
-                            status, error = _error_status(event["error"]), _message(event)
-                            continue
-                        ids = [
-                            i for c in event.get("choices") or [] for i in c.get("token_ids", ())
-                        ]
-                        if ids:
-                            chunks.append((self.now(), len(ids)))
-                            answer += ids
-                        usage = event.get("usage") or {}
-                        details = usage.get("prompt_tokens_details") or {}
-                        cached = details.get("cached_tokens", cached) or 0
-                        workers = event.get("baton") or workers
-        except httpx.TimeoutException as exc:
-            status, error = "DEADLINE_EXCEEDED", str(exc)
-        except httpx.HTTPError as exc:
-            status, error = "UNAVAILABLE", f"{type(exc).__name__}: {exc}"
+        for attempt in range(RETRIES + 1):
+            replied = False
+            try:
+                async with self.http.stream(
+                    "POST", "/v1/completions", json=body, timeout=timeout
+                ) as reply:
+                    replied = True
+                    server_id = reply.headers.get("x-request-id", "")
+                    if reply.status_code != 200:
+                        status, error = f"HTTP_{reply.status_code}", _message(await reply.aread())
+                    else:
+                        async for line in reply.aiter_lines():
+                            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                                continue
+                            event = json.loads(line[5:])
+                            if "error" in event:
+                                status, error = _error_status(event["error"]), _message(event)
+                                continue
+                            count = 0
+                            for choice in event.get("choices") or []:
+                                got = chunk_tokens(choice)
+                                count += got if isinstance(got, int) else len(got)
+                                answer += [] if isinstance(got, int) else got
+                            if count:
+                                chunks.append((self.now(), count))
+                            usage = event.get("usage") or {}
+                            completion_tokens = usage.get("completion_tokens", completion_tokens)
+                            details = usage.get("prompt_tokens_details") or {}
+                            cached = details.get("cached_tokens", cached) or 0
+                            workers = event.get("baton") or workers
+            except httpx.TimeoutException as exc:
+                status, error = "DEADLINE_EXCEEDED", str(exc)
+            except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                if not replied and attempt < RETRIES:
+                    continue  # a kept-alive connection the server closed as this was sent
+                status, error = "UNAVAILABLE", f"{type(exc).__name__}: {exc}"
+            except httpx.HTTPError as exc:
+                status, error = "UNAVAILABLE", f"{type(exc).__name__}: {exc}"
+            break
+        if status == OK:
+            reconcile(chunks, completion_tokens)
         record = RequestRecord(
             request_id=spec.request_id,
             send_s=send,
@@ -188,6 +220,7 @@ class HttpClient:
             error=error,
             kind=spec.kind,
             tenant=spec.tenant,
+            server_request_id=server_id,
         )
         return record, answer
 
@@ -242,7 +275,8 @@ async def scrape_counters(url: str, api_key: str | None = None, timeout: float =
     if reply.status_code != 200:
         print(f"no metrics: {url}: HTTP {reply.status_code}", file=sys.stderr)
         return None
-    kv_bytes, kv_time, steps = None, [0.0, 0.0], {}
+    kv_bytes, kv_time = None, [0.0, 0.0]
+    steps: dict[str, list[float]] = {}  # worker -> [steps, their seconds]
     sums: dict[str, float] = {}  # SUMMED key (":" label value) -> total
     by_name = {name: (key, label) for key, (name, label) in SUMMED.items()}
     for family in text_string_to_metric_families(reply.text):

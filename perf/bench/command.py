@@ -5,12 +5,16 @@
     baton bench --manifest deploy/examples/local.yaml --workload long-prompt ...
     baton bench --door http --address http://127.0.0.1:8000 --api-key K ...
     baton bench compare runs/a runs/b [--out runs/compare.png]
+    baton bench --url http://127.0.0.1:8000 --label baton --url http://127.0.0.1:8080 \
+        --label llama.cpp --workload shared-prefix --streams 1,4,16 --num-requests 32
 
 The cluster is reached only through a public front door: gRPC (default) or, with --door http,
 the OpenAI-compatible /v1/completions (streamed, token-id prompts); how requests are paced is
 perf/bench/driver.py's docstring. The same --seed gives the same arrivals and prompts (and,
 greedy as every request is, the same answers). With --manifest a local cluster (Ray in this
-process) is started for the run and torn down after it.
+process) is started for the run and torn down after it. With --url (repeated) any
+OpenAI-compatible servers are driven one after another with the same workload and seed and
+shown side by side (perf/bench/side_by_side.py).
 """
 
 from __future__ import annotations
@@ -63,6 +67,20 @@ def run_parser() -> argparse.ArgumentParser:
         help="a running router: HOST:PORT (gRPC) or its HTTP base URL with --door http",
     )
     where.add_argument("--manifest", help="start a local cluster from this manifest for the run")
+    where.add_argument(
+        "--url",
+        action="append",
+        help="an OpenAI-compatible server's base URL (repeat: each is run alone, in turn, and "
+        "the runs are shown side by side)",
+    )
+    p.add_argument("--label", action="append", help="with --url: the column name of each")
+    p.add_argument(
+        "--streams",
+        help="with --url: concurrent streams, e.g. 1,4,16 (default: --max-concurrency, else 1)",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=1, help="with --url: requests sent one at a time first"
+    )
     p.add_argument(
         "--door",
         choices=("grpc", "http"),
@@ -102,16 +120,14 @@ def run_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.url:
+        return side_by_side_command(args, workload, config)
     tokenizer_dir, cluster = args.tokenizer, None
     if args.manifest:
         cluster, config, tokenizer_dir = start_cluster(args.manifest, config, tokenizer_dir)
     progress = Progress(config.num_requests, enabled=not args.no_progress)
     try:
-        tokens = TokenSpace(high=args.vocab_size)
-        if tokenizer_dir:
-            from engine.tokenizer import load_tokenizer
-
-            tokens = TokenSpace.from_tokenizer(load_tokenizer(Path(tokenizer_dir)))
+        tokens = token_space(args, tokenizer_dir)
         address = args.address
         if cluster is not None:
             address = cluster.http_address if args.door == "http" else cluster.address
@@ -148,6 +164,69 @@ def run_command(args: argparse.Namespace) -> int:
                 print(f"no plots ({exc}); pip install matplotlib", file=sys.stderr)
         print(f"results: {path}")
     return 0 if summary["failed"] == 0 else 1
+
+
+def token_space(args: argparse.Namespace, tokenizer_dir: str | None) -> TokenSpace:
+    """Prompt ids from the tokenizer's vocabulary (special tokens left out), else [100,
+    --vocab-size)."""
+    if not tokenizer_dir:
+        return TokenSpace(high=args.vocab_size)
+    from engine.tokenizer import load_tokenizer
+
+    return TokenSpace.from_tokenizer(load_tokenizer(Path(tokenizer_dir)))
+
+
+def side_by_side_command(args: argparse.Namespace, workload, config: BenchConfig) -> int:
+    """`baton bench --url A --url B ...`: every server at every stream count, one table.
+    Exit 0 when every request succeeded, 1 when some failed, 2 on bad options."""
+    from perf.bench.side_by_side import (
+        parse_streams,
+        run_side_by_side,
+        side_by_side_table,
+        targets_of,
+    )
+
+    try:
+        targets = targets_of(args.url, args.label)
+        streams = parse_streams(args.streams or str(args.max_concurrency or 1))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.model:
+        targets = [replace(t, model=args.model) for t in targets]
+    tokens = token_space(args, args.tokenizer)
+    results = run_side_by_side(
+        targets,
+        workload,
+        tokens,
+        config,
+        streams,
+        args.warmup,
+        args.api_key,
+        log=lambda m: print(m, file=sys.stderr),
+    )
+    title = f"{args.workload} (seed {config.seed}, {config.num_requests} requests a run)"
+    print(side_by_side_table(results, title))
+    if args.out:
+        path = write_side_by_side(args.out, results)
+        print(f"results: {path}")
+    failed = sum(s["failed"] for by_label in results.values() for s in by_label.values())
+    return 0 if failed == 0 else 1
+
+
+def write_side_by_side(out_dir: str, results: dict[int, dict[str, dict]]) -> Path:
+    """side_by_side.json: {"runs": [{"streams", "label", "summary"}, ...]}."""
+    import json
+
+    path = Path(out_dir) / "side_by_side.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    runs = [
+        {"streams": n, "label": label, "summary": summary}
+        for n, by_label in results.items()
+        for label, summary in by_label.items()
+    ]
+    path.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    return path
 
 
 def start_cluster(manifest_path: str, config: BenchConfig, tokenizer_dir: str | None):

@@ -17,6 +17,7 @@ import math
 import time
 import uuid
 from dataclasses import asdict, dataclass, replace
+from typing import Protocol
 
 from perf.bench.arrivals import arrival_times
 from perf.bench.client import GrpcClient, HttpClient, counter_rise, scrape_counters
@@ -72,7 +73,7 @@ class Budget:
         return granted
 
 
-class ProgressSink:
+class ProgressSink(Protocol):
     """What the driver reports progress to (the CLI's bar; None in tests)."""
 
     def update(self, record: RequestRecord) -> None: ...
@@ -151,25 +152,36 @@ async def bench(
     api_key: str | None = None,
     metrics_url: str | None = None,
     model: str | None = None,
+    kind: str | None = None,
 ) -> tuple[dict, list[RequestRecord]]:
     """One run against the router at `address`: HOST:PORT for door "grpc", a base URL
-    (http://HOST:PORT) for door "http"; (summary, records). kv.kv_bytes_moved is the rise of
+    (http://HOST:PORT) for door "http" (a Baton router's) or "openai" (any OpenAI-compatible
+    server, of `kind` (perf/bench/servers.py; None: told by its /v1/models); no /metrics
+    unless metrics_url is given); (summary, records). kv.kv_bytes_moved is the rise of
     baton:kv_transfer_bytes_total at metrics_url (default: the HTTP door's /metrics) over the
     run, and engine_steps each worker's steps and their seconds over it
     (baton:engine_step_duration_seconds); None and {} without a metrics page."""
+    client: HttpClient | GrpcClient
     if door == "http":
-        client = HttpClient(address, time.perf_counter(), api_key, model)
+        client = HttpClient(address, time.perf_counter(), api_key, model, kind="baton")
         metrics_url = metrics_url or f"{client.address}/metrics"
+    elif door == "openai":  # any OpenAI-compatible server: its kind from /v1/models
+        client = HttpClient(address, time.perf_counter(), api_key, model, kind=kind)
     elif door == "grpc":
         client = GrpcClient(address, time.perf_counter(), api_key)
     else:
-        raise ValueError(f"unknown door {door!r}: grpc or http")
+        raise ValueError(f"unknown door {door!r}: grpc, http or openai")
     try:
         workers = await client.workers()
         before = await scrape_counters(metrics_url, api_key) if metrics_url else None
         client.start = time.perf_counter()
+        start_monotonic = time.monotonic()  # the same instant on every process's clock
         records = await run_bench(client, workload, tokens, config, progress)
-        after = await scrape_counters(metrics_url, api_key) if before is not None else None
+        after = (
+            await scrape_counters(metrics_url, api_key)
+            if metrics_url and before is not None
+            else None
+        )
     finally:
         await client.close()
     info = dict(
@@ -178,7 +190,9 @@ async def bench(
         options=asdict(workload),
         address=address,
         door=door,
+        server_kind=getattr(client, "kind", "baton"),
         metrics_url=metrics_url,
+        start_monotonic=start_monotonic,
     )
     summary = summarize(records, slo, workers, info)
     if before is not None and after is not None:

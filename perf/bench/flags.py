@@ -29,13 +29,14 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo", help="e.g. ttft=500,tpot=50 (ms); goodput counts requests meeting all")
 
 
-def workload_options(items: list[str]) -> dict[str, str]:
-    """The -o KEY=VALUE items as a dict; SystemExit on an item without "="."""
+def workload_options(items: list[str], flag: str = "--option") -> dict[str, str]:
+    """The -o KEY=VALUE items (or another `flag`'s) as a dict; SystemExit on an item
+    without "="."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"bad --option {item!r}: expected KEY=VALUE")
+            raise SystemExit(f"bad {flag} {item!r}: expected KEY=VALUE")
         out[key] = value
     return out
 

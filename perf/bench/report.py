@@ -25,6 +25,7 @@ Definitions (per request: see perf/bench/timeline.py for TTFT, TPOT, ITL and E2E
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 
 from perf.bench.timeline import RequestRecord
 from perf.stats import summary_ms
@@ -48,14 +49,14 @@ def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
     if not record.ok or record.ttft is None:
         return False
     values = dict(ttft=record.ttft, tpot=record.tpot, e2e=record.e2e)
-    return all(values[k] is None or values[k] * 1000.0 <= limit for k, limit in slo.items())
+    return all((v := values[k]) is None or v * 1000.0 <= limit for k, limit in slo.items())
 
 
 def duration_s(records: list[RequestRecord]) -> float:
     return max((r.end_s for r in records), default=0.0)
 
 
-def balance(counts: dict[str, float]) -> float | None:
+def balance(counts: Mapping[str, float]) -> float | None:
     """max / mean over the workers (1.0 is perfectly even); None without workers or load."""
     values = list(counts.values())
     mean = sum(values) / len(values) if values else 0.0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,18 +82,23 @@ class Session(Protocol):
     def next_turn(self, previous_answer: Sequence[int] | None) -> RequestSpec | None: ...
 
 
-class OneShot:
+_Spec = TypeVar("_Spec")  # RequestSpec; the simulator's trace sessions carry HashedSpecs
+
+
+class OneShot(Generic[_Spec]):
     """A session of one request."""
 
-    def __init__(self, spec: RequestSpec) -> None:
-        self._spec: RequestSpec | None = spec
+    def __init__(self, spec: _Spec) -> None:
+        self._spec: _Spec | None = spec
 
-    def next_turn(self, previous_answer: Sequence[int] | None) -> RequestSpec | None:
+    def next_turn(self, previous_answer: Sequence[int] | None) -> _Spec | None:
         spec, self._spec = self._spec, None
         return spec
 
 
 class Workload(Protocol):
     """Options as dataclass fields; sessions() is a deterministic (possibly endless) stream."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # a dataclass: asdict() gives its options
 
     def sessions(self, tokens: TokenSpace, seed: int) -> Iterator[Session]: ...

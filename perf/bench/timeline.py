@@ -36,6 +36,7 @@ class RequestRecord:
     error: str = ""
     kind: str = "chat"
     tenant: str = ""
+    server_request_id: str = ""  # the id the server gave the request (its logs and traces)
 
     @property
     def ok(self) -> bool:

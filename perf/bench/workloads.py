@@ -20,6 +20,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 from perf.bench.agent_workload import AgentWorkload
 from perf.bench.specs import (
@@ -43,6 +44,8 @@ __all__ = [
     "RandomWorkload",
     "RequestSpec",
     "Session",
+    "SharedPrefixWorkload",
+    "ShortPromptWorkload",
     "TokenSpace",
     "TraceWorkload",
     "Workload",
@@ -93,6 +96,34 @@ class PrefixRepetitionWorkload:
                 spec = RequestSpec(f"p{i}", 0, prefixes[k] + tuple(suffix), self.output_len)
                 yield OneShot(replace(spec, tenant=f"prefix{k}"))
                 i += 1
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefixWorkload:
+    """One system prompt shared by every request, then a short user turn of each request's
+    own: a prefix cache's best case, the comparison with other servers' prompt caches."""
+
+    system_len: int = 2000
+    user_len: int = 64
+    output_len: int = 64
+
+    def sessions(self, tokens: TokenSpace, seed: int) -> Iterator[Session]:
+        system = tuple(tokens.draw(_rng(seed, "system"), self.system_len))
+        for i in itertools.count():
+            user = tokens.draw(_rng(seed, "user", i), self.user_len)
+            yield OneShot(RequestSpec(f"s{i}", 0, system + tuple(user), self.output_len))
+
+
+@dataclass(frozen=True, slots=True)
+class ShortPromptWorkload:
+    """Short independent prompts (no shared prefix): the "random" workload's prompts with
+    these lengths (the same seed gives the same ids)."""
+
+    input_len: int = 256
+    output_len: int = 64
+
+    def sessions(self, tokens: TokenSpace, seed: int) -> Iterator[Session]:
+        return RandomWorkload(self.input_len, self.output_len).sessions(tokens, seed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +256,8 @@ WORKLOADS: dict[str, type] = {
     "agentic": AgenticWorkload,
     "prefix-repetition": PrefixRepetitionWorkload,
     "random": RandomWorkload,
+    "shared-prefix": SharedPrefixWorkload,
+    "short-prompt": ShortPromptWorkload,
     "long-prompt": LongPromptWorkload,
     "trace": TraceWorkload,
 }
@@ -236,7 +269,7 @@ def make_workload(name: str, options: dict[str, str] | None = None) -> Workload:
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; one of {', '.join(WORKLOADS)}")
     cls = WORKLOADS[name]
-    defaults = {f.name: f.default for f in fields(cls)}
+    defaults: dict[str, Any] = {f.name: f.default for f in fields(cls)}
     values = {}
     for key, text in (options or {}).items():
         if key not in defaults:

@@ -159,7 +159,7 @@ class SimCluster:
     def prefilled(self, worker: SimWorker, job: Job) -> None:
         """P sampled the first token: send the blocks D lacks."""
         self.load.prefilled(worker.worker_id, job.queued)
-        d = job.peer
+        d = job.decode_job()
         blocks = -(-job.request.prompt_tokens // self.block_size) - d.hit_blocks
         nbytes = blocks * self.config.block_bytes
         self.transfers += 1
@@ -175,7 +175,8 @@ class SimCluster:
         prefill.release(job)
         prefill._kick()  # its waiting prompts may fit now
         decode = self.decode[job.request.decode_worker]
-        decode.between_steps(lambda: self._first_token(decode, job.peer))
+        d = job.decode_job()
+        decode.between_steps(lambda: self._first_token(decode, d))
 
     def _first_token(self, decode: SimWorker, d: Job) -> None:
         """D completes the remote request: the first token goes out, decoding starts."""

@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 from engine.step_model import SHIPPED_PROFILES_DIR, StepModel
 from perf.bench.flags import add_run_args, run_config, workload_options
@@ -108,7 +109,7 @@ def run_parser() -> argparse.ArgumentParser:
 def cluster_config(args: argparse.Namespace, seed: int = 0) -> tuple[ClusterConfig, StepModel]:
     """The simulated cluster of --manifest and the flags, and the step model of --profile."""
     worker, prefill_worker = WorkerConfig(), None
-    shape = dict(prefill=1, decode=1, policy="cache_aware", local_prefill_tokens=0)
+    shape: dict[str, Any] = dict(prefill=1, decode=1, policy="cache_aware", local_prefill_tokens=0)
     if args.manifest:
         from deploy.manifest import load_manifest
 
@@ -155,7 +156,7 @@ def cluster_config(args: argparse.Namespace, seed: int = 0) -> tuple[ClusterConf
 def _worker_of(engine) -> WorkerConfig:
     values = {f: getattr(engine, f) for f in WORKER_FIELDS}
     if values["num_kv_blocks"] is None:
-        values["num_kv_blocks"] = WorkerConfig.num_kv_blocks
+        values["num_kv_blocks"] = WorkerConfig().num_kv_blocks
     return WorkerConfig(**values)
 
 

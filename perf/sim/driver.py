@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterator
 
 from engine.block_hash import hash_prompt_blocks
 from engine.step_model import StepModel
 from perf.bench.arrivals import arrival_times
 from perf.bench.driver import BenchConfig, Budget
 from perf.bench.timeline import RequestRecord
-from perf.bench.workloads import TokenSpace, TraceWorkload, Workload, stand_in_answer
+from perf.bench.workloads import (
+    OneShot,
+    Session,
+    TokenSpace,
+    TraceWorkload,
+    Workload,
+    stand_in_answer,
+)
 from perf.sim.cluster import ClusterConfig, SimCluster
 from perf.sim.events import EventLoop
 from perf.sim.request import SimRequest
@@ -39,6 +47,7 @@ class SimRun:
         self.oracle: set[int] = set()
         self.records: list[RequestRecord] = []
         bs = cluster.worker.block_size
+        self.sessions: Iterator[Session | OneShot[HashedSpec]]
         if isinstance(workload, TraceWorkload):
             self.sessions = trace_sessions(workload, bs, config.seed)
         else:

@@ -3,6 +3,7 @@ not its tokens), and what the client records of it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_pool import KVBlock
@@ -27,7 +28,7 @@ class SimRequest:
     decode_worker: str = ""
     chunks: list[tuple[float, int]] = field(default_factory=list)
     end_s: float = 0.0
-    on_done: object = None  # callback(request) when the last token is out
+    on_done: Callable[[SimRequest], object] | None = None  # called when the last token is out
 
 
 @dataclass(slots=True, eq=False)
@@ -45,4 +46,11 @@ class Job:
     stored: int = 0  # leading full prompt blocks registered in the cache so far
     output: int = 0  # tokens sampled on this worker (a DECODE job starts at 1: P's)
     peer: Job | None = None  # a PREFILL job's DECODE job on the decode worker
+
+    def decode_job(self) -> Job:
+        """A PREFILL job's DECODE job (its peer)."""
+        if self.peer is None:
+            raise RuntimeError(f"{self.request.request_id}: a prefill job without its decode job")
+        return self.peer
+
     queued: int = 0  # the prefill tokens the router counted as queued (LoadTracker)

@@ -52,7 +52,9 @@ def trace_hashes(row: dict, index: int, block_len: int, block_size: int, seed: i
     return tuple(out)
 
 
-def trace_sessions(workload: TraceWorkload, block_size: int, seed: int) -> Iterator[OneShot]:
+def trace_sessions(
+    workload: TraceWorkload, block_size: int, seed: int
+) -> Iterator[OneShot[HashedSpec]]:
     """TraceWorkload.sessions, as HashedSpecs."""
     if not workload.path:
         raise ValueError("the trace workload needs path=FILE (a JSONL trace)")

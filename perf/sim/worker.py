@@ -197,7 +197,7 @@ class SimWorker:
         else:
             seconds = self.model.predict(StepShape(*shape))
         seconds *= self.cluster.slowdown()
-        if plan is not None:  # the engine corrects its model by each step's measured time
+        if plan is not None and self.budget is not None:  # corrected by each step's time
             self.budget.observe(plan.shape, seconds)
         self.steps += 1
         self.busy_s += seconds

@@ -101,6 +101,15 @@ def test_new_block_size_drops_the_index_entries_hashed_the_old_way():
     assert (router.index.num_blocks("p0"), router.block_size) == (0, 8)
 
 
+def test_a_block_size_without_a_hash_seed_keeps_the_seed():
+    router = Router({"p0": FakePrefill()}, {"d0": FakeDecode()}, block_size=4, hash_seed="t")
+    router.index.apply("p0", [{"kind": "stored", "block_hashes": [11, 12], "parent_hash": None}])
+    router.set_workers(dict(router.prefill), dict(router.decode), block_size=4)
+    assert (router.index.num_blocks("p0"), router.block_size, router.pools.hash_seed) == (2, 4, "t")
+    router.set_workers(dict(router.prefill), dict(router.decode), block_size=8)
+    assert (router.index.num_blocks("p0"), router.block_size, router.pools.hash_seed) == (0, 8, "t")
+
+
 def test_request_waits_for_free_decode_blocks_instead_of_failing():
     d = FullDecode()
     router = Router(

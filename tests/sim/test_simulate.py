@@ -209,3 +209,16 @@ def test_fast_index_answers_as_kv_index():
         assert [fast.prefix_hits(x, query) for x in workers] == [
             slow.prefix_hits(x, query) for x in workers
         ], step
+
+
+def test_a_manifest_sized_in_memory_simulates_the_default_block_count():
+    from cluster.local import LOCAL_MANIFEST
+    from deploy.manifest import load_manifest
+    from perf.sim.command import cluster_config, run_parser
+
+    gpu = LOCAL_MANIFEST.with_name("gpu.yaml")
+    assert load_manifest(gpu).spec.engine.num_kv_blocks is None  # kv_cache_memory_gb instead
+    args = run_parser().parse_args(["--manifest", str(gpu)])
+    cluster, _ = cluster_config(args)
+    assert cluster.worker.num_kv_blocks == 2048
+    assert (cluster.worker.block_size, cluster.worker.chunk_size) == (16, 2048)

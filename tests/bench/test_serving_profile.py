@@ -1,0 +1,56 @@
+"""`baton profile serving` end to end on the tiny checkpoint, both shapes on local Ray: every
+request answered, each engine's phases add up to its measured step time (a consistency check,
+not a timing one), every token the client got is matched to the step that sampled it, and
+every process's threads are read by their names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from baton.cli import main
+from tests.cluster.manifests import tiny_manifest
+
+pytestmark = pytest.mark.ray
+
+
+def test_profile_serving_both_shapes(tiny_llama, tmp_path, capsys):
+    manifest = tmp_path / "tiny.yaml"
+    manifest.write_text(yaml.safe_dump(tiny_manifest(tiny_llama)))
+    out = tmp_path / "out"
+    argv = ["profile", "serving", "--manifest", str(manifest), "--streams", "1,2"]
+    argv += ["--requests-per-stream", "2", "--warmup", "1", "--vocab-size", "512"]
+    argv += ["-o", "system_len=24", "-o", "user_len=4", "-o", "output_len=4"]
+    assert main([*argv, "--out", str(out)]) == 0
+
+    text = capsys.readouterr().out
+    runs = json.loads((out / "serving_profile.json").read_text())["runs"]
+    assert [(r["shape"], r["streams"]) for r in runs] == [
+        ("aggregated", 1), ("aggregated", 2), ("disaggregated", 1), ("disaggregated", 2)
+    ]  # fmt: skip
+    for run in runs:
+        assert f"== {run['shape']}, {run['streams']} stream" in text
+        s = run["summary"]
+        assert (s["completed"], s["failed"]) == (2 * run["streams"], 0)
+        roles = {"aggregated": 1, "disaggregated": 2}[run["shape"]]
+        assert len(run["engines"]) == roles
+        for engine in run["engines"].values():
+            assert engine["steps"] > 0 and engine["step_ms"] > 0
+            # the phases are laps of one timer: they add up to the step (float rounding only)
+            assert engine["phases_sum_ms"] == pytest.approx(engine["step_ms"], rel=1e-6)
+            assert abs(engine["unattributed_ms"]) < 1e-6 * engine["step_ms"] + 1e-9
+            assert {"schedule", "inputs", "forward", "sample", "outputs"} <= set(
+                engine["phases_ms"]
+            )
+        path = run["token_path"]
+        tokens = 4 * s["completed"]
+        assert path["matched"] == path["chunks"] and s["completed"] <= path["chunks"] <= tokens
+        assert path["first_ms"]["median"] is not None
+        labels = set(run["threads"])
+        assert labels == {"router", "client", *run["engines"]}
+        for worker in run["engines"]:
+            names = {t["name"] for t in run["threads"][worker]["threads"]}
+            assert "engine-loop" in names, names
+        assert run["threads"]["router"]["cpu_s"] > 0
