@@ -228,12 +228,11 @@ class RequestLife:
             self.parts.pools.load.prefilled(choice.prefill[0], choice.uncached_tokens)
         self.parts.metrics.prefix_cache(prompt_tokens, cached_tokens)
         device_expected, tier_expected = choice.cached
-        tier = min(tier_expected, max(0, cached_tokens - device_expected))
-        if choice.pull is not None or choice.tier_medium is None:
-            tier = 0
+        medium = choice.tier_medium if choice.pull is None else None
+        tier = min(tier_expected, max(0, cached_tokens - device_expected)) if medium else 0
         self.parts.metrics.cached_by_medium("device", cached_tokens - tier)
-        if tier:
-            self.parts.metrics.cached_by_medium(choice.tier_medium, tier)
+        if medium is not None and tier:
+            self.parts.metrics.cached_by_medium(medium, tier)
         self.parts.tally.prompt(prompt_tokens, cached_tokens)
 
     def _abort(self, exc: WorkerFailed, choice: Choice) -> None:
