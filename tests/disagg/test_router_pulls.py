@@ -91,6 +91,8 @@ def test_the_second_turn_moves_the_answer_instead_of_recomputing_it(workers, tin
     served = d1["baton:kv_pull_served_bytes_total"] - d0["baton:kv_pull_served_bytes_total"]
     assert served == 2 * BLOCK_BYTES
     assert decisions(router) == {"pull": 1, "local": 0, "recompute": 0}
+    get = router.metrics.registry.get_sample_value
+    assert get("baton:router_cached_tokens_total", {"medium": "device"}) == 28  # pulled ones
     assert [o["prefill_worker"] for o in (first[-1], second[-1])] == ["p0", "p0"]
     (ref1, _), (ref2, _) = colocated(tiny_llama, [prompt2[:22], prompt2])
     assert (tokens(first), tokens(second)) == (ref1, ref2)  # as recomputing them gives
