@@ -69,3 +69,19 @@ def test_a_prompt_in_a_workers_tier_goes_back_to_it_and_loads_from_there(workers
     rates = router.chooser.costs.rates("d0")
     assert rates.tier_bytes_per_s == stats.tier_bytes_read / stats.tier_load_seconds
     d0.check_integrity()
+
+
+def test_a_restart_report_keeps_the_disk_blocks_a_restarted_worker_announced():
+    from tests.router.fake_workers import FakeDecode
+
+    router = Router({}, {"d0": FakeDecode()}, block_size=BS, hash_seed="t", aggregated=True)
+    router.index.apply(
+        "d0",
+        [
+            {"kind": "stored", "block_hashes": [1, 2], "medium": "device"},
+            {"kind": "stored", "block_hashes": [1, 2, 3], "medium": "disk"},
+        ],
+    )
+    router.update_membership({"restarted": ["d0"], "healthy": {"d0": True}})
+    assert router.index.hits("d0", [1, 2, 3, 4]) == PrefixHits(0, 3, "disk")
+    assert router.index.num_blocks("d0") == 0
