@@ -10,7 +10,8 @@ retention_seconds, so the router can send a turn back to the workers holding its
 Sizing: with live_context_x > 0 and kv_tokens (one worker's KV cache, in tokens), live_sessions()
 is how many sessions run at once so that their distinct live context (the shared prefix once,
 then each session's own history at its mid-point) is about live_context_x x kv_tokens; the
-driver runs that many at once when no --max-concurrency is given.
+driver runs that many at once when no --max-concurrency is given. Without kv_tokens, `baton
+bench` over gRPC takes the largest decode worker's KV blocks from ClusterStatus.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ class AgentWorkload:
     def __post_init__(self) -> None:
         if not 1 <= self.min_turns <= self.max_turns:
             raise ValueError(f"need 1 <= min_turns <= max_turns, got {self.min_turns}..")
-        if self.live_context_x > 0 and self.kv_tokens < 1:
-            raise ValueError("live_context_x needs kv_tokens (one worker's KV cache in tokens)")
+        if self.kv_tokens < 0 or self.live_context_x < 0:
+            raise ValueError("kv_tokens and live_context_x must be >= 0")
         if self.shared_len + self.task_len + self.output_len >= self.max_context:
             raise ValueError(f"the first turn alone passes max_context={self.max_context}")
 
@@ -68,6 +69,11 @@ class AgentWorkload:
         """Sessions to run at once for live_context_x (None: not sized)."""
         if self.live_context_x <= 0:
             return None
+        if self.kv_tokens < 1:
+            raise ValueError(
+                "live_context_x needs kv_tokens (one worker's KV cache in tokens; `baton "
+                "bench` over gRPC reads it from the cluster)"
+            )
         own = self.live_context_x * self.kv_tokens - self.shared_len
         return max(1, math.ceil(own / self.mean_own_context()))
 

@@ -44,6 +44,14 @@ class GrpcClient:
             out.setdefault(w.role, []).append(w.worker_id)
         return out
 
+    async def kv_blocks(self, timeout: float = 30.0) -> int:
+        """The largest decode worker's KV blocks, from ClusterStatus (free blocks count the
+        evictable cached ones: on an idle cluster, all of them)."""
+        status = await self.stub.ClusterStatus(
+            pb.ClusterStatusRequest(), timeout=timeout, metadata=self.metadata
+        )
+        return max((w.free_blocks for w in status.workers if w.role == "decode"), default=0)
+
     async def generate(
         self, spec: RequestSpec, run_id: str, timeout: float
     ) -> tuple[RequestRecord, list[int]]:

@@ -173,6 +173,7 @@ async def bench(
         raise ValueError(f"unknown door {door!r}: grpc, http or openai")
     try:
         workers = await client.workers()
+        workload = await sized(workload, client, config.block_size)
         before = await scrape_counters(metrics_url, api_key) if metrics_url else None
         client.start = time.perf_counter()
         start_monotonic = time.monotonic()  # the same instant on every process's clock
@@ -206,3 +207,19 @@ async def bench(
         summary["kv"]["pull_bytes"] = rise["pull_bytes"]
         summary["kv"]["pull_decisions"] = rise["pull_decisions"]
     return summary, records
+
+
+async def sized(workload: Workload, client: GrpcClient | HttpClient, block_size: int) -> Workload:
+    """A workload that sizes itself from one worker's KV capacity (live_context_x > 0 and no
+    kv_tokens given: perf/bench/agent_workload.py) with the largest decode worker's KV blocks
+    from ClusterStatus; any other workload as it is. Over HTTP there is no ClusterStatus:
+    such a workload needs its kv_tokens option."""
+    if getattr(workload, "live_context_x", 0) <= 0 or getattr(workload, "kv_tokens", 1) > 0:
+        return workload
+    blocks = await client.kv_blocks() if isinstance(client, GrpcClient) else None
+    if not blocks:
+        raise ValueError(
+            "live_context_x needs one worker's KV capacity: give --option kv_tokens=N "
+            "(ClusterStatus, over gRPC, reported none)"
+        )
+    return replace(workload, kv_tokens=blocks * block_size)

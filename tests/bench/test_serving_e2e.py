@@ -282,3 +282,22 @@ def test_agent_sessions_wait_their_tool_time_and_run_as_many_as_sized(address):
     most = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
     assert most <= 5
     assert summary["cache"]["cached_fraction"] > 0.3
+
+
+def test_an_agent_workload_without_kv_tokens_sizes_itself_from_the_cluster(address):
+    w = AgentWorkload(
+        system_len=24,
+        tools_len=16,
+        task_len=6,
+        tool_output_len=12,
+        output_len=3,
+        min_turns=2,
+        max_turns=2,
+        think_s=0.0,
+        live_context_x=0.05,
+        max_context=250,
+    )
+    summary, records = run(address, w, seed=10, num_requests=4)
+    check_run(summary, records, n=4)
+    # the fixture's decode worker: 1,024 blocks of 4 tokens, all free between runs
+    assert summary["config"]["options"]["kv_tokens"] == 1024 * BLOCK
