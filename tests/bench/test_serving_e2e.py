@@ -252,22 +252,18 @@ def test_manifest_starts_a_cluster_for_the_run(address, tiny_llama, tmp_path, mo
     ]
 
 
+def small_agent(**changes) -> AgentWorkload:
+    """Agent sessions of 24 + 16 shared tokens, a 6-token task, 12-token tool outputs."""
+    base = dict(
+        system_len=24, tools_len=16, task_len=6, tool_output_len=12, output_len=3, min_turns=2
+    )
+    return AgentWorkload(**{**base, "max_context": 250, **changes})
+
+
 def test_agent_sessions_wait_their_tool_time_and_run_as_many_as_sized(address):
     """The agent workload through the real server: each turn is sent its think_s after the
     previous answer, and the sessions in flight are the workload's live_sessions."""
-    w = AgentWorkload(
-        system_len=24,
-        tools_len=16,
-        task_len=6,
-        tool_output_len=12,
-        output_len=3,
-        min_turns=2,
-        max_turns=3,
-        think_s=0.05,
-        live_context_x=2.0,
-        kv_tokens=64,
-        max_context=250,
-    )
+    w = small_agent(max_turns=3, think_s=0.05, live_context_x=2.0, kv_tokens=64)
     assert w.live_sessions() == 5  # ceil((2 x 64 - 40) / (6 + 15 x (2.5 - 1) / 2 + 3))
     summary, records = run(address, w, seed=9)
     check_run(summary, records)
@@ -285,18 +281,7 @@ def test_agent_sessions_wait_their_tool_time_and_run_as_many_as_sized(address):
 
 
 def test_an_agent_workload_without_kv_tokens_sizes_itself_from_the_cluster(address):
-    w = AgentWorkload(
-        system_len=24,
-        tools_len=16,
-        task_len=6,
-        tool_output_len=12,
-        output_len=3,
-        min_turns=2,
-        max_turns=2,
-        think_s=0.0,
-        live_context_x=0.05,
-        max_context=250,
-    )
+    w = small_agent(max_turns=2, think_s=0.0, live_context_x=0.05)
     summary, records = run(address, w, seed=10, num_requests=4)
     check_run(summary, records, n=4)
     # the fixture's decode worker: 1,024 blocks of 4 tokens, all free between runs
