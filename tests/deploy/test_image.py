@@ -91,6 +91,10 @@ def test_the_build_context_keeps_every_installed_package():
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_image_tags_it_as_the_kustomization_names_it():
     out = subprocess.run(
-        ["make", "--dry-run", "image"], capture_output=True, text=True, cwd=ROOT, check=True
+        ["make", "--no-print-directory", "--dry-run", "image"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
     )
     assert out.stdout == "docker build -t ghcr.io/baton-serving/baton:0.1.0 .\n"
