@@ -100,6 +100,9 @@ class ModelRunner:
         )
         # Decode-only steps in one C call where the model allows (engine/model/fused_decode.py)
         self.fused = FusedDecoder.build(self.model, self.kv_caches, self.backend, config)
+        # Decode steps of up to this many rows run fused (benchmarks.decode_batch raises it to
+        # measure the fused step past the bound)
+        self.fused_max_rows = MAX_FUSED_ROWS
         # execute() laps its phases here; the engine shares its own (engine/step_phases.py)
         self.phases = StepPhases()
         if self.fused is not None:
@@ -138,7 +141,7 @@ class ModelRunner:
         the rows that ask."""
         if (
             self.fused is not None
-            and len(rows) <= MAX_FUSED_ROWS
+            and len(rows) <= self.fused_max_rows
             and all(r.n == 1 and len(r.samples) <= 1 and r.prompt_logprobs is None for r in rows)
         ):
             done = self._execute_fused(rows)
