@@ -8,7 +8,9 @@ import threading
 import time
 
 import grpc
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.controller import NAMESPACE
 from cluster.local import LocalCluster, LocalOptions
@@ -130,8 +132,23 @@ def test_error_codes_and_server_keeps_serving(cluster, ids, sampling, code):
     assert generate(stub, [5, 6, 7])[-1].finish_reason == "length"
 
 
+def pulls(http_address: str) -> int:
+    """The router's pull decisions so far: prompts whose prefix a decode worker sent."""
+    text = httpx.get(f"{http_address}/metrics", timeout=30).text
+    return int(
+        sum(
+            s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "baton:router_pull_decisions_total" and s.labels["decision"] == "pull"
+        )
+    )
+
+
 def test_cache_aware_beats_round_robin_on_ray(cluster, tiny_llama):
-    """Two system prompts, A A B B A A B B: cache-aware keeps each family on one worker."""
+    """Two system prompts, A A B B A A B B: cache-aware keeps each family on one worker, where
+    its blocks are already; round-robin sends each family to both, so the second visit finds
+    its prefix only where the decode worker can send it (a pull) or computes it again."""
     c, stub = cluster
     systems = random_prompts([64, 64], seed=504)
     families = [0, 0, 1, 1, 0, 0, 1, 1]
@@ -148,12 +165,22 @@ def test_cache_aware_beats_round_robin_on_ray(cluster, tiny_llama):
         return hits, used
 
     c.close()  # the module's cluster (cache_aware) restarts fresh for a fair comparison
-    results = {}
+    results, pulled = {}, {}
     for policy in ("cache_aware", "round_robin"):
         fresh = local(tiny_llama, policy)
         try:
             results[policy] = run(pb_grpc.InferenceStub(grpc.insecure_channel(fresh.address)))
+            pulled[policy] = pulls(fresh.http_address)
         finally:
             fresh.close()
+    # cache-aware: every visit after a family's first hits its 64 tokens where they are
     assert results["cache_aware"] == (6 * 64, {"prefill-0", "prefill-1"})
-    assert results["round_robin"] == (4 * 64, {"prefill-0", "prefill-1"})
+    assert pulled["cache_aware"] == 0
+    # round-robin: visits 5-8 hit locally; visits 2 and 4 (each family's first on the other
+    # worker) hit only by a pull from decode-0, which the router makes once its index
+    # shows decode-0's blocks (0, 1 or 2 of them, as the index refresh falls)
+    assert pulled["round_robin"] in (0, 1, 2)
+    assert results["round_robin"] == (
+        (4 + pulled["round_robin"]) * 64,
+        {"prefill-0", "prefill-1"},
+    )

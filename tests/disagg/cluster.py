@@ -6,6 +6,8 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kvtransfer.control import RpcClient
@@ -73,6 +75,20 @@ def pair(prefill: WorkerProcess, decode: WorkerProcess) -> None:
     """Connect a prefill and a decode worker: pair group + control channels both ways."""
     address = prefill.client.connect_decode(decode.worker_id, decode.address)
     decode.client.connect_prefill(prefill.worker_id, address, prefill.address)
+
+
+@contextmanager
+def paired_workers(engine: dict, transfer: dict) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
+    """A prefill ("p0") and a decode ("d0") worker process on one engine's options, paired;
+    both stopped on exit."""
+    prefill = start_worker("prefill", "p0", engine, transfer)
+    decode = start_worker("decode", "d0", engine, transfer)
+    try:
+        pair(prefill, decode)
+        yield prefill, decode
+    finally:
+        decode.stop()
+        prefill.stop()
 
 
 def run_concurrently(

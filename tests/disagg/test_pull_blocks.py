@@ -17,7 +17,7 @@ from engine import InvalidRequestError, LLMEngine, SamplingParams
 from kvtransfer.errors import TransferError, TransferTimeout
 from kvtransfer.worker_api import PromptRequest, PullResult
 from router.handoff import generate_disaggregated
-from tests.disagg.cluster import pair, start_worker, tokens
+from tests.disagg.cluster import pair, paired_workers, start_worker, tokens
 from tests.disagg.test_two_processes import check_clean, engine_options
 from tests.helpers import random_prompts, wait_until
 
@@ -28,12 +28,8 @@ PARAMS = dict(max_tokens=9, temperature=0.0, ignore_eos=True, logprobs=2)
 
 @pytest.fixture(scope="module")
 def workers(tiny_llama):
-    prefill = start_worker("prefill", "p0", engine_options(tiny_llama), TRANSFER)
-    decode = start_worker("decode", "d0", engine_options(tiny_llama), TRANSFER)
-    pair(prefill, decode)
-    yield prefill, decode
-    decode.stop()
-    prefill.stop()
+    with paired_workers(engine_options(tiny_llama), TRANSFER) as both:
+        yield both
 
 
 def turn(prefill, decode, rid: str, prompt: list[int]) -> list[dict]:

@@ -12,7 +12,7 @@ import pytest
 from kvtransfer.worker_api import PullResult
 from router.router import Router
 from router.sessions import SessionHint
-from tests.disagg.cluster import pair, start_worker, tokens
+from tests.disagg.cluster import paired_workers, tokens
 from tests.disagg.test_pull_blocks import BLOCK_BYTES, PARAMS, colocated, metric
 from tests.disagg.test_two_processes import check_clean, engine_options
 from tests.helpers import random_prompts
@@ -22,12 +22,8 @@ TRANSFER = {"timeout_seconds": 3.0, "lease_seconds": 4.0}
 
 @pytest.fixture(scope="module")
 def workers(tiny_llama):
-    prefill = start_worker("prefill", "p0", engine_options(tiny_llama), TRANSFER)
-    decode = start_worker("decode", "d0", engine_options(tiny_llama), TRANSFER)
-    pair(prefill, decode)
-    yield prefill, decode
-    decode.stop()
-    prefill.stop()
+    with paired_workers(engine_options(tiny_llama), TRANSFER) as both:
+        yield both
 
 
 def router_over(prefill, decode, local_prefill_tokens: int = 0) -> Router:

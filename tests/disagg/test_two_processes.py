@@ -11,7 +11,7 @@ import pytest
 from engine import LLM, CapacityError, InvalidRequestError, SamplingParams
 from kvtransfer.worker_api import PromptRequest
 from router.handoff import generate_disaggregated
-from tests.disagg.cluster import pair, run_concurrently, start_worker, tokens
+from tests.disagg.cluster import pair, paired_workers, run_concurrently, start_worker, tokens
 from tests.helpers import random_prompts
 
 TRANSFER = {"timeout_seconds": 5.0, "lease_seconds": 4.0}
@@ -30,12 +30,8 @@ def engine_options(model: str) -> dict:
 
 @pytest.fixture(scope="module")
 def workers(tiny_llama):
-    prefill = start_worker("prefill", "p0", engine_options(tiny_llama), TRANSFER)
-    decode = start_worker("decode", "d0", engine_options(tiny_llama), TRANSFER)
-    pair(prefill, decode)
-    yield prefill, decode
-    decode.stop()
-    prefill.stop()
+    with paired_workers(engine_options(tiny_llama), TRANSFER) as both:
+        yield both
 
 
 def check_clean(prefill, decode) -> None:
