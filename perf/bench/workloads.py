@@ -224,22 +224,56 @@ class TraceWorkload:
     `timestamp` (ms), `input_length`, `output_length` and `hash_ids` (ids of the prompt's
     blocks of `block_len` tokens; 512 in Mooncake's traces). Block tokens depend only on
     (seed, hash id), so equal hash ids give equal token blocks; the prompt is those blocks cut
-    to input_length, padded with request-unique tokens where the blocks are too few."""
+    to input_length, padded with request-unique tokens where the blocks are too few.
+
+    Lines with a `session_id` are the turns of one conversation (aiperf's multi-turn rows, as
+    `aiperf synthesize agentic-code` writes them): the first turn arrives at its `timestamp`,
+    turn k is sent `delay` ms after turn k-1's answer, and its prompt is turn k-1's prompt, the
+    answer the server gave, then the line's own tokens (input_length counts only those). Each
+    conversation is sent with its session_id (and retention_seconds when set); it ends early
+    where the next turn would pass max_context positions (0: no bound)."""
 
     path: str = ""
     block_len: int = 512
-    time_scale: float = 1.0  # arrival times are multiplied by this (0.5 = twice as fast)
+    time_scale: float = 1.0  # arrival times and delays are multiplied by this
+    max_context: int = 0  # a conversation stops before a turn would pass this many positions
+    retention_seconds: float = 0.0  # sent with each conversation's turns (0: not sent)
 
-    def sessions(self, tokens: TokenSpace, seed: int) -> Iterator[Session]:
+    def rows(self) -> list[dict]:
         if not self.path:
             raise ValueError("the trace workload needs path=FILE (a JSONL trace)")
-        lines = [json.loads(s) for s in Path(self.path).read_text().splitlines() if s.strip()]
-        start = min((r["timestamp"] for r in lines), default=0)
+        text = Path(self.path).read_text()
+        return [json.loads(s) for s in text.splitlines() if s.strip()]
+
+    def has_conversations(self) -> bool:
+        """Whether any line is a conversation's turn (the simulator's hashed fast path
+        replays single requests only; conversations need the answers' tokens)."""
+        return any("session_id" in row for row in self.rows())
+
+    def sessions(self, tokens: TokenSpace, seed: int) -> Iterator[Session]:
+        lines = self.rows()
+        start = min((r["timestamp"] for r in lines if "timestamp" in r), default=0)
+        # (first line, its lines): one-shot lines alone, a conversation's lines together
+        groups: dict[object, list[tuple[int, dict]]] = {}
         for i, row in enumerate(lines):
-            prompt = self.prompt_of(row, tokens, seed, i)
-            arrival = (row["timestamp"] - start) / 1000 * self.time_scale
-            spec = RequestSpec(f"t{i}", 0, prompt, int(row["output_length"]), kind="trace")
-            yield OneShot(replace(spec, arrival_s=arrival))
+            groups.setdefault(row.get("session_id", ("line", i)), []).append((i, row))
+
+        def arrival(row: dict) -> float | None:
+            if "timestamp" not in row:
+                return None  # the driver's arrival process decides
+            return (row["timestamp"] - start) / 1000 * self.time_scale
+
+        ordered = sorted(
+            groups.values(), key=lambda g: (arrival(g[0][1]) is None, arrival(g[0][1]) or 0.0)
+        )
+        for group in ordered:
+            first, row = group[0]
+            if "session_id" in row:
+                yield TraceSession(self, tokens, seed, f"t{first}", group, arrival(row))
+                continue
+            prompt = self.prompt_of(row, tokens, seed, first)
+            spec = RequestSpec(f"t{first}", 0, prompt, int(row["output_length"]), kind="trace")
+            yield OneShot(replace(spec, arrival_s=arrival(row)))
 
     def prompt_of(self, row: dict, tokens: TokenSpace, seed: int, index: int) -> tuple[int, ...]:
         ids: list[int] = []
@@ -249,6 +283,55 @@ class TraceWorkload:
         if len(ids) < n:
             ids += tokens.draw(_rng(seed, "pad", index), n - len(ids))
         return tuple(ids[:n])
+
+
+@dataclass
+class TraceSession:
+    """One conversation of a trace: `lines` are its (line index, line) in file order."""
+
+    workload: TraceWorkload
+    tokens: TokenSpace
+    seed: int
+    session: str
+    lines: list[tuple[int, dict]]
+    arrival_s: float | None
+    turn: int = 0
+    prompt: tuple[int, ...] = ()
+    num_turns: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_turns = len(self.lines)
+
+    def next_turn(self, previous_answer: Sequence[int] | None) -> RequestSpec | None:
+        w = self.workload
+        if self.turn >= self.num_turns:
+            return None
+        index, row = self.lines[self.turn]
+        think, history = 0.0, self.prompt
+        if self.turn > 0:
+            if previous_answer is None:
+                raise ValueError(f"session {self.session}: turn {self.turn} needs the answer")
+            history += tuple(previous_answer)
+            think = float(row.get("delay", 0.0)) / 1000 * w.time_scale
+        new = w.prompt_of(row, self.tokens, self.seed, index)
+        max_tokens = int(row["output_length"])
+        if w.max_context and len(history) + len(new) + max_tokens > w.max_context:
+            self.num_turns = self.turn  # the context is full: the conversation is done
+            return None
+        self.prompt = history + new
+        spec = RequestSpec(
+            self.session,
+            self.turn,
+            self.prompt,
+            max_tokens,
+            kind="trace",
+            arrival_s=self.arrival_s if self.turn == 0 else None,
+            think_s=think,
+            session_id=str(row["session_id"]),
+            retention_seconds=w.retention_seconds or None,
+        )
+        self.turn += 1
+        return spec
 
 
 WORKLOADS: dict[str, type] = {

@@ -48,7 +48,7 @@ class SimRun:
         self.records: list[RequestRecord] = []
         bs = cluster.worker.block_size
         self.sessions: Iterator[Session | OneShot[HashedSpec]]
-        if isinstance(workload, TraceWorkload):
+        if isinstance(workload, TraceWorkload) and not workload.has_conversations():
             self.sessions = trace_sessions(workload, bs, config.seed)
         else:
             self.sessions = workload.sessions(tokens, config.seed)

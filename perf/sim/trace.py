@@ -10,10 +10,8 @@ block_size), at a fraction of the cost.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from perf.bench.workloads import OneShot, TraceWorkload
 
@@ -56,11 +54,12 @@ def trace_sessions(
     workload: TraceWorkload, block_size: int, seed: int
 ) -> Iterator[OneShot[HashedSpec]]:
     """TraceWorkload.sessions, as HashedSpecs."""
-    if not workload.path:
-        raise ValueError("the trace workload needs path=FILE (a JSONL trace)")
-    lines = [json.loads(s) for s in Path(workload.path).read_text().splitlines() if s.strip()]
-    start = min((r["timestamp"] for r in lines), default=0)
+    lines = workload.rows()
+    start = min((r["timestamp"] for r in lines if "timestamp" in r), default=0)
     for i, row in enumerate(lines):
+        arrival = None
+        if "timestamp" in row:
+            arrival = (row["timestamp"] - start) / 1000 * workload.time_scale
         yield OneShot(
             HashedSpec(
                 f"t{i}",
@@ -68,6 +67,6 @@ def trace_sessions(
                 int(row["input_length"]),
                 trace_hashes(row, i, workload.block_len, block_size, seed),
                 int(row["output_length"]),
-                arrival_s=(row["timestamp"] - start) / 1000 * workload.time_scale,
+                arrival_s=arrival,
             )
         )

@@ -127,6 +127,56 @@ def test_trace_replay_maps_equal_hash_ids_to_equal_blocks(tmp_path):
     assert [oracle.lookup_and_insert(x) for x in p] == [0, 8, 0, 0]
 
 
+def test_trace_conversations_replay_aiperf_multi_turn_rows(tmp_path):
+    """aiperf's multi-turn rows (`aiperf synthesize agentic-code`): a session's first line has
+    the timestamp, the others a delay after the previous answer and only their new tokens."""
+    rows = [
+        dict(session_id="s-b", input_length=8, output_length=2, hash_ids=[0, 1], timestamp=400),
+        dict(timestamp=100, input_length=4, output_length=1, hash_ids=[5]),
+        dict(session_id="s-a", input_length=6, output_length=3, hash_ids=[0, 2], timestamp=0),
+        dict(session_id="s-b", input_length=3, output_length=2, hash_ids=[3], delay=1500),
+        dict(session_id="s-a", input_length=4, output_length=1, hash_ids=[4], delay=250),
+        dict(session_id="s-b", input_length=5, output_length=2, hash_ids=[6, 7], delay=10),
+    ]
+    path = tmp_path / "agentic.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    w = TraceWorkload(path=str(path), block_len=4, time_scale=2.0, retention_seconds=30.0)
+    assert w.has_conversations()
+    specs = replay(w, TOKENS, 0, 100)
+    # in arrival order: s-a (t=0), the one-shot line (t=100 ms), s-b (t=400 ms)
+    assert [(s.session, s.turn) for s in specs] == [
+        ("t2", 0),
+        ("t2", 1),
+        ("t1", 0),
+        ("t0", 0),
+        ("t0", 1),
+        ("t0", 2),
+    ]
+    assert [s.arrival_s for s in specs] == [0.0, None, 0.2, 0.8, None, None]
+    assert [s.think_s for s in specs] == [0.0, 0.5, 0.0, 0.0, 3.0, 0.02]
+    assert [s.session_id for s in specs] == ["s-a", "s-a", None, "s-b", "s-b", "s-b"]
+    assert [s.retention_seconds for s in specs] == [30.0, 30.0, None, 30.0, 30.0, 30.0]
+    a0, a1, one, b0, b1, b2 = (s.prompt_token_ids for s in specs)
+    answer = {i: tuple(stand_in_answer(specs[i], TOKENS, 0)) for i in range(6)}
+    # turn k = turn k-1's prompt + its answer + the line's own input_length tokens
+    assert a1 == a0 + answer[0] + a1[-4:] and len(a1) == 6 + 3 + 4
+    assert b1 == b0 + answer[3] + b1[-3:] and b2 == b1 + answer[4] + b2[-5:]
+    assert a0[:4] == b0[:4]  # hash id 0 opens both conversations
+    assert len(one) == 4 and one[:4] != a0[:4]
+    oracle = OracleCache(4)
+    hits = [oracle.lookup_and_insert(p) for p in (a0, a1, one, b0, b1, b2)]
+    assert hits == [0, 4, 0, 4, 8, 12]  # each turn hits its history's full blocks
+
+
+def test_trace_conversation_ends_before_passing_max_context(tmp_path):
+    rows = [dict(session_id="s", input_length=6, output_length=2, hash_ids=[k]) for k in range(4)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    specs = replay(TraceWorkload(path=str(path), block_len=8, max_context=20), TOKENS, 0, 100)
+    # 6 + 2 = 8 positions, then 8 + 6 + 2 = 16; a third turn would need 24 > 20
+    assert [len(s.prompt_token_ids) for s in specs] == [6, 14]
+
+
 def test_make_workload_options():
     w = make_workload("long-prompt", {"long_min": "100", "long_every": "6"})
     assert (w.long_min, w.long_every, w.long_max) == (100, 6, 8000)
