@@ -132,6 +132,11 @@ async def run_bench(
         await asyncio.sleep(max(0.0, at - client.now()))
         await slots.acquire()
         turns = budget.take(client.now(), getattr(session, "num_turns", 1))
+        # every turn is claimed, but a session that ends early (its context full) gives back
+        # the turns it did not send: wait for one to end before calling the run done
+        while not turns and (running := [t for t in tasks if not t.done()]):
+            await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            turns = budget.take(client.now(), getattr(session, "num_turns", 1))
         if not turns:
             slots.release()
             break

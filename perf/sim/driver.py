@@ -43,7 +43,8 @@ class SimRun:
         self.cluster = SimCluster(cluster, model, self.loop)
         self.budget = Budget(config)
         self.slots = config.max_concurrency or math.inf
-        self.blocked: deque = deque()  # an arrival waiting for a slot
+        self.blocked: deque = deque()  # an arrival waiting for a slot (or for turns)
+        self.in_flight = 0  # sessions started and not ended
         self.oracle: set[int] = set()
         self.records: list[RequestRecord] = []
         bs = cluster.worker.block_size
@@ -80,13 +81,18 @@ class SimRun:
         turns = self.budget.take(self.loop.now, getattr(session, "num_turns", 1))
         if not turns:
             self.slots += 1
+            if self.in_flight:  # a session that ends early gives back its unsent turns
+                self.blocked.appendleft((session, first))
+                return
             self.stopped = True
             return
+        self.in_flight += 1
         self._send(session, first, turns)
         self._next_arrival()
 
     def _release_slot(self) -> None:
         self.slots += 1
+        self.in_flight -= 1
         if self.blocked and not self.stopped:
             self._arrive(*self.blocked.popleft())
 

@@ -280,6 +280,31 @@ def test_agent_sessions_wait_their_tool_time_and_run_as_many_as_sized(address):
     assert summary["cache"]["cached_fraction"] > 0.3
 
 
+def test_sessions_cut_short_by_their_context_give_back_their_turns(address):
+    """Each session claims 10 turns but its context fills after 2 (46 + 3 + 12 + 3 = 64
+    positions, a third turn would need 79 > 70): the run still sends --num-requests, from
+    as many sessions as it takes, never more than the 3 sized at once."""
+    w = small_agent(
+        min_turns=10,
+        max_turns=10,
+        tool_output_range=0.0,
+        think_s=0.0,
+        max_context=70,
+        live_context_x=2.0,
+        kv_tokens=40,
+    )
+    assert w.live_sessions() == 3
+    summary, records = run(address, w, seed=11)
+    check_run(summary, records)
+    turns: dict[str, list[int]] = {}
+    for r in records:
+        session, turn = r.request_id.rsplit("-", 1)
+        turns.setdefault(session, []).append(int(turn))
+    assert sorted(turns.values()) == [[0, 1]] * 6
+    spans = [(r.send_s, r.end_s) for r in records]
+    assert max(sum(s <= t < e for s, e in spans) for t, _ in spans) <= 3
+
+
 def test_an_agent_workload_without_kv_tokens_sizes_itself_from_the_cluster(address):
     w = small_agent(max_turns=2, think_s=0.0, live_context_x=0.05)
     summary, records = run(address, w, seed=10, num_requests=4)

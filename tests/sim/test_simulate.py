@@ -10,6 +10,7 @@ from engine.step_model import StepModel
 from perf.bench.driver import BenchConfig
 from perf.bench.timeline import read_results
 from perf.bench.workloads import (
+    AgentWorkload,
     PrefixRepetitionWorkload,
     RandomWorkload,
     TokenSpace,
@@ -124,6 +125,28 @@ def test_same_seed_same_records():
     a, _ = run(workload, cluster, num_requests=20, request_rate=5.0)
     b, _ = run(workload, cluster, num_requests=20, request_rate=5.0)
     assert a == b and len(a) == 20
+
+
+def test_sessions_cut_short_by_their_context_give_back_their_turns():
+    """As in `baton bench`: sessions claim 10 turns each, their context fills after 2, and the
+    run still simulates num_requests requests from as many sessions as it takes."""
+    workload = AgentWorkload(
+        system_len=24,
+        tools_len=16,
+        task_len=6,
+        tool_output_len=12,
+        tool_output_range=0.0,
+        output_len=3,
+        min_turns=10,
+        max_turns=10,
+        max_context=70,
+    )
+    records, _ = run(workload, ClusterConfig(), num_requests=12, max_concurrency=3)
+    turns: dict[str, list[int]] = {}
+    for r in records:
+        session, turn = r.request_id.rsplit("-", 1)
+        turns.setdefault(session, []).append(int(turn))
+    assert sorted(turns.values()) == [[0, 1]] * 6
 
 
 def test_trace_hashes_hit_as_token_hashes_do(tmp_path):
