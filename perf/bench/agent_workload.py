@@ -96,10 +96,22 @@ class AgentSession:
     turn: int = 0
     num_turns: int = field(init=False)
 
+    tool_lens: list[int] = field(init=False)  # tool_lens[k - 1]: turn k's tool output
+
     def __post_init__(self) -> None:
         w = self.workload
         self.num_turns = self.rng.randint(w.min_turns, w.max_turns)
         self.prompt += tuple(self.tokens.draw(self.rng, w.task_len))
+        # The tool outputs are drawn now, so num_turns is the turns that fit max_context with
+        # answers of output_len (the driver claims num_turns of --num-requests at the start)
+        self.tool_lens, positions = [], len(self.prompt) + w.output_len
+        for turn in range(1, self.num_turns):
+            tool = around(self.rng, w.tool_output_len, w.tool_output_range)
+            positions += tool + w.output_len
+            if positions > w.max_context:
+                self.num_turns = turn
+                break
+            self.tool_lens.append(tool)
 
     def next_turn(self, previous_answer: Sequence[int] | None) -> RequestSpec | None:
         w = self.workload
@@ -109,7 +121,7 @@ class AgentSession:
         if self.turn > 0:
             if previous_answer is None:
                 raise ValueError(f"session {self.session}: turn {self.turn} needs the answer")
-            tool = around(self.rng, w.tool_output_len, w.tool_output_range)
+            tool = self.tool_lens[self.turn - 1]
             if len(self.prompt) + len(previous_answer) + tool + w.output_len > w.max_context:
                 self.num_turns = self.turn  # the context is full: the agent is done
                 return None

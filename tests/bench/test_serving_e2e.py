@@ -280,21 +280,24 @@ def test_agent_sessions_wait_their_tool_time_and_run_as_many_as_sized(address):
     assert summary["cache"]["cached_fraction"] > 0.3
 
 
-def test_sessions_cut_short_by_their_context_give_back_their_turns(address):
-    """Each session claims 10 turns but its context fills after 2 (46 + 3 + 12 + 3 = 64
-    positions, a third turn would need 79 > 70): the run still sends --num-requests, from
-    as many sessions as it takes, never more than the 3 sized at once."""
-    w = small_agent(
-        min_turns=10,
-        max_turns=10,
-        tool_output_range=0.0,
-        think_s=0.0,
-        max_context=70,
-        live_context_x=2.0,
-        kv_tokens=40,
-    )
-    assert w.live_sessions() == 3
-    summary, records = run(address, w, seed=11)
+def conversations_file(tmp_path, sessions: int = 6, lines: int = 4) -> str:
+    """A trace of `sessions` conversations of `lines` turns, 12 new tokens and 3 out each."""
+    rows = [
+        dict(session_id=f"c{i}", input_length=12, output_length=3, hash_ids=[100 * i + k])
+        for i in range(sessions)
+        for k in range(lines)
+    ]
+    path = tmp_path / "conversations.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return str(path)
+
+
+def test_sessions_cut_short_by_their_context_give_back_their_turns(address, tmp_path):
+    """Each conversation claims its 4 turns at the start but its context fills after 2
+    (12 + 3 + 12 + 3 = 30 positions; a third turn would need 45 > 40): the run still sends
+    --num-requests, from as many conversations as it takes, never more than 4 at once."""
+    w = TraceWorkload(path=conversations_file(tmp_path), block_len=BLOCK, max_context=40)
+    summary, records = run(address, w, seed=11, max_concurrency=4)
     check_run(summary, records)
     turns: dict[str, list[int]] = {}
     for r in records:
@@ -302,7 +305,7 @@ def test_sessions_cut_short_by_their_context_give_back_their_turns(address):
         turns.setdefault(session, []).append(int(turn))
     assert sorted(turns.values()) == [[0, 1]] * 6
     spans = [(r.send_s, r.end_s) for r in records]
-    assert max(sum(s <= t < e for s, e in spans) for t, _ in spans) <= 3
+    assert max(sum(s <= t < e for s, e in spans) for t, _ in spans) <= 4
 
 
 def test_an_agent_workload_without_kv_tokens_sizes_itself_from_the_cluster(address):

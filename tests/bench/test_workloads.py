@@ -243,6 +243,20 @@ def test_agent_turns_grow_by_the_answer_and_a_tool_output_over_one_shared_prefix
     assert len({p[40:] for p in firsts}) == len(firsts)  # each its own task
 
 
+def test_agent_sessions_claim_only_the_turns_their_context_fits():
+    """num_turns (what the driver claims of --num-requests) is what the session sends: its
+    tool outputs are drawn up front, so max_context cuts the turns before the first one."""
+    claimed = []
+    for session in itertools.islice(AGENT.sessions(TOKENS, 0), 30):
+        claimed.append(session.num_turns)
+        answer, sent = None, 0
+        while (spec := session.next_turn(answer)) is not None:
+            sent, answer = sent + 1, stand_in_answer(spec, TOKENS, 0)
+        assert sent == claimed[-1]
+    # 48 + 4 positions, then ~24 a turn: max_context 120 fits 3 turns, never max_turns 5
+    assert set(claimed) <= {2, 3, 4} and max(claimed) < 5
+
+
 def test_agent_workload_sizes_its_sessions_from_the_kv_capacity():
     # own context at the mid-point: task 8 + (4 + 20) x (4 turns - 1) / 2 + answer 4 = 48
     roomy = dataclasses.replace(AGENT, max_context=1000)

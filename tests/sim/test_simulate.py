@@ -10,7 +10,6 @@ from engine.step_model import StepModel
 from perf.bench.driver import BenchConfig
 from perf.bench.timeline import read_results
 from perf.bench.workloads import (
-    AgentWorkload,
     PrefixRepetitionWorkload,
     RandomWorkload,
     TokenSpace,
@@ -127,21 +126,18 @@ def test_same_seed_same_records():
     assert a == b and len(a) == 20
 
 
-def test_sessions_cut_short_by_their_context_give_back_their_turns():
-    """As in `baton bench`: sessions claim 10 turns each, their context fills after 2, and the
-    run still simulates num_requests requests from as many sessions as it takes."""
-    workload = AgentWorkload(
-        system_len=24,
-        tools_len=16,
-        task_len=6,
-        tool_output_len=12,
-        tool_output_range=0.0,
-        output_len=3,
-        min_turns=10,
-        max_turns=10,
-        max_context=70,
-    )
-    records, _ = run(workload, ClusterConfig(), num_requests=12, max_concurrency=3)
+def test_sessions_cut_short_by_their_context_give_back_their_turns(tmp_path):
+    """As in `baton bench`: conversations claim their 4 turns, their context fills after 2,
+    and the run still simulates num_requests requests from as many as it takes."""
+    rows = [
+        dict(session_id=f"c{i}", input_length=12, output_length=3, hash_ids=[100 * i + k])
+        for i in range(6)
+        for k in range(4)
+    ]
+    path = tmp_path / "conversations.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    workload = TraceWorkload(path=str(path), block_len=16, max_context=40)
+    records, _ = run(workload, ClusterConfig(), num_requests=12, max_concurrency=4)
     turns: dict[str, list[int]] = {}
     for r in records:
         session, turn = r.request_id.rsplit("-", 1)
