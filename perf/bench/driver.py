@@ -121,7 +121,7 @@ async def run_bench(
             slots.release()
 
     arrivals = arrival_times(config.request_rate, config.burstiness, config.seed)
-    tasks = []
+    tasks: list[asyncio.Task] = []
     for session in workload.sessions(tokens, config.seed):
         first = session.next_turn(None)
         if first is None:
