@@ -4,17 +4,17 @@ error codes with the server still serving, and cache-aware vs round-robin hit ra
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import grpc
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.controller import NAMESPACE
 from cluster.local import LocalCluster, LocalOptions
 from engine import LLM, SamplingParams
+from perf.bench.client import scrape_counters
 from router.proto import inference_pb2 as pb
 from router.proto import inference_pb2_grpc as pb_grpc
 from tests.helpers import random_prompts
@@ -134,15 +134,8 @@ def test_error_codes_and_server_keeps_serving(cluster, ids, sampling, code):
 
 def pulls(http_address: str) -> int:
     """The router's pull decisions so far: prompts whose prefix a decode worker sent."""
-    text = httpx.get(f"{http_address}/metrics", timeout=30).text
-    return int(
-        sum(
-            s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-            if s.name == "baton:router_pull_decisions_total" and s.labels["decision"] == "pull"
-        )
-    )
+    counters = asyncio.run(scrape_counters(f"{http_address}/metrics"))
+    return int(counters["sums"].get("pull_decisions:pull", 0))
 
 
 def test_cache_aware_beats_round_robin_on_ray(cluster, tiny_llama):
