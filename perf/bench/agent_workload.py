@@ -121,10 +121,8 @@ class AgentSession:
         if self.turn > 0:
             if previous_answer is None:
                 raise ValueError(f"session {self.session}: turn {self.turn} needs the answer")
+            # fits max_context: answers are at most output_len tokens (see __post_init__)
             tool = self.tool_lens[self.turn - 1]
-            if len(self.prompt) + len(previous_answer) + tool + w.output_len > w.max_context:
-                self.num_turns = self.turn  # the context is full: the agent is done
-                return None
             self.prompt += tuple(previous_answer) + tuple(self.tokens.draw(self.rng, tool))
             think = self.rng.uniform(0.0, 2 * w.think_s)
         spec = RequestSpec(
