@@ -3,13 +3,15 @@ long prompt arrives; how long are the steps while it prefills, and how soon is i
 
     python -m benchmarks.dynamic_chunking [--model smollm2-135m-instruct] [--threads 1]
         [--prompt-len 2048] [--chunks 256 512 1024 2048] [--targets-ms 250 500 1000]
+        [--stretches 2 3]
 
 One engine serves every configuration (its scheduler's chunk size or ChunkBudget swapped
 between runs, prefix caching off, fresh prompts each run). A run starts 8 decoding requests,
 then adds the long prompt and steps until its first token: the step times of those steps
 (p50 / p99 / max; every decoding request waits that long for its next token) and the prompt's
-TTFT are printed. A target run starts from the shipped step profile (engine.step_model) with a
-fresh online correction; its final correction ratio is printed.
+TTFT are printed. A target run (itl_target_ms) and a stretch run (decode_stretch, the default)
+start from the shipped step profile (engine.step_model) with a fresh online correction; the
+final correction ratio is printed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.chunk_budget import ChunkBudget
+from engine.chunk_budget import ChunkBudget, DecodeStretchBudget
 from engine.scheduler import SchedulerConfig
 from engine.step_model import find_step_model
 from perf.stats import percentile
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--chunks", type=int, nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--targets-ms", type=float, nargs="+", default=[250, 500, 1000])
+    parser.add_argument("--stretches", type=float, nargs="+", default=[2.0, 3.0])
     args = parser.parse_args(argv)
 
     max_tokens = max(args.chunks + [args.prompt_len]) + DECODERS
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     run(engine, 256, gen)  # warm-up
     configs = [("chunk", c) for c in args.chunks] + [("target", t) for t in args.targets_ms]
+    configs += [("stretch", x) for x in args.stretches]
     print(
         f"{DECODERS} decoding + one {args.prompt_len}-token prompt; steps while it prefills\n"
         f"{'config':>16} {'steps':>5} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} "
@@ -88,11 +92,20 @@ def main(argv: list[str] | None = None) -> None:
         engine.scheduler.config = SchedulerConfig(max_tokens, chunk, 128)
         if kind == "target":
             engine.scheduler.budget = ChunkBudget(model, value / 1000, engine.config.block_size)
+        elif kind == "stretch":
+            engine.scheduler.budget = DecodeStretchBudget(
+                model, value, engine.config.block_size, chunk
+            )
         r = run(engine, args.prompt_len, gen)
         ms = [s * 1000 for s in r["steps"]]
-        label = f"chunk_size {value}" if kind == "chunk" else f"target {value:g} ms"
+        label = {
+            "chunk": f"chunk_size {value}",
+            "target": f"target {value:g} ms",
+            "stretch": f"stretch {value:g}x",
+        }[kind]
         shown = ",".join(map(str, r["chunks"][:12])) + (",..." if len(r["chunks"]) > 12 else "")
-        extra = f"  ratio {engine.scheduler.budget.ratio:.2f}" if kind == "target" else ""
+        budget = engine.scheduler.budget
+        extra = f"  ratio {budget.ratio:.2f}" if budget is not None else ""
         print(
             f"{label:>16} {len(ms):5d} {percentile(ms, 50):8.0f} {percentile(ms, 99):8.0f} "
             f"{max(ms):8.0f} {r['ttft']:7.2f}  {shown}{extra}",

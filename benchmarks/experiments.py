@@ -131,8 +131,9 @@ EXPERIMENTS = {
         ),
         Experiment(
             "chunking",
-            "Fixed chunk sizes vs dynamic chunking (itl_target_ms) on the long-prompt mix, "
-            "aggregated: running decodes' ITL p99 against the long prompts' TTFT",
+            "Fixed chunk sizes vs dynamic chunking (decode_stretch, itl_target_ms) on the "
+            "long-prompt mix, aggregated: running decodes' ITL p99 against the long prompts' "
+            "TTFT",
             "long-prompt",
             LONG_PROMPT,
             LONG_PROMPT_QUICK,
@@ -141,8 +142,12 @@ EXPERIMENTS = {
             slo="ttft=3000,tpot=150",
             runs=(
                 *(
-                    Run(f"chunk {c}", Shape(0, 1, engine={"chunk_size": c}))
+                    Run(f"chunk {c}", Shape(0, 1, engine={"chunk_size": c, "decode_stretch": 0}))
                     for c in (256, 512, 1024, 2048)
+                ),
+                *(
+                    Run(f"decode_stretch {x:g}", Shape(0, 1, engine={"decode_stretch": x}))
+                    for x in (2.0, 3.0)
                 ),
                 *(
                     Run(f"itl_target {t} ms", Shape(0, 1, engine={"itl_target_ms": t}))

@@ -27,6 +27,8 @@ SERVE_FLAGS = {
     "policy": ("router", "policy"),
     "block_size": ("engine", "block_size"),
     "chunk_size": ("engine", "chunk_size"),
+    "decode_stretch": ("engine", "decode_stretch"),
+    "itl_target_ms": ("engine", "itl_target_ms"),
     "kv_cache_memory_gb": ("engine", "kv_cache_memory_gb"),
     "kv_tier": ("engine", "kv_tier"),
     "kv_tier_path": ("engine", "kv_tier_path"),
@@ -56,6 +58,8 @@ class LocalOptions:
     policy: str | None = None
     block_size: int | None = None
     chunk_size: int | None = None
+    decode_stretch: float | None = None  # the default step budget's factor (0: off)
+    itl_target_ms: float | None = None  # an absolute step-time target instead
     kv_cache_memory_gb: float | None = None  # replaces the example's num_kv_blocks
     kv_tier: str | None = None  # none, host or disk (a KV tier below each worker's cache)
     kv_tier_path: str | None = None  # disk: the parent of the workers' tier directories

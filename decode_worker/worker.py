@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,6 +181,46 @@ class DecodeWorker(TransferEndpoint):
             with self._lock:
                 self._streams.pop(request_id, None)
         return [token_output(o) for o in outs]
+
+    def poll_many(
+        self, request_ids: Sequence[str], timeout: float = 1.0
+    ) -> tuple[list[TokenOutput], list[str]]:
+        """poll() of many requests at once (DecodeAPI.poll_many): waits on the engine loop's
+        outputs_ready, so one call serves every request a router streams from here."""
+        ready = self.loop.outputs_ready
+        deadline = time.monotonic() + timeout
+        with ready:
+            seen = self.loop.output_batches
+            while True:
+                outs, unknown = self._take_outputs(request_ids)
+                left = deadline - time.monotonic()
+                if outs or unknown or left <= 0 or self.loop.output_batches != seen:
+                    return [token_output(o) for o in outs], unknown
+                ready.wait(left)
+
+    def wake_polls(self) -> None:
+        """End the poll_many calls waiting now (DecodeAPI.wake_polls)."""
+        self.loop.wake_readers()
+
+    def _take_outputs(self, request_ids: Sequence[str]) -> tuple[list, list[str]]:
+        """Every output available now of these requests, and the ids not known here."""
+        outs: list = []
+        unknown: list[str] = []
+        finished = []
+        with self._lock:
+            streams = [(rid, self._streams.get(rid)) for rid in request_ids]
+        for rid, stream in streams:
+            if stream is None:
+                unknown.append(rid)
+                continue
+            outs += stream.drain()
+            if stream.finished:
+                finished.append(rid)
+        if finished:
+            with self._lock:
+                for rid in finished:
+                    self._streams.pop(rid, None)
+        return outs, unknown
 
     def _drop_orphan_streams(self) -> None:
         """Forget finished streams nobody read for ORPHAN_STREAM_TTL_S (checked as new

@@ -1,5 +1,13 @@
 """Dynamic chunking: prefill tokens per step chosen so the predicted step time stays within a
-target (engine option itl_target_ms), the step-time model corrected online.
+limit, the step-time model corrected online. Two kinds of limit:
+
+- ChunkBudget: a target in seconds (engine option itl_target_ms), less the recent gaps
+  between steps (below);
+- DecodeStretchBudget (engine option decode_stretch, the default): a step that carries
+  prefill beside running decodes may take at most `stretch` times the same step without the
+  prefill, so a prompt arriving stretches the running streams' inter-token time by at most
+  that factor on any hardware; chunk_size still bounds every chunk, and a step with no
+  decodes takes chunk_size tokens, as without a budget.
 
 Each step the scheduler opens a StepPlan, adds its decode rows, then asks for each prefill
 chunk in turn: a chunk gets the most tokens whose predicted step (decodes, earlier chunks and
@@ -74,12 +82,24 @@ class ChunkBudget:
         """Corrected predicted seconds of a step of this shape."""
         return self.planning_ratio() * self.model.predict(shape)
 
+    def limit_for(self, decodes: StepShape) -> float | None:
+        """Seconds a step with these decode rows (and prefill chunks to come) may be predicted
+        to take; None: no time limit, chunks of chunk_size."""
+        return self.step_limit_s()
+
+    def cap(self, want: int) -> int:
+        """The most tokens a chunk may get whatever the limit."""
+        return want
+
     def floor_overrun(self, context: int, n: int, predicted_s: float) -> None:
         """A step took the floor chunk although predicted over the target: the target cannot
         hold beside a prompt at this context on this hardware; counted, logged now and then."""
         self.floor_overruns += 1
         if self._on_floor_overrun is not None:
             self._on_floor_overrun()
+        self._log_floor_overrun(context, n, predicted_s)
+
+    def _log_floor_overrun(self, context: int, n: int, predicted_s: float) -> None:
         now = time.monotonic()
         if self._overrun_logged_at is None or now - self._overrun_logged_at >= OVERRUN_LOG_EVERY_S:
             self._overrun_logged_at = now
@@ -112,24 +132,70 @@ class ChunkBudget:
         self.recent.append(ratio)
 
 
+class DecodeStretchBudget(ChunkBudget):
+    """A step with prefill chunks beside decodes is held within `stretch` times the predicted
+    decode-only step (the floor chunk aside); chunks are at most chunk_size tokens."""
+
+    def __init__(
+        self,
+        model: StepModel,
+        stretch: float,
+        min_tokens: int,
+        chunk_size: int,
+        alpha: float = 0.25,
+        on_floor_overrun: Callable[[], None] | None = None,
+    ) -> None:
+        if stretch <= 1 or chunk_size < 1:
+            raise ValueError("need stretch > 1 and chunk_size >= 1")
+        super().__init__(model, 1.0, min_tokens, alpha, on_floor_overrun)
+        self.stretch = stretch
+        self.chunk_size = chunk_size
+
+    def limit_for(self, decodes: StepShape) -> float | None:
+        if decodes.decodes == 0:
+            return None
+        return self.stretch * self.predict(decodes)
+
+    def cap(self, want: int) -> int:
+        return min(want, self.chunk_size)
+
+    def _log_floor_overrun(self, context: int, n: int, predicted_s: float) -> None:
+        pass  # expected where decode steps are short: the floor keeps a prompt moving
+
+
 class StepPlan:
-    """The shape of one step being scheduled, and the prefill tokens it can still take."""
+    """The shape of one step being scheduled, and the prefill tokens it can still take. The
+    scheduler adds the step's decodes before its chunks, so the limit, fixed at the first
+    chunk, sees them all."""
 
     def __init__(self, budget: ChunkBudget) -> None:
         self.budget = budget
         self.shape = StepShape()
+        self._limit: tuple[float | None] | None = None  # (limit_for(decodes),) once chunked
 
     def add_decode(self, context: int) -> None:
         self.shape = self.shape.with_decode(context)
 
+    def limit_s(self) -> float | None:
+        """The step's limit in seconds (None: chunk_size applies), fixed at its first call."""
+        if self._limit is None:
+            self._limit = (self.budget.limit_for(self.shape),)
+        return self._limit[0]
+
     def fits(self, context: int, n: int) -> bool:
-        limit = self.budget.step_limit_s() * (1 + TOLERANCE)
-        return self.budget.predict(self.shape.with_chunk(context, n)) <= limit
+        limit = self.limit_s()
+        if limit is None:
+            return True
+        return self.budget.predict(self.shape.with_chunk(context, n)) <= limit * (1 + TOLERANCE)
 
     def grant(self, context: int, want: int) -> int:
         """Tokens (<= want) for a prefill chunk after `context` computed tokens; adds them."""
+        want = self.budget.cap(want)
         if want <= 0:
             return 0
+        if self.limit_s() is None:
+            self.shape = self.shape.with_chunk(context, want)
+            return want
         lo, hi = (want, want) if self.fits(context, want) else (0, want)
         while hi - lo > 1:  # lo tokens fit (0: the empty chunk), hi do not
             mid = (lo + hi) // 2

@@ -2,7 +2,9 @@
 
 Other threads never touch the engine directly: they `call()` a function that runs on the
 loop thread between steps, and read per-request output streams. A step that raises fails
-every unfinished request with the error instead of hanging their streams.
+every unfinished request with the error instead of hanging their streams. `outputs_ready`
+is notified once per batch of outputs put into streams, so that one reader can wait for
+any of many streams (DecodeWorker.poll_many).
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ class EngineLoop:
         self._streams: dict[str, RequestStream] = {}
         self._hooks: list[Callable[[StepResult], None]] = []
         self._stop = threading.Event()
+        # Notified (notify_all) after outputs were put into streams, and by wake_readers;
+        # `output_batches` counts both, so a waiter sees what happened since it looked.
+        self.outputs_ready = threading.Condition()
+        self.output_batches = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.num_steps = 0
 
@@ -171,15 +177,25 @@ class EngineLoop:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             fut.set_exception(exc)
 
+    def wake_readers(self) -> None:
+        """Wake every thread waiting on outputs_ready (a reader with new streams to read)."""
+        with self.outputs_ready:
+            self.output_batches += 1
+            self.outputs_ready.notify_all()
+
     def _dispatch(self, result: StepResult) -> None:
         # Keyed by choice; a request's stream gets every choice's outputs, its last one
         # (finished) after the others.
-        for out in result.outputs.values():
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put(out)
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
+        if result.outputs:
+            with self.outputs_ready:
+                for out in result.outputs.values():
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+                        if out.finished:
+                            self._streams.pop(out.request_id, None)
+                self.output_batches += 1
+                self.outputs_ready.notify_all()
         for hook in self._hooks:
             try:
                 hook(result)
@@ -189,11 +205,14 @@ class EngineLoop:
     def _fail_all(self, error: str) -> None:
         self.engine.fail_all(error)
         self._dispatch(StepResult(outputs=self.engine.take_pending()))
-        for rid, stream in list(self._streams.items()):  # streams of requests not yet added
-            stream.put(
-                RequestOutput(rid, [], "", 0, finished=True, finish_reason="error", error=error)
-            )
-        self._streams.clear()
+        with self.outputs_ready:
+            for rid, stream in list(self._streams.items()):  # streams of requests not added yet
+                stream.put(
+                    RequestOutput(rid, [], "", 0, finished=True, finish_reason="error", error=error)
+                )
+            self._streams.clear()
+            self.output_batches += 1
+            self.outputs_ready.notify_all()
         if self._stop.is_set():
             while True:
                 try:

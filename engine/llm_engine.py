@@ -10,7 +10,7 @@ import torch
 from engine.block_exchange import BlockExchangeHooks
 from engine.block_pool import BlockPool, KVEvent
 from engine.choices import ChoiceGroup, choice_id, is_choice_of
-from engine.chunk_budget import ChunkBudget
+from engine.chunk_budget import ChunkBudget, DecodeStretchBudget
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.disaggregation import REMOTE_TIER_WAIT_S, DisaggregationHooks, HeldBlocks
@@ -123,17 +123,27 @@ class LLMEngine(DisaggregationHooks, BlockExchangeHooks, RequestOutputs):
         return self._grammar is not None and self._grammar.is_constrained(request_id)
 
     def _chunk_budget(self) -> ChunkBudget | None:
-        """Dynamic chunking's budget when itl_target_ms is set (engine/chunk_budget.py)."""
-        if self.config.itl_target_ms is None:
+        """Dynamic chunking's budget (engine/chunk_budget.py): itl_target_ms when set, else
+        decode_stretch; None when both are off (fixed chunk_size)."""
+        c = self.config
+        if c.itl_target_ms is None and not c.decode_stretch:
             return None
         try:
-            model = find_step_model(self.config.step_profile, self.step_profile_key())
+            model = find_step_model(c.step_profile, self.step_profile_key())
         except (OSError, ValueError) as exc:
             raise InvalidRequestError(f"step_profile: {exc}") from exc
+        if c.itl_target_ms is None:
+            return DecodeStretchBudget(
+                model,
+                c.decode_stretch,
+                c.block_size,
+                c.chunk_size,
+                on_floor_overrun=self.metrics.floor_steps.inc,
+            )
         return ChunkBudget(
             model,
-            self.config.itl_target_ms / 1000,
-            self.config.block_size,
+            c.itl_target_ms / 1000,
+            c.block_size,
             on_floor_overrun=self.metrics.floor_steps.inc,
         )
 

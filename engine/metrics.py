@@ -23,9 +23,9 @@ Units and scopes (the same as vLLM v1, so that its dashboards map over):
                             its engine_step_duration_seconds, so the _sums do over a run
   engine_step_gap_seconds   Baton's own: from the end of a step that left work to the start of
                             the next (the engine loop's dispatch, calls between steps, GC)
-  itl_target_floor_steps_total  Baton's own: steps (with itl_target_ms) whose one-block floor
-                            chunk alone was predicted over the target (a target this hardware
-                            cannot hold at that context and load)
+  itl_target_floor_steps_total  Baton's own: steps (with itl_target_ms or decode_stretch) whose
+                            one-block floor chunk alone was predicted over the step's limit (a
+                            limit this hardware cannot hold at that context and load)
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ class EngineMetrics:
         )
         self.floor_steps = Counter(
             f"{PREFIX}itl_target_floor_steps",
-            "Steps whose one-block floor chunk was predicted over itl_target_ms (the target "
-            "cannot hold there).",
+            "Steps whose one-block floor chunk was predicted over the step's limit "
+            "(itl_target_ms or decode_stretch; the limit cannot hold there).",
             registry=r,
         )
         self.step_time = Histogram(

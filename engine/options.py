@@ -173,13 +173,24 @@ class EngineOptions:
         "dynamic chunking: each step's prefill tokens are chosen so that the predicted step "
         "time, plus the recent gaps between steps, stays within this many ms (chunk_size then "
         "does not apply; a waiting prompt still gets one block per step, with a warning when "
-        "even that is predicted over the target); unset: fixed chunk_size",
+        "even that is predicted over the target); unset: decode_stretch's budget",
         gt=0,
+    )
+    decode_stretch: float = option(
+        2.0,
+        "the default step-time budget: a step that carries prefill chunks beside running "
+        "decodes is planned (from the step-time profile, corrected online) to take at most "
+        "this many times the same step without them, so an arriving prompt stretches the "
+        "running streams' inter-token time by at most this factor (a waiting prompt still "
+        "gets one block per step); chunks stay within chunk_size, and a step without decodes "
+        "takes chunk_size tokens. 0: off (fixed chunk_size); itl_target_ms, when set, "
+        "replaces it",
+        ge=0,
     )
     step_profile: str | None = option(
         None,
-        "step-time profile JSON for itl_target_ms (`baton profile` writes one to "
-        "$BATON_PROFILE_DIR; default: the shipped profile of this model, dtype, device and "
+        "step-time profile JSON for itl_target_ms and decode_stretch (`baton profile` writes "
+        "one to $BATON_PROFILE_DIR; default: the shipped profile of this model, dtype, device and "
         "threads, else a built-in guess; either is corrected online from measured steps)",
         min_length=1,
     )
@@ -205,6 +216,11 @@ class EngineOptions:
         if self.kv_tier != "none" and not self.enable_prefix_caching:
             raise InvalidRequestError(
                 f"kv_tier={self.kv_tier!r} needs enable_prefix_caching (tiers key blocks by hash)"
+            )
+        if 0 < self.decode_stretch <= 1:
+            raise InvalidRequestError(
+                f"decode_stretch {self.decode_stretch} must be 0 (off) or above 1 (a step "
+                "with prefill may take that many times the decode-only step)"
             )
         if self.chunk_size > self.max_num_batched_tokens:
             raise InvalidRequestError(

@@ -202,7 +202,7 @@ def fit_with_holdout(samples: list[tuple[StepShape, float]], every: int = 4, **i
 # ---- profiles on disk ------------------------------------------------------------------------
 def profile_key(model: str, dtype: str, device: str, threads: int | None) -> str:
     """File stem of a profile: model name, dtype, device name and (CPU) torch threads."""
-    name = Path(model.rstrip("/")).name.lower()
+    name = Path(str(model).rstrip("/")).name.lower()
     name = re.sub(r"\.gguf$", "", name)
     parts = [name, dtype, device.lower()] + ([f"{threads}t"] if threads else [])
     return re.sub(r"[^a-z0-9.]+", "-", "-".join(parts)).strip("-")

@@ -336,6 +336,16 @@ class DecodeAPI(WorkerAPI, Protocol):
     def poll(self, request_id: str, timeout: float = 1.0) -> list[TokenOutput]:
         """Outputs since the last poll; waits up to timeout for the first (KeyError: unknown)."""
 
+    def poll_many(
+        self, request_ids: Sequence[str], timeout: float = 1.0
+    ) -> tuple[list[TokenOutput], list[str]]:
+        """poll() of many requests in one call: (their outputs since their last poll, each
+        request's in order; the ids this worker does not know). Returns once any of them has
+        an output or is unknown, when wake_polls() is called, or after timeout."""
+
+    def wake_polls(self) -> None:
+        """End every poll_many call waiting now (its caller has new requests to add)."""
+
     def renew(self, request_id: str) -> bool:
         """The prefill worker is still computing the request's KV: its reservation's lease
         starts again. False when there is no live lease (lapsed, aborted or done)."""

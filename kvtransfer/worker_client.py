@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from kvtransfer.control import RpcClient
+from kvtransfer.output_feed import OutputFeed
 from kvtransfer.worker_api import (
     DecodeAPI,
     KVEvent,
@@ -107,7 +108,12 @@ class PrefillClient(_Client):
 
 
 class DecodeClient(_Client):
-    """DecodeAPI over a transport."""
+    """DecodeAPI over a transport. poll() reads from this client's OutputFeed: one poll_many
+    call at a time carries the outputs of every request streamed through this client."""
+
+    def __init__(self, transport: Transport) -> None:
+        super().__init__(transport)
+        self.feed = OutputFeed(self.poll_many, self.wake_polls, name="output-feed")
 
     def connect_prefill(self, prefill_id: str, address: dict, peer: Any = None) -> None:
         self.transport.call("connect_prefill", prefill_id, address, peer)
@@ -122,7 +128,16 @@ class DecodeClient(_Client):
         self.transport.call("local_generate", request)
 
     def poll(self, request_id: str, timeout: float = 1.0) -> list[TokenOutput]:
-        return self.transport.call("poll", request_id, timeout)
+        return self.feed.poll(request_id, timeout)
+
+    def poll_many(
+        self, request_ids: Sequence[str], timeout: float = 1.0
+    ) -> tuple[list[TokenOutput], list[str]]:
+        outs, unknown = self.transport.call("poll_many", list(request_ids), timeout)
+        return list(outs), list(unknown)
+
+    def wake_polls(self) -> None:
+        self.transport.call("wake_polls")
 
     def renew(self, request_id: str) -> bool:
         return self.transport.call("renew", request_id)

@@ -6,7 +6,8 @@
  * Why: per token the unfused path runs ~15 torch ops and ~6 ctypes calls per layer; at batch 1
  * on SmolLM2 that dispatch was ~2.5 ms of a ~12.9 ms step. Here one OpenMP parallel region
  * spans the whole step: the matrix products (all R rows at once, decode_matrix.c) and the
- * attention (one task per row and query head) are shared out with `omp for` (one barrier
+ * attention (one task per row and KV head, reading its keys and values once for the group's
+ * query heads) are shared out with `omp for` (one barrier
  * each, five per layer whatever R); the small vector ops (RMSNorm, residual adds, block sums
  * and int8 blocks of the activations) are computed by every thread on its own private copy of
  * the R rows, so they need no barrier.
@@ -20,8 +21,8 @@
  *     unfused path takes AVX2 up to 8 rows and dense float32 above, another summation order);
  *   - RoPE: x' = x c - y s, y' = x s + y c on rotation pairs, products rounded before the add
  *     (torch's complex multiply, checked bit for bit by the tests);
- *   - attention: paged_decode.c's arithmetic per query head (pass 1 eight keys at a time,
- *     softmax, pass 2), shared out by (row, query head) instead of by KV head;
+ *   - attention: per query head, two passes (scores eight keys at a time, softmax, the
+ *     weighted values in position order), shared out by (row, KV head);
  *   - SwiGLU: silu(g) * u with silu(g) = g / (1 + e^-g); the one place the values may differ
  *     from torch's in the last bit (its vectorized exp is another polynomial).
  * With int8_isa set (the opt-in int8_activations), every product's input rows are quantized
@@ -96,16 +97,22 @@ static void rope_rows(const float *src, int64_t heads, int64_t D, const float *r
     }
 }
 
-/* out[D] = attention of one query head qv over the len keys and values of its KV head (k_head,
- * v_head: that head's base in the cache), exactly paged_decode.c's arithmetic for that head.
+/* Attention of ng query heads of one KV head (q: their roped queries [ng, D]; k_head, v_head:
+ * that KV head's base in the cache) over its len keys and values, into o [ng, D]: for each
+ * head the same two passes (scores eight keys at a time, softmax, the weighted values summed
+ * in position order), so a head's numbers do not depend on ng or on which heads share its
+ * call. The heads share each key and value row while it is in L1
+ * (pass 1: a chunk of 8 keys; pass 2: a tile of ATTEND_TILE values), so the group's keys and
+ * values are read from memory once instead of once per head.
  * The last position's key and value (this step's token) are read from new_k, new_v instead
  * of the cache: the same values, so the cache write needs no barrier before the attention.
- * scores: [len] scratch. */
-static void attend_head(const float *qv, const float *k_head, const float *v_head,
-                        const float *new_k, const float *new_v, int64_t stride_block,
-                        int64_t stride_token, const int64_t *table, int64_t len,
-                        int64_t head_dim, int64_t block_size, float scale, float *scores,
-                        float *o) {
+ * scores: [ng, len] scratch. */
+#define ATTEND_TILE 32
+static void attend_heads(const float *q, int64_t ng, const float *k_head, const float *v_head,
+                         const float *new_k, const float *new_v, int64_t stride_block,
+                         int64_t stride_token, const int64_t *table, int64_t len,
+                         int64_t head_dim, int64_t block_size, float scale, float *scores,
+                         float *o) {
 #define KEY(t)                                                                                     \
     ((t) == len - 1 ? new_k                                                                        \
                     : k_head + table[(t) / block_size] * stride_block +                           \
@@ -119,43 +126,70 @@ static void attend_head(const float *qv, const float *k_head, const float *v_hea
     for (; t0 + 8 <= len; t0 += 8) {
         const float *k[8];
         for (int j = 0; j < 8; j++) k[j] = KEY(t0 + j);
-        __m256 acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < head_dim; i += 8) {
-            const __m256 x = _mm256_loadu_ps(qv + i);
-            for (int j = 0; j < 8; j++)
-                acc[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[j] + i), acc[j]);
+        for (int64_t g = 0; g < ng; g++) {
+            const float *qv = q + g * head_dim;
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < head_dim; i += 8) {
+                const __m256 x = _mm256_loadu_ps(qv + i);
+                for (int j = 0; j < 8; j++)
+                    acc[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[j] + i), acc[j]);
+            }
+            _mm256_storeu_ps(scores + g * len + t0, _mm256_mul_ps(hsum8(acc), scale_v));
         }
-        _mm256_storeu_ps(scores + t0, _mm256_mul_ps(hsum8(acc), scale_v));
     }
-    for (int64_t t = t0; t < len; t++) scores[t] = dot(qv, KEY(t), head_dim) * scale;
-    float m = -INFINITY, sum = 0.0f;
-    for (int64_t t = 0; t < len; t++) m = scores[t] > m ? scores[t] : m;
-    const __m256 mv = _mm256_set1_ps(m);
-    __m256 sums = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= len; t += 8) {
-        __m256 p = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mv));
-        _mm256_storeu_ps(scores + t, p);
-        sums = _mm256_add_ps(sums, p);
-    }
-    sum = hsum(sums);
-    for (; t < len; t++) {
-        scores[t] = expf(scores[t] - m);
-        sum += scores[t];
-    }
-    const __m256 norm = _mm256_set1_ps(1.0f / sum);
-    for (int64_t i0 = 0; i0 < head_dim; i0 += 64) {
-        const int64_t lanes = head_dim - i0 < 64 ? (head_dim - i0) / 8 : 8;
-        __m256 acc[8];
-        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t t = 0; t < len; t++) {
-            const float *v = VALUE(t) + i0;
-            const __m256 p = _mm256_set1_ps(scores[t]);
-            for (int64_t i = 0; i < lanes; i++)
-                acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), acc[i]);
+    for (int64_t t = t0; t < len; t++)
+        for (int64_t g = 0; g < ng; g++)
+            scores[g * len + t] = dot(q + g * head_dim, KEY(t), head_dim) * scale;
+    float norms[MAX_G];
+    for (int64_t g = 0; g < ng; g++) {
+        float *sg = scores + g * len;
+        float m = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 sums = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 8 <= len; t += 8) {
+            __m256 p = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+            _mm256_storeu_ps(sg + t, p);
+            sums = _mm256_add_ps(sums, p);
         }
-        for (int64_t i = 0; i < lanes; i++) _mm256_storeu_ps(o + i0 + 8 * i, _mm256_mul_ps(acc[i], norm));
+        sum = hsum(sums);
+        for (; t < len; t++) {
+            sg[t] = expf(sg[t] - m);
+            sum += sg[t];
+        }
+        norms[g] = 1.0f / sum;
+    }
+    /* pass 2 by tiles of positions: o[g] holds head g's running sums between tiles (stored and
+     * loaded back unchanged: the sums are those of one pass over every position in order) */
+    for (int64_t tile = 0; tile < len; tile += ATTEND_TILE) {
+        const int64_t end = tile + ATTEND_TILE < len ? tile + ATTEND_TILE : len;
+        const float *vs[ATTEND_TILE];
+        for (int64_t t = tile; t < end; t++) vs[t - tile] = VALUE(t);
+        for (int64_t i0 = 0; i0 < head_dim; i0 += 64) {
+            const int64_t lanes = head_dim - i0 < 64 ? (head_dim - i0) / 8 : 8;
+            for (int64_t g = 0; g < ng; g++) {
+                const float *pg = scores + g * len;
+                float *og = o + g * head_dim + i0;
+                __m256 acc[8];
+                for (int64_t i = 0; i < lanes; i++)
+                    acc[i] = tile == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(og + 8 * i);
+                for (int64_t t = tile; t < end; t++) {
+                    const float *v = vs[t - tile] + i0;
+                    const __m256 p = _mm256_set1_ps(pg[t]);
+                    for (int64_t i = 0; i < lanes; i++)
+                        acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), acc[i]);
+                }
+                for (int64_t i = 0; i < lanes; i++) _mm256_storeu_ps(og + 8 * i, acc[i]);
+            }
+        }
+    }
+    for (int64_t g = 0; g < ng; g++) {
+        const __m256 norm = _mm256_set1_ps(norms[g]);
+        float *og = o + g * head_dim;
+        for (int64_t i = 0; i < head_dim; i += 8)
+            _mm256_storeu_ps(og + i, _mm256_mul_ps(_mm256_loadu_ps(og + i), norm));
     }
 #undef KEY
 #undef VALUE
@@ -170,7 +204,8 @@ static int matrix_ok(const ds_matrix *w, int64_t n, int64_t k) {
 static int check_model(const ds_model *m) {
     const int64_t E = m->hidden, I = m->intermediate, H = m->num_heads, KVH = m->num_kv_heads,
                   D = m->head_dim;
-    if (E <= 0 || E % 8 || D % 8 || KVH <= 0 || H % KVH || m->block_size <= 0) return -1;
+    if (E <= 0 || E % 8 || D % 8 || KVH <= 0 || H % KVH || H / KVH > MAX_G || m->block_size <= 0)
+        return -1;
     if (m->avx512 && !baton_cpu_has_avx512()) return -1;
     if (m->int8_isa && (m->int8_isa < BATON_I8_AVX2 || m->int8_isa > BATON_I8_AVX512VNNI ||
                         !(baton_cpu_int8_isas() & (1 << m->int8_isa))))
@@ -237,11 +272,18 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
     const int64_t max_k = I > E ? (I > q_size ? I : q_size) : (E > q_size ? E : q_size);
     /* shared: qkv, attention output, a product's output, the SwiGLU activations (all [R, .]);
      * then per thread (private): residuals x and normed xn [R, E], roped q and k of one head,
-     * block sums, int8 scales [R, max_k / 32] (three), attention scores [max_len], int8
+     * block sums, int8 scales [R, max_k / 32] (three), attention scores [G, max_len], int8
      * quants [R, max_k] bytes */
     const int64_t own_size =
-        2 * R * E + 2 * D + 3 * R * (max_k / QK) + max_len + R * max_k / 4;
+        2 * R * E + (G + 1) * D + 3 * R * (max_k / QK) + G * max_len + R * max_k / 4;
     const int threads = omp_get_max_threads();
+    /* A KV head's query heads go to `runs` tasks of run_len heads: one task per KV head reads
+     * its keys and values once for all its heads; with fewer than two tasks a thread, the
+     * groups are split so that the threads share the attention (a head's numbers are the same
+     * whichever run computes it). */
+    const int64_t wanted = (2 * threads + R * KVH - 1) / (R * KVH);
+    const int64_t runs_asked = wanted < 1 ? 1 : wanted > G ? G : wanted;
+    const int64_t run_len = (G + runs_asked - 1) / runs_asked, runs = (G + run_len - 1) / run_len;
     float *shared = malloc(sizeof(float) *
                            (size_t)(R * (qkv_n + q_size + E + I) + threads * own_size));
     if (shared == NULL) return -2;
@@ -251,8 +293,8 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
     {
         const int64_t nb = R * (max_k / QK);
         float *x = own_all + omp_get_thread_num() * own_size, *xn = x + R * E, *q = xn + R * E,
-              *k = q + D, *xsum = k + D, *xd = xsum + nb, *xs = xd + nb, *scores = xs + nb;
-        int8_t *xq = (int8_t *)(scores + max_len); /* R * max_k bytes */
+              *k = q + G * D, *xsum = k + D, *xd = xsum + nb, *xs = xd + nb, *scores = xs + nb;
+        int8_t *xq = (int8_t *)(scores + G * max_len); /* R * max_k bytes */
         ds_input in = {.avx512 = m->avx512, .int8_isa = m->int8_isa};
         const int timed = timings != NULL && omp_get_thread_num() == 0;
         double t_prev = timed ? omp_get_wtime() : 0.0;
@@ -273,29 +315,30 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
             MARK(T_NORM);
             matrix_for(&L->qkv, &in, R, qkv);
             MARK(T_QKV);
-            /* one task per (row, query head): RoPE of its q and k heads, the attention; the
-             * task of a group's first query head also writes the row's key and value of that KV
-             * head to the cache. Nobody waits for the write: the attention reads this step's key
-             * and value from k and qkv, the cache only at other rows' blocks and positions
-             * before this one (rows_disjoint). */
+            /* one task per (row, KV head, run of its query heads): RoPE of those q heads and
+             * of the k head, the attention; the task of a group's first run also writes the
+             * row's key and value of that KV head to the cache. Nobody waits for the write: the
+             * attention reads this step's key and value from k and qkv, the cache only at
+             * other rows' blocks and positions before this one (rows_disjoint). */
             OMP_FOR(HEADS_SCHEDULE)
-            for (int64_t task = 0; task < R * H; task++) {
-                const int64_t r = task / H, hq = task % H, h = hq / G, pos = seq_lens[r] - 1;
-                const int64_t *table = tables + r * width;
+            for (int64_t task = 0; task < R * KVH * runs; task++) {
+                const int64_t r = task / (KVH * runs), h = task / runs % KVH, run = task % runs;
+                const int64_t g0 = run * run_len, ng = g0 + run_len < G ? run_len : G - g0;
+                const int64_t pos = seq_lens[r] - 1, *table = tables + r * width;
                 const float *rot = m->rope + pos * D; /* (cos, sin) pairs of this position */
                 const float *row = qkv + r * qkv_n, *v = row + q_size + kv_size + h * D;
-                rope_rows(row + hq * D, 1, D, rot, q);
+                rope_rows(row + (h * G + g0) * D, ng, D, rot, q);
                 rope_rows(row + q_size + h * D, 1, D, rot, k);
                 float *k_head = L->kv_cache + h * m->stride_head;
-                if (hq % G == 0) {
+                if (run == 0) {
                     float *k_dst = k_head + table[pos / m->block_size] * m->stride_block +
                                    (pos % m->block_size) * m->stride_token;
                     memcpy(k_dst, k, sizeof(float) * (size_t)D);
                     memcpy(k_dst + m->stride_kv, v, sizeof(float) * (size_t)D);
                 }
-                attend_head(q, k_head, k_head + m->stride_kv, k, v, m->stride_block,
-                            m->stride_token, table, seq_lens[r], D, m->block_size, m->scale,
-                            scores, attn + r * q_size + hq * D);
+                attend_heads(q, ng, k_head, k_head + m->stride_kv, k, v, m->stride_block,
+                             m->stride_token, table, seq_lens[r], D, m->block_size, m->scale,
+                             scores, attn + r * q_size + (h * G + g0) * D);
             }
             MARK(T_ATTENTION);
             prepare_input(&in, attn, R, q_size, xsum, xq, xd, xs);

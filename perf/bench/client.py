@@ -259,6 +259,10 @@ STEPS = "baton:engine_step_duration_seconds_count"
 # Summed over workers (by the label named, if any): the KV tier's and the pulls' figures.
 SUMMED = {
     "tier_read_bytes": ("baton:kv_tier_read_bytes_total", None),
+    "tier_written_bytes": ("baton:kv_tier_written_bytes_total", None),
+    "tier_dropped_writes": ("baton:kv_tier_dropped_writes_total", None),
+    "tier_loads": ("baton:kv_tier_load_seconds_count", None),
+    "tier_load_s": ("baton:kv_tier_load_seconds_sum", None),
     "pulls": ("baton:kv_pull_seconds_count", None),
     "pull_bytes": ("baton:kv_pull_bytes_total", None),
     "pull_decisions": ("baton:router_pull_decisions_total", "decision"),
@@ -322,8 +326,13 @@ def counter_rise(before: dict, after: dict) -> dict:
         "kv_transfers": int(transfers - transfers_before),
         "kv_transfer_s": round(kv_s - kv_s_before, 6),
         "engine_steps": steps,
-        # the KV tier's bytes loaded and the decode -> prefill pulls over the run
+        # the KV tier's bytes loaded and written, writes dropped, loads and their summed
+        # time, and the decode -> prefill pulls over the run
         "tier_read_bytes": int(summed.get("tier_read_bytes", 0)),
+        "tier_written_bytes": int(summed.get("tier_written_bytes", 0)),
+        "tier_dropped_writes": int(summed.get("tier_dropped_writes", 0)),
+        "tier_loads": int(summed.get("tier_loads", 0)),
+        "tier_load_s": round(summed.get("tier_load_s", 0.0), 6),
         "pulls": int(summed.get("pulls", 0)),
         "pull_bytes": int(summed.get("pull_bytes", 0)),
         "pull_decisions": {

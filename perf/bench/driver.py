@@ -207,7 +207,14 @@ async def bench(
         summary["kv"]["transfers"] = rise["kv_transfers"]
         summary["kv"]["transfer_s"] = rise["kv_transfer_s"]
         summary["engine_steps"] = rise["engine_steps"]
-        summary["kv"]["tier_read_bytes"] = rise["tier_read_bytes"]
+        for key in (
+            "tier_read_bytes",
+            "tier_written_bytes",
+            "tier_dropped_writes",
+            "tier_loads",
+            "tier_load_s",
+        ):
+            summary["kv"][key] = rise[key]
         summary["kv"]["pulls"] = rise["pulls"]
         summary["kv"]["pull_bytes"] = rise["pull_bytes"]
         summary["kv"]["pull_decisions"] = rise["pull_decisions"]

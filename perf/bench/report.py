@@ -188,6 +188,10 @@ def summarize(
             transfers=None,  # KV transfers and their summed time (prefill done -> decode side
             transfer_s=None,  # acknowledges), from /metrics as well
             tier_read_bytes=None,  # loaded from the workers' KV tiers, from /metrics
+            tier_written_bytes=None,  # stored into them
+            tier_dropped_writes=None,  # blocks offered while the write queue was full
+            tier_loads=None,  # loads and their summed time (start -> blocks in place)
+            tier_load_s=None,
             pulls=None,  # decode -> prefill pulls, their bytes and the router's decisions
             pull_bytes=None,
             pull_decisions=None,
@@ -271,6 +275,12 @@ def table(summary: dict) -> str:
     )
     if kv.get("tier_read_bytes") is not None:
         lines.append(f"{'KV tier bytes loaded':<28}{_mib(kv['tier_read_bytes'])}")
+    if kv.get("tier_written_bytes") is not None:
+        lines.append(
+            f"{'KV tier bytes written':<28}{_mib(kv['tier_written_bytes'])}; "
+            f"{kv['tier_dropped_writes']} blocks dropped (write queue full); "
+            f"{kv['tier_loads']} loads, {kv['tier_load_s']:.1f} s"
+        )
     if kv.get("pulls") is not None:
         decided = ", ".join(f"{k} {v}" for k, v in sorted((kv.get("pull_decisions") or {}).items()))
         lines.append(
@@ -302,6 +312,15 @@ COMPARE_ROWS = (
     ("of oracle %", lambda s: _pct(s["cache"].get("of_oracle"))),
     ("prefill tokens", lambda s: s["cache"].get("prefill_tokens_computed", "-")),
     ("tier MiB loaded", lambda s: _mib_or_dash(s["kv"].get("tier_read_bytes"))),
+    ("tier MiB written", lambda s: _mib_or_dash(s["kv"].get("tier_written_bytes"))),
+    (
+        "tier writes dropped",
+        lambda s: (
+            s["kv"].get("tier_dropped_writes")
+            if s["kv"].get("tier_dropped_writes") is not None
+            else "-"
+        ),
+    ),
     ("pulls", lambda s: s["kv"].get("pulls") if s["kv"].get("pulls") is not None else "-"),
 )
 

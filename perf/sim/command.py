@@ -42,6 +42,7 @@ WORKER_FIELDS = (
     "max_num_batched_tokens",
     "max_num_seqs",
     "itl_target_ms",
+    "decode_stretch",
     "enable_prefix_caching",
 )
 
@@ -54,6 +55,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", help="routing policy (router/policy.py); default cache_aware")
     p.add_argument("--local-prefill-tokens", type=int, help="conditional disaggregation")
     p.add_argument("--itl-target-ms", type=float, help="dynamic chunking on every worker")
+    p.add_argument(
+        "--decode-stretch", type=float, help="the default step budget's factor (0: fixed chunks)"
+    )
     p.add_argument("--chunk-size", type=int)
     p.add_argument("--num-kv-blocks", type=int, help="KV capacity of each worker in blocks")
     p.add_argument("--max-num-seqs", type=int)

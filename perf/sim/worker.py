@@ -1,6 +1,6 @@
 """A simulated worker: the real BlockPool (prefix cache, LRU eviction, KV events) and the
 scheduler's budgets (engine/scheduler.py: decodes, then running prefills, then waiting prompts
-in order; chunk_size or a ChunkBudget for itl_target_ms; max_num_batched_tokens,
+in order; chunk_size, or a ChunkBudget for itl_target_ms or decode_stretch; max_num_batched_tokens,
 max_num_seqs), with each step's duration predicted by the step profile.
 
 Differences from the engine, kept on purpose (simpler, and no effect without memory pressure):
@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
-from engine.chunk_budget import ChunkBudget
+from engine.chunk_budget import ChunkBudget, DecodeStretchBudget
 from engine.step_model import StepModel, StepShape
 from perf.sim.events import EventLoop
 from perf.sim.request import DECODE, PREFILL, Job
@@ -31,6 +31,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     itl_target_ms: float | None = None
+    decode_stretch: float = 2.0
     enable_prefix_caching: bool = True
 
 
@@ -51,11 +52,13 @@ class SimWorker:
         self.loop = loop
         self.cluster = cluster
         self.pool = BlockPool(config.num_kv_blocks, config.enable_prefix_caching)
-        self.budget = (
-            ChunkBudget(model, config.itl_target_ms / 1000.0, config.block_size)
-            if config.itl_target_ms
-            else None
-        )
+        self.budget: ChunkBudget | None = None
+        if config.itl_target_ms:
+            self.budget = ChunkBudget(model, config.itl_target_ms / 1000.0, config.block_size)
+        elif config.decode_stretch:
+            self.budget = DecodeStretchBudget(
+                model, config.decode_stretch, config.block_size, config.chunk_size
+            )
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
         self.busy = False

@@ -147,9 +147,17 @@ def test_counter_rise_over_a_run_per_worker():
         "kv_bytes": 612.0,
         "kv_time": [3.0, 0.5],
         "steps": {"p0": [5.0, 0.75], "d0": [30.0, 4.0], "d1": [2.0, 0.2]},
-        "sums": {"tier_read_bytes": 4096.0, "pulls": 3.0, "pull_decisions:pull": 3.0},
+        "sums": {
+            "tier_read_bytes": 4096.0,
+            "tier_written_bytes": 8192.0,
+            "tier_dropped_writes": 3.0,
+            "tier_loads": 2.0,
+            "tier_load_s": 0.5,
+            "pulls": 3.0,
+            "pull_decisions:pull": 3.0,
+        },
     }
-    before["sums"] = {"pulls": 1.0, "pull_decisions:pull": 1.0}
+    before["sums"] = {"pulls": 1.0, "pull_decisions:pull": 1.0, "tier_dropped_writes": 1.0}
     assert counter_rise(before, after) == {
         "kv_bytes_moved": 512,
         "kv_transfers": 2,
@@ -160,6 +168,10 @@ def test_counter_rise_over_a_run_per_worker():
             "p0": {"steps": 2, "busy_s": 0.25},
         },
         "tier_read_bytes": 4096,
+        "tier_written_bytes": 8192,
+        "tier_dropped_writes": 2,
+        "tier_loads": 2,
+        "tier_load_s": 0.5,
         "pulls": 2,
         "pull_bytes": 0,
         "pull_decisions": {"pull": 2},
@@ -172,6 +184,10 @@ def test_counter_rise_over_a_run_per_worker():
         "kv_transfer_s": 0.0,
         "engine_steps": {},
         "tier_read_bytes": 0,
+        "tier_written_bytes": 0,
+        "tier_dropped_writes": 0,
+        "tier_loads": 0,
+        "tier_load_s": 0.0,
         "pulls": 0,
         "pull_bytes": 0,
         "pull_decisions": {},

@@ -1,12 +1,13 @@
-"""Dynamic chunking (itl_target_ms): exact prefill tokens per step under a fake step model,
-the floor, the online correction, and unchanged greedy outputs on the tiny checkpoint."""
+"""Dynamic chunking (itl_target_ms, and decode_stretch, the default): exact prefill tokens per
+step under a fake step model, the floor, the online correction, and unchanged greedy outputs
+on the tiny checkpoint."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine import InvalidRequestError, LLMEngine, SamplingParams
-from engine.chunk_budget import ChunkBudget
+from engine.chunk_budget import ChunkBudget, DecodeStretchBudget
 from engine.step_model import StepModel, StepShape
 from tests.engine.test_scheduler import make_request, make_scheduler, run_to_completion, step
 from tests.helpers import random_prompts
@@ -115,6 +116,49 @@ def test_plans_steps_within_the_target_less_the_gaps_between_them():
     for _ in range(20):  # gaps longer than the target: at most half of it is given up
         budget.observe(StepShape.of(decode_contexts=[5]), 0.011, 0.200)
     assert budget.step_limit_s() == pytest.approx(0.025)
+
+
+def test_decode_stretch_holds_prefill_steps_to_a_multiple_of_the_decode_step(caplog):
+    sched = make_scheduler(num_blocks=1024, budget=2048, chunk=512)
+    sched.budget = DecodeStretchBudget(LINEAR, 2.0, 4, chunk_size=512)
+    sched.add(make_request("long", range(1000, 2000), max_tokens=1))
+    # no decodes running: chunk_size, as without a budget
+    assert run_to_completion(sched) == [{"long": 512}, {"long": 488}]
+
+    for i in range(4):
+        sched.add(make_request(f"d{i}", range(10 * i, 10 * i + 3), max_tokens=50))
+    step(sched)  # the four 3-token prompts
+    sched.add(make_request("A", range(3000, 3300), max_tokens=1))
+    # decodes alone: 10 + 4 = 14 ms; with A: 10 + 4 + n * 0.1 <= 2 * 14 -> 140 tokens a step
+    steps = [step(sched)[0].num_tokens for _ in range(3)]
+    decodes = {f"d{i}": 1 for i in range(4)}
+    assert steps == [decodes | {"A": 140}, decodes | {"A": 140}, decodes | {"A": 20}]
+
+    # 1.01x leaves 0.14 ms (1 token): under the floor, a prompt still gets one block (4 tokens)
+    # a step, counted, not logged (short decode steps make it common)
+    sched.budget = DecodeStretchBudget(LINEAR, 1.01, 4, chunk_size=512)
+    sched.add(make_request("B", range(4000, 4010), max_tokens=1))
+    with caplog.at_level("WARNING", logger="engine.chunk_budget"):
+        steps = [step(sched)[0].num_tokens for _ in range(3)]
+    assert steps == [decodes | {"B": 4}, decodes | {"B": 4}, decodes | {"B": 2}]
+    assert sched.budget.floor_overruns == 3 and not caplog.records
+    with pytest.raises(ValueError, match="stretch > 1"):
+        DecodeStretchBudget(LINEAR, 1.0, 4, chunk_size=512)
+
+
+def test_engine_budget_by_its_options(tiny_llama):
+    def budget(**options):
+        engine = LLMEngine(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=64, **options)
+        return engine.scheduler.budget
+
+    default = budget()
+    assert isinstance(default, DecodeStretchBudget) and default.stretch == 2.0
+    assert default.chunk_size == 1024
+    assert budget(decode_stretch=0) is None
+    target = budget(itl_target_ms=40, decode_stretch=3)
+    assert type(target) is ChunkBudget and target.target_s == pytest.approx(0.040)
+    with pytest.raises(InvalidRequestError, match="decode_stretch 1 must be 0"):
+        LLMEngine(tiny_llama, skip_tokenizer_init=True, decode_stretch=1)
 
 
 def test_no_target_no_plan():

@@ -20,6 +20,7 @@ def test_cached_prefix_then_chunked_prefill_interleaved_with_decodes(tiny_llama)
         chunk_size=1024,
         max_num_batched_tokens=2048,
         num_kv_blocks=2000,
+        decode_stretch=0,  # fixed chunks (the step budget: tests/engine/test_dynamic_chunking.py)
     )
     prefix, tail, extra = random_prompts([5000, 2000, 3], seed=21)
     engine.add_request("warm", prefix + extra, SamplingParams(max_tokens=1, temperature=0))

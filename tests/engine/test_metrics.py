@@ -9,7 +9,7 @@ from engine import LLMEngine, SamplingParams
 from engine.metrics import REQUEST_LATENCY_BUCKETS, snapshot
 from tests.helpers import random_prompts
 
-OPTS = dict(skip_tokenizer_init=True, block_size=4, chunk_size=16)
+OPTS = dict(skip_tokenizer_init=True, block_size=4, chunk_size=16, decode_stretch=0)
 
 
 def value(engine: LLMEngine, name: str) -> float:
