@@ -9,7 +9,7 @@ One engine serves every configuration (its scheduler's chunk size or ChunkBudget
 between runs, prefix caching off, fresh prompts each run). A run starts 8 decoding requests,
 then adds the long prompt and steps until its first token: the step times of those steps
 (p50 / p99 / max; every decoding request waits that long for its next token) and the prompt's
-TTFT are printed. A target run (itl_target_ms) and a stretch run (decode_stretch, the default)
+TTFT are printed. A target run (itl_target_ms) and a stretch run (decode_stretch)
 start from the shipped step profile (engine.step_model) with a fresh online correction; the
 final correction ratio is printed.
 """

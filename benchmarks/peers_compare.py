@@ -43,15 +43,33 @@ def workloads(names: list[str], output_len: int, quick: bool) -> dict:
     return {n: known[n] for n in names}
 
 
-def start_baton(shape: str, threads: int, log):
-    """A local Baton cluster (Ray in this process) with its HTTP door on a free port."""
+def start_baton(shape: str, threads: int, log, engine: dict | None = None):
+    """A local Baton cluster (Ray in this process) with its HTTP door on a free port;
+    `engine`: engine options over local.yaml's."""
     from cluster.local import LocalCluster, LocalOptions
 
     prefill = 0 if shape == "aggregated" else 1
     options = LocalOptions(
-        model=peers.MODEL, prefill=prefill, decode=1, port=0, http_port=0, threads=threads
+        model=peers.MODEL,
+        prefill=prefill,
+        decode=1,
+        port=0,
+        http_port=0,
+        threads=threads,
+        engine_extra=dict(engine or {}),
     )
     return LocalCluster(options).start(log=log)
+
+
+def engine_option(text: str) -> tuple[str, object]:
+    """KEY=VALUE (the value as JSON, else the string) as (key, value)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--baton-engine takes KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 def run_server(kind, plan, tokens, config, streams, args, results, log) -> None:
@@ -69,7 +87,7 @@ def run_server(kind, plan, tokens, config, streams, args, results, log) -> None:
 
     try:
         if kind == "baton":
-            cluster = start_baton(args.baton_shape, args.baton_threads, log)
+            cluster = start_baton(args.baton_shape, args.baton_threads, log, args.baton_engine)
             try:
                 measure(cluster.http_address, streams)
             finally:
@@ -102,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--baton-shape", choices=("aggregated", "disaggregated"), default="aggregated")
     p.add_argument("--baton-threads", type=int, default=2, help="torch threads per worker")
+    p.add_argument(
+        "--baton-engine",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine option for Baton (JSON value), e.g. decode_stretch=0; repeatable",
+    )
     p.add_argument("--quick", action="store_true", help="short prompts, 2 requests, 1 stream")
     p.add_argument("--out", help="directory for peers.json")
     args = p.parse_args(argv)
@@ -112,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         streams = [1] if args.quick else parse_streams(args.streams)
         args.output_len = args.output_len or (8 if args.quick else 64)
         plan = workloads([w for w in args.workloads.split(",") if w], args.output_len, args.quick)
+        args.baton_engine = dict(engine_option(o) for o in args.baton_engine)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -58,7 +58,7 @@ class LocalOptions:
     policy: str | None = None
     block_size: int | None = None
     chunk_size: int | None = None
-    decode_stretch: float | None = None  # the default step budget's factor (0: off)
+    decode_stretch: float | None = None  # a step budget relative to the decode step (0: off)
     itl_target_ms: float | None = None  # an absolute step-time target instead
     kv_cache_memory_gb: float | None = None  # replaces the example's num_kv_blocks
     kv_tier: str | None = None  # none, host or disk (a KV tier below each worker's cache)

@@ -3,7 +3,7 @@ limit, the step-time model corrected online. Two kinds of limit:
 
 - ChunkBudget: a target in seconds (engine option itl_target_ms), less the recent gaps
   between steps (below);
-- DecodeStretchBudget (engine option decode_stretch, the default): a step that carries
+- DecodeStretchBudget (engine option decode_stretch): a step that carries
   prefill beside running decodes may take at most `stretch` times the same step without the
   prefill, so a prompt arriving stretches the running streams' inter-token time by at most
   that factor on any hardware; chunk_size still bounds every chunk, and a step with no

@@ -173,18 +173,19 @@ class EngineOptions:
         "dynamic chunking: each step's prefill tokens are chosen so that the predicted step "
         "time, plus the recent gaps between steps, stays within this many ms (chunk_size then "
         "does not apply; a waiting prompt still gets one block per step, with a warning when "
-        "even that is predicted over the target); unset: decode_stretch's budget",
+        "even that is predicted over the target); unset: decode_stretch, else fixed chunk_size",
         gt=0,
     )
     decode_stretch: float = option(
-        2.0,
-        "the default step-time budget: a step that carries prefill chunks beside running "
-        "decodes is planned (from the step-time profile, corrected online) to take at most "
-        "this many times the same step without them, so an arriving prompt stretches the "
+        0.0,
+        "a step-time budget relative to the decode step: a step that carries prefill chunks "
+        "beside running decodes is planned (from the step-time profile, corrected online) to "
+        "take at most this many times the same step without them, so an arriving prompt stretches the "
         "running streams' inter-token time by at most this factor (a waiting prompt still "
         "gets one block per step); chunks stay within chunk_size, and a step without decodes "
-        "takes chunk_size tokens. 0: off (fixed chunk_size); itl_target_ms, when set, "
-        "replaces it",
+        "takes chunk_size tokens. 0 (default): off, fixed chunk_size (on CPU a step with "
+        "prefill leaves the fused decode step, so a low factor only splits prompts into "
+        "one-block steps); itl_target_ms, when set, replaces it",
         ge=0,
     )
     step_profile: str | None = option(

@@ -31,7 +31,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     itl_target_ms: float | None = None
-    decode_stretch: float = 2.0
+    decode_stretch: float = 0.0
     enable_prefix_caching: bool = True
 
 

@@ -1,4 +1,4 @@
-"""Dynamic chunking (itl_target_ms, and decode_stretch, the default): exact prefill tokens per
+"""Dynamic chunking (itl_target_ms, and decode_stretch): exact prefill tokens per
 step under a fake step model, the floor, the online correction, and unchanged greedy outputs
 on the tiny checkpoint."""
 
@@ -151,10 +151,10 @@ def test_engine_budget_by_its_options(tiny_llama):
         engine = LLMEngine(tiny_llama, skip_tokenizer_init=True, num_kv_blocks=64, **options)
         return engine.scheduler.budget
 
-    default = budget()
-    assert isinstance(default, DecodeStretchBudget) and default.stretch == 2.0
-    assert default.chunk_size == 1024
-    assert budget(decode_stretch=0) is None
+    assert budget() is None  # off by default: fixed chunk_size
+    stretch = budget(decode_stretch=2)
+    assert isinstance(stretch, DecodeStretchBudget) and stretch.stretch == 2.0
+    assert stretch.chunk_size == 1024
     target = budget(itl_target_ms=40, decode_stretch=3)
     assert type(target) is ChunkBudget and target.target_s == pytest.approx(0.040)
     with pytest.raises(InvalidRequestError, match="decode_stretch 1 must be 0"):
