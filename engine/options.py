@@ -180,8 +180,8 @@ class EngineOptions:
         0.0,
         "a step-time budget relative to the decode step: a step that carries prefill chunks "
         "beside running decodes is planned (from the step-time profile, corrected online) to "
-        "take at most this many times the same step without them, so an arriving prompt stretches the "
-        "running streams' inter-token time by at most this factor (a waiting prompt still "
+        "take at most this many times the same step without them, so an arriving prompt "
+        "stretches the running streams' inter-token time by at most this factor (a waiting prompt still "
         "gets one block per step); chunks stay within chunk_size, and a step without decodes "
         "takes chunk_size tokens. 0 (default): off, fixed chunk_size (on CPU a step with "
         "prefill leaves the fused decode step, so a low factor only splits prompts into "
