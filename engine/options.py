@@ -178,21 +178,22 @@ class EngineOptions:
     )
     decode_stretch: float = option(
         0.0,
-        "a step-time budget relative to the decode step: a step that carries prefill chunks "
-        "beside running decodes is planned (from the step-time profile, corrected online) to "
-        "take at most this many times the same step without them, so an arriving prompt "
-        "stretches the running streams' inter-token time by at most this factor (a waiting prompt still "
-        "gets one block per step); chunks stay within chunk_size, and a step without decodes "
-        "takes chunk_size tokens. 0 (default): off, fixed chunk_size (on CPU a step with "
-        "prefill leaves the fused decode step, so a low factor only splits prompts into "
-        "one-block steps); itl_target_ms, when set, replaces it",
+        "a step-time budget relative to the decode step: a step that carries prefill "
+        "chunks beside running decodes is planned (from the step-time profile, corrected "
+        "online) to take at most this many times the same step without them, so an arriving "
+        "prompt stretches the running streams' inter-token time by at most this factor (a "
+        "waiting prompt still gets one block per step); chunks stay within chunk_size, and a "
+        "step without decodes takes chunk_size tokens. 0 (default): off, fixed chunk_size (on "
+        "CPU a step with prefill leaves the fused decode step, so a low factor only splits "
+        "prompts into one-block steps); itl_target_ms, when set, replaces it",
         ge=0,
     )
     step_profile: str | None = option(
         None,
-        "step-time profile JSON for itl_target_ms and decode_stretch (`baton profile` writes "
-        "one to $BATON_PROFILE_DIR; default: the shipped profile of this model, dtype, device and "
-        "threads, else a built-in guess; either is corrected online from measured steps)",
+        "step-time profile JSON for itl_target_ms and decode_stretch (`baton profile` "
+        "writes one to $BATON_PROFILE_DIR; default: the shipped profile of this model, dtype, "
+        "device and threads, else a built-in guess; either is corrected online from measured "
+        "steps)",
         min_length=1,
     )
 
