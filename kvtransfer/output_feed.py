@@ -6,10 +6,13 @@ one of the worker's call threads (its actor's concurrency) per streaming request
 waits. The feed's thread runs while some request is read through it: it asks the worker for
 the outputs of all of them at once (DecodeAPI.poll_many, which returns as soon as any has
 one), puts each output in its request's queue, and stops when no request is left. A request
-that starts reading while a poll is in flight wakes it (DecodeAPI.wake_polls), so its first
+that starts reading while a poll is in flight wakes it (DecodeAPI.wake_polls, from a thread
+of its own: a frozen worker never holds up a reader beyond its timeout), so its first
 outputs do not wait out the poll.
 
-What a reader sees is what its own poll calls would have shown: its outputs in order; a
+A reader belongs to one stream of the worker: DecodeClient.reserve and local_generate reset
+the request's reader first (the router retries a request on the same worker under the same
+id). What a reader sees is what its own poll calls would have shown: its outputs in order; a
 failed poll_many (the worker died, the transport failed) raised to every request being read
 at that moment, after the outputs that came before it; a request the worker does not know,
 KeyError.
@@ -83,6 +86,10 @@ class OutputFeed:
         self._readers: dict[str, _Reader] = {}  # on _lock
         self._thread: threading.Thread | None = None  # on _lock; None: no poll loop running
         self._in_poll = False  # on _lock: a poll_many call is in flight
+        self._round_ids: frozenset[str] = frozenset()  # on _lock: the ids it asks for
+        self._rounds = 0  # on _lock: poll_many calls that ended
+        self._round_ended = threading.Condition(self._lock)
+        self._waking = False  # on _lock: a wake_polls call is in flight
         self.calls = 0  # poll_many calls made (for tests and profiles)
 
     def poll(self, request_id: str, timeout: float = 1.0) -> list[TokenOutput]:
@@ -97,6 +104,22 @@ class OutputFeed:
         if outs and outs[-1].finished:
             self._forget(request_id, reader)
         return outs
+
+    def reset(self, request_id: str, wait_s: float = 2.0) -> None:
+        """Forget the request's reader before the worker opens a new stream under the same
+        id (the router's next attempt on this worker reuses the id): outputs an earlier
+        attempt left unread never reach the new one. Waits (up to wait_s) for a poll in flight
+        that asks for the id, so that what it drained of the old stream is dropped."""
+        with self._lock:
+            self._readers.pop(request_id, None)
+            if not (self._in_poll and request_id in self._round_ids):
+                return
+            rounds = self._rounds
+        self._start_wake()
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            while self._rounds == rounds and (left := deadline - time.monotonic()) > 0:
+                self._round_ended.wait(left)
 
     def num_readers(self) -> int:
         with self._lock:
@@ -116,11 +139,27 @@ class OutputFeed:
             else:
                 wake = self._in_poll
         if wake:
+            self._start_wake()
+        return reader
+
+    def _start_wake(self) -> None:
+        """Wake the poll in flight from a thread of its own: a frozen worker must not hold
+        up the reader (its poll() still returns after its timeout). One wake at a time."""
+        with self._lock:
+            if self._waking:
+                return
+            self._waking = True
+
+        def wake() -> None:
             try:
                 self._wake()
-            except Exception as exc:  # noqa: BLE001 - then it waits for the poll to end
+            except Exception as exc:  # noqa: BLE001 - then the reader waits for the poll to end
                 logger.debug("%s: wake_polls failed: %s", self.name, exc)
-        return reader
+            finally:
+                with self._lock:
+                    self._waking = False
+
+        threading.Thread(target=wake, name=f"{self.name}-wake", daemon=True).start()
 
     def _forget(self, request_id: str, reader: _Reader) -> None:
         with self._lock:
@@ -145,16 +184,17 @@ class OutputFeed:
                     self._thread = None
                     return
                 self._in_poll = True
+                self._round_ids = frozenset(ids)
             try:
                 outs, unknown = self._poll_many(ids, self.wait_s)
             except Exception as exc:  # noqa: BLE001 - raised to each request's reader
                 with self._lock:
-                    self._in_poll = False
+                    self._end_round()
                     for rid in ids:
                         self._end(rid, exc)
                 continue
             with self._lock:
-                self._in_poll = False
+                self._end_round()
                 for out in outs:
                     reader = self._readers.get(out.request_id)
                     if reader is not None and reader.polled:
@@ -164,6 +204,13 @@ class OutputFeed:
                             reader.done_at = time.monotonic()
                 for rid in unknown:
                     self._end(rid, KeyError(f"unknown request {rid!r}"))
+
+    def _end_round(self) -> None:
+        """On _lock: the poll in flight returned (or failed)."""
+        self._in_poll = False
+        self._round_ids = frozenset()
+        self._rounds += 1
+        self._round_ended.notify_all()
 
     def _end(self, request_id: str, error: BaseException) -> None:
         """On _lock: the request's outputs end with `error`."""

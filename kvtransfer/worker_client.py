@@ -122,9 +122,11 @@ class DecodeClient(_Client):
         self.transport.call("disconnect_prefill", prefill_id)
 
     def reserve(self, request: PromptRequest, prefill_id: str | None = None) -> Reservation:
+        self.feed.reset(request.request_id)  # a new stream: nothing of an earlier attempt's
         return self.transport.call("reserve", request, prefill_id)
 
     def local_generate(self, request: PromptRequest) -> None:
+        self.feed.reset(request.request_id)
         self.transport.call("local_generate", request)
 
     def poll(self, request_id: str, timeout: float = 1.0) -> list[TokenOutput]:
