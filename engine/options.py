@@ -113,6 +113,12 @@ class EngineOptions:
     kv_tier_bytes: int = option(
         4 * 2**30, "capacity of the KV tier in bytes (disk: block files, headers included)", ge=1
     )
+    kv_tier_write_queue_bytes: int = option(
+        512 * 2**20,
+        "host memory for blocks waiting to be written to the KV tier (an eviction burst past "
+        "it drops blocks, counted in kv_tier_dropped_writes)",
+        ge=1,
+    )
     kv_tier_path: str | None = option(
         None,
         "directory of the disk KV tier, one per engine (locked while open; kept across "

@@ -26,9 +26,13 @@ def load_kernel() -> ctypes.CDLL | None:
     # head dim, block size, scale, out
     decode = [ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, i64, i64]
     decode += [ctypes.c_float, ptr]
+    # block tables, their width, lengths, sequences, query heads per KV head, block size,
+    # shared keys out, group out
+    groups = [ptr, i64, ptr, i64, i64, i64, ptr, ptr]
     return load_kernel_library(
         SOURCE,
         baton_paged_decode=decode,
+        baton_paged_decode_groups=groups,
         baton_paged_decode_isa=[*decode, ctypes.c_int],
         baton_paged_decode_has_avx512=[],
     )

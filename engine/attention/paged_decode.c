@@ -11,11 +11,21 @@
  * acc = sum e^(s - m) V (both rescaled by e^(m_old - m_new) when the max grows). Each key and
  * value row is read from memory once and used while it is in L1.
  *
- * Work split: the (sequence, KV head) tasks laid end to end form one line of key positions,
- * cut into equal pieces that threads take one at a time (dynamic: a thread held up by other
- * load leaves the rest to the others), so a long sequence (batch 1) is split across threads
- * too. A task cut by a piece boundary leaves partial (m, l, acc) states that are merged after
- * the parallel loop (the log-sum-exp merge of split softmaxes).
+ * Shared prefixes: sequences whose tables start with the same physical blocks (prefix-cache
+ * hits on one prompt head) read those blocks once for all of them. Their query vectors for a
+ * KV head are gathered into one [R G, D] matrix and the shared keys pass through the same
+ * loop as one sequence's G heads do, so each key and value row is loaded once for R
+ * sequences instead of R times (a 16-stream step over a 2,000-token shared prompt otherwise
+ * streams ~1.4 GB of K and V). Each query vector's arithmetic is the same whichever pass it
+ * is in (no lane mixes query vectors). A sequence's own keys after the shared ones follow as
+ * a task of its own.
+ *
+ * Work split: the tasks (a group's shared keys or a sequence's own keys, for one KV head)
+ * are cut into segments of about equal work (keys x query vectors) that threads take one at a
+ * time (dynamic: a thread held up by other load leaves the rest to the others), so a long
+ * sequence (batch 1) is split across threads too. Every segment leaves its partial (m, l, acc)
+ * states; after the parallel loop each (sequence, head) merges its segments' states in key
+ * order (the log-sum-exp merge of split softmaxes).
  *
  * A 32-sequence SmolLM2 step streams ~240 MB of K and V from memory; software prefetching of
  * the next blocks (tried: 8 to 64 tokens ahead) measured no faster than the hardware's.
@@ -39,6 +49,7 @@
 #include "../simd_math.h"
 
 #define MAX_G 16
+#define MAX_NG 64 /* query vectors in one pass over keys: G per sequence, times sequences */
 #define PD_MAX_D 256
 #define PD_CHUNK 8
 #define PD_PIECE_KEYS 512
@@ -84,30 +95,34 @@ typedef struct {
     float m, l;  /* running max of the scores, sum of e^(s - m) */
 } PdRunning;
 
-/* The cache rows of task (b, h): K of its block i starts at pd_block_k(i), V stride_kv later. */
-static inline const float *pd_block_k(const PdArgs *a, int64_t b, int64_t h, int64_t i) {
-    return a->cache + h * a->stride_head + a->block_tables[b * a->max_blocks + i] * a->stride_block;
+/* The cache rows of a block table's KV head h: K of its block i starts at pd_block_k(i), V
+ * stride_kv later. */
+static inline const float *pd_block_k(const PdArgs *a, const int64_t *table, int64_t h,
+                                      int64_t i) {
+    return a->cache + h * a->stride_head + table[i] * a->stride_block;
 }
 
-/* Walks the key rows of one task's piece in order, 8 at a time, with no division per row
- * (a 64-bit division per row was ~10% of the kernel's time). */
+/* Walks the key rows [t0, t1) of a block table's head h in order, 8 at a time, with no
+ * division per row (a 64-bit division per row was ~10% of the kernel's time). */
 typedef struct {
     const PdArgs *a;
-    int64_t b, h;
+    const int64_t *table;
+    int64_t h;
     int64_t blk, off;    /* the next row: block index in the table, row in the block */
-    int64_t num_blocks;  /* this task's blocks: ceil(len / block_size) */
+    int64_t num_blocks;  /* the blocks up to t1: ceil(t1 / block_size) */
 } PdRows;
 
-static inline PdRows pd_rows_from(const PdArgs *a, int64_t b, int64_t h, int64_t t0) {
-    const int64_t bs = a->block_size, len = a->seq_lens[b];
-    PdRows r = {a, b, h, t0 / bs, t0 % bs, (len + bs - 1) / bs};
+static inline PdRows pd_rows_from(const PdArgs *a, const int64_t *table, int64_t h, int64_t t0,
+                                  int64_t t1) {
+    const int64_t bs = a->block_size;
+    PdRows r = {a, table, h, t0 / bs, t0 % bs, (t1 + bs - 1) / bs};
     return r;
 }
 
 /* k[j], j < 8: the next n rows' keys (past n: the last row again); v[j] = k[j] + stride_kv. */
 static inline void pd_next_rows(PdRows *r, int64_t n, const float **k, const float **v) {
     const PdArgs *a = r->a;
-    const float *base = pd_block_k(a, r->b, r->h, r->blk);
+    const float *base = pd_block_k(a, r->table, r->h, r->blk);
     for (int j = 0; j < PD_CHUNK; j++) {
         if (j >= n) {
             k[j] = k[n - 1];
@@ -115,7 +130,7 @@ static inline void pd_next_rows(PdRows *r, int64_t n, const float **k, const flo
             k[j] = base + r->off * a->stride_token;
             if (++r->off == a->block_size) {
                 r->off = 0;
-                if (++r->blk < r->num_blocks) base = pd_block_k(a, r->b, r->h, r->blk);
+                if (++r->blk < r->num_blocks) base = pd_block_k(a, r->table, r->h, r->blk);
             }
         }
         v[j] = k[j] + a->stride_kv;
@@ -150,17 +165,15 @@ static inline void pd_online_softmax(const __m256 *s, int64_t group, int64_t n, 
  * register tiles below are registers, not stack arrays. PdRows past n in a chunk repeat the last
  * row with weight 0: every loop over the chunk has a constant trip count. */
 static inline __attribute__((always_inline)) void pd_attend_avx2_body(
-    const PdArgs *a, int64_t b, int64_t h, int64_t t0, int64_t t1, PdRunning *run,
-    float *acc, const int64_t d) {
-    const int64_t group = a->group;
-    const float *qg = a->q + (b * a->num_heads + h * group) * d;
+    const PdArgs *a, const float *qg, int64_t group, const int64_t *table, int64_t h, int64_t t0,
+    int64_t t1, PdRunning *run, float *acc, const int64_t d) {
     const __m256 scale = _mm256_set1_ps(a->scale);
-    PdRows rows = pd_rows_from(a, b, h, t0);
+    PdRows rows = pd_rows_from(a, table, h, t0, t1);
     for (int64_t t = t0; t < t1; t += PD_CHUNK) {
         const int64_t n = t1 - t < PD_CHUNK ? t1 - t : PD_CHUNK;
         const float *k[PD_CHUNK], *v[PD_CHUNK];
         pd_next_rows(&rows, n, k, v);
-        __m256 s[MAX_G];
+        __m256 s[MAX_NG];
         for (int64_t g = 0; g < group; g++) {
             const float *qv = qg + g * d;
             __m256 dots[PD_CHUNK];
@@ -172,7 +185,7 @@ static inline __attribute__((always_inline)) void pd_attend_avx2_body(
             }
             s[g] = _mm256_mul_ps(hsum8(dots), scale);
         }
-        float p[MAX_G][PD_CHUNK], rescale[MAX_G];
+        float p[MAX_NG][PD_CHUNK], rescale[MAX_NG];
         pd_online_softmax(s, group, n, run, p, rescale);
         /* acc[g] = acc[g] * rescale[g] + sum_j p[g, j] V[j], 64 lanes at a time in registers */
         for (int64_t g = 0; g < group; g++) {
@@ -203,14 +216,16 @@ static inline __attribute__((always_inline)) void pd_attend_avx2_body(
     }
 }
 
-static void pd_attend_avx2(const PdArgs *a, int64_t b, int64_t h, int64_t t0, int64_t t1,
-                        PdRunning *run, float *acc) {
+/* Keys [t0, t1) of table's KV head h for the ng query vectors qg [ng, D] (ng <= MAX_NG), into
+ * run [ng] and acc [ng, D]. */
+static void pd_attend_avx2(const PdArgs *a, const float *qg, int64_t ng, const int64_t *table,
+                           int64_t h, int64_t t0, int64_t t1, PdRunning *run, float *acc) {
     if (a->head_dim == 64)
-        pd_attend_avx2_body(a, b, h, t0, t1, run, acc, 64);
+        pd_attend_avx2_body(a, qg, ng, table, h, t0, t1, run, acc, 64);
     else if (a->head_dim == 128)
-        pd_attend_avx2_body(a, b, h, t0, t1, run, acc, 128);
+        pd_attend_avx2_body(a, qg, ng, table, h, t0, t1, run, acc, 128);
     else
-        pd_attend_avx2_body(a, b, h, t0, t1, run, acc, a->head_dim);
+        pd_attend_avx2_body(a, qg, ng, table, h, t0, t1, run, acc, a->head_dim);
 }
 
 /* ---- AVX-512 (D % 16 == 0): the same steps 16 lanes wide ------------------------------------ */
@@ -219,17 +234,15 @@ PD_AVX512_TARGET static inline __m256 pd_fold512(__m512 v) {
 }
 
 PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_attend_avx512_body(
-    const PdArgs *a, int64_t b, int64_t h, int64_t t0, int64_t t1, PdRunning *run,
-    float *acc, const int64_t d) {
-    const int64_t group = a->group;
-    const float *qg = a->q + (b * a->num_heads + h * group) * d;
+    const PdArgs *a, const float *qg, int64_t group, const int64_t *table, int64_t h, int64_t t0,
+    int64_t t1, PdRunning *run, float *acc, const int64_t d) {
     const __m256 scale = _mm256_set1_ps(a->scale);
-    PdRows rows = pd_rows_from(a, b, h, t0);
+    PdRows rows = pd_rows_from(a, table, h, t0, t1);
     for (int64_t t = t0; t < t1; t += PD_CHUNK) {
         const int64_t n = t1 - t < PD_CHUNK ? t1 - t : PD_CHUNK;
         const float *k[PD_CHUNK], *v[PD_CHUNK];
         pd_next_rows(&rows, n, k, v);
-        __m256 s[MAX_G];
+        __m256 s[MAX_NG];
         for (int64_t g = 0; g < group; g++) {
             const float *qv = qg + g * d;
             __m512 dots[PD_CHUNK];
@@ -243,7 +256,7 @@ PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_attend_avx
             for (int j = 0; j < PD_CHUNK; j++) half[j] = pd_fold512(dots[j]);
             s[g] = _mm256_mul_ps(hsum8(half), scale);
         }
-        float p[MAX_G][PD_CHUNK], rescale[MAX_G];
+        float p[MAX_NG][PD_CHUNK], rescale[MAX_NG];
         pd_online_softmax(s, group, n, run, p, rescale);
         for (int64_t g = 0; g < group; g++) {
             float *o = acc + g * d;
@@ -283,15 +296,15 @@ PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_attend_avx
     }
 }
 
-PD_AVX512_TARGET static void pd_attend_avx512(const PdArgs *a, int64_t b, int64_t h, int64_t t0,
-                                        int64_t t1, PdRunning *run,
-                                        float *acc) {
+PD_AVX512_TARGET static void pd_attend_avx512(const PdArgs *a, const float *qg, int64_t ng,
+                                              const int64_t *table, int64_t h, int64_t t0,
+                                              int64_t t1, PdRunning *run, float *acc) {
     if (a->head_dim == 64)
-        pd_attend_avx512_body(a, b, h, t0, t1, run, acc, 64);
+        pd_attend_avx512_body(a, qg, ng, table, h, t0, t1, run, acc, 64);
     else if (a->head_dim == 128)
-        pd_attend_avx512_body(a, b, h, t0, t1, run, acc, 128);
+        pd_attend_avx512_body(a, qg, ng, table, h, t0, t1, run, acc, 128);
     else
-        pd_attend_avx512_body(a, b, h, t0, t1, run, acc, a->head_dim);
+        pd_attend_avx512_body(a, qg, ng, table, h, t0, t1, run, acc, a->head_dim);
 }
 
 /* 1 where this CPU (and OS) runs AVX-512 F, VL and DQ, else 0. */
@@ -301,15 +314,100 @@ int baton_paged_decode_has_avx512(void) {
            __builtin_cpu_supports("avx512dq");
 }
 
-/* out[b, h G + g] = acc[g] / l[g] */
-static inline void pd_write_out(const PdArgs *a, int64_t task, const PdRunning *run, const float *acc,
-                             float *out) {
-    const int64_t b = task / a->num_kv_heads, h = task % a->num_kv_heads;
-    for (int64_t g = 0; g < a->group; g++) {
-        float *o = out + (b * a->num_heads + h * a->group + g) * a->head_dim;
-        const float inv = run[g].l > 0.0f ? 1.0f / run[g].l : 0.0f;
-        for (int64_t i = 0; i < a->head_dim; i++) o[i] = acc[g * a->head_dim + i] * inv;
+/* A run of keys [k0, k1) of KV head h for nrows sequences, members[row0 .. row0 + nrows):
+ * one shared-prefix group's (their tables agree on those keys' blocks) or one sequence's own.
+ * Its partial states, per member and query head (m, l, acc [D]), start at slots + slot. */
+typedef struct {
+    int64_t h, k0, k1, row0, nrows, slot;
+} PdSegment;
+
+/* Groups of sequences whose tables start with the same blocks: members[] lists each group's
+ * sequences (at most MAX_NG / G per group, so that one pass serves them), then every sequence
+ * once by itself; shared[b] is the keys sequence b shares with its group (0: none). Two
+ * sequences share a block when their tables name the same physical block: a prefix-cache hit
+ * on the same prompt head (only full blocks are ever shared). A group forms around its first
+ * sequence (lead): of the later ones starting with lead's first block, each sharing `same`
+ * leading blocks with lead, it takes those sharing at least c blocks, c chosen to save the
+ * most reads (c x the others taken); the rest may group among themselves. Returns the number
+ * of groups; their first members and sizes go to group_row0 / group_rows. same, sorted:
+ * scratch [num_seqs]. */
+static int pd_descending(const void *x, const void *y) {
+    const int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
+    return (a < b) - (a > b);
+}
+
+static int64_t pd_find_groups(const PdArgs *a, int64_t num_seqs, int64_t *members,
+                              int64_t *shared, int64_t *group_row0, int64_t *group_rows,
+                              int64_t *same, int64_t *sorted) {
+    const int64_t bs = a->block_size, per_group = MAX_NG / a->group, width = a->max_blocks;
+    const int64_t *tables = a->block_tables;
+    int64_t num_groups = 0, used = 0;
+    for (int64_t b = 0; b < num_seqs; b++) shared[b] = -1; /* -1: not placed yet */
+    for (int64_t lead = 0; lead < num_seqs; lead++) {
+        const int64_t full = a->seq_lens[lead] > 0 ? a->seq_lens[lead] / bs : 0;
+        if (shared[lead] >= 0 || full == 0) continue;
+        const int64_t *head = tables + lead * width;
+        int64_t num_same = 0; /* sorted[]: the nonzero same[] values, largest first */
+        for (int64_t b = lead + 1; b < num_seqs; b++) {
+            const int64_t full_b = a->seq_lens[b] > 0 ? a->seq_lens[b] / bs : 0;
+            const int64_t limit = full_b < full ? full_b : full;
+            same[b] = 0;
+            if (shared[b] >= 0) continue;
+            while (same[b] < limit && tables[b * width + same[b]] == head[same[b]]) same[b]++;
+            if (same[b] > 0) sorted[num_same++] = same[b];
+        }
+        qsort(sorted, (size_t)num_same, sizeof(int64_t), pd_descending);
+        int64_t best = 0, best_saved = 0; /* c, and the reads it saves */
+        for (int64_t i = 0; i < num_same; i++) {
+            const int64_t takers = i + 1 < per_group - 1 ? i + 1 : per_group - 1;
+            if (sorted[i] * takers > best_saved) best = sorted[i], best_saved = sorted[i] * takers;
+        }
+        if (best == 0) continue; /* nobody shares lead's first block */
+        const int64_t row0 = used;
+        members[used++] = lead;
+        for (int64_t b = lead + 1; b < num_seqs && used - row0 < per_group; b++)
+            if (shared[b] < 0 && same[b] >= best) members[used++] = b;
+        for (int64_t i = row0; i < used; i++) shared[members[i]] = best * bs;
+        group_row0[num_groups] = row0;
+        group_rows[num_groups++] = used - row0;
     }
+    for (int64_t b = 0; b < num_seqs; b++) {
+        if (shared[b] < 0) shared[b] = 0;
+        members[used + b] = b;
+    }
+    return num_groups;
+}
+
+/* The grouping baton_paged_decode uses for these tables (tests): shared[b] as above, and
+ * group_of[b] the index of b's group (-1: none). Returns the number of groups, or -1 / -2 as
+ * baton_paged_decode_isa. */
+int baton_paged_decode_groups(const int64_t *block_tables, int64_t max_blocks,
+                              const int64_t *seq_lens, int64_t num_seqs, int64_t group,
+                              int64_t block_size, int64_t *shared, int64_t *group_of) {
+    if (group <= 0 || group > MAX_G || block_size <= 0) return -1;
+    PdArgs a = {0};
+    a.block_tables = block_tables, a.seq_lens = seq_lens, a.max_blocks = max_blocks;
+    a.group = group, a.block_size = block_size;
+    int64_t *scratch = malloc(sizeof(int64_t) * (size_t)(6 * (num_seqs > 0 ? num_seqs : 1)));
+    if (scratch == NULL) return -2;
+    int64_t *members = scratch, *row0 = scratch + 2 * num_seqs, *rows = scratch + 3 * num_seqs;
+    const int64_t n = pd_find_groups(&a, num_seqs, members, shared, row0, rows,
+                                     scratch + 4 * num_seqs, scratch + 5 * num_seqs);
+    for (int64_t b = 0; b < num_seqs; b++) group_of[b] = -1;
+    for (int64_t g = 0; g < n; g++)
+        for (int64_t i = row0[g]; i < row0[g] + rows[g]; i++) group_of[members[i]] = g;
+    free(scratch);
+    return (int)n;
+}
+
+/* Fold partial state (m, l, acc) into (run, total): the log-sum-exp merge of two softmaxes. */
+static inline void pd_merge(PdRunning *run, float *total, float m, float l, const float *acc,
+                            int64_t d) {
+    const float m_new = fmaxf(run->m, m);
+    const float ca = run->m == -INFINITY ? 0.0f : expf(run->m - m_new);
+    const float cb = m == -INFINITY ? 0.0f : expf(m - m_new);
+    *run = (PdRunning){m_new, run->l * ca + l * cb};
+    for (int64_t e = 0; e < d; e++) total[e] = total[e] * ca + acc[e] * cb;
 }
 
 /* isa: 0 = AVX2, 1 = AVX-512 (its code needs D % 16 == 0; other D run the AVX2 code).
@@ -321,99 +419,140 @@ int baton_paged_decode_isa(const float *q, const float *cache, int64_t stride_kv
                            const int64_t *seq_lens, int64_t num_seqs, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                            float scale, float *out, int isa) {
-    const int64_t group = num_heads / num_kv_heads;
+    const int64_t group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     if (num_kv_heads <= 0 || group * num_kv_heads != num_heads || group > MAX_G ||
-        head_dim % 8 != 0 || head_dim > PD_MAX_D || head_dim <= 0)
+        head_dim % 8 != 0 || head_dim > PD_MAX_D || head_dim <= 0 || block_size <= 0)
         return -1;
     if (isa == 1 && !baton_paged_decode_has_avx512()) return -3;
+    if (num_seqs <= 0) return 0;
     const int wide = isa == 1 && head_dim % 16 == 0;
     const PdArgs a = {q,          cache,        stride_kv,      stride_head, stride_block,
                     stride_token, block_tables, seq_lens,     max_blocks,  num_heads,
                     num_kv_heads, group,        head_dim,       block_size,  scale};
-    const int64_t num_tasks = num_seqs * num_kv_heads;
-    int64_t total = 0;
-    for (int64_t b = 0; b < num_seqs; b++) total += (seq_lens[b] > 0 ? seq_lens[b] : 0);
-    total *= num_kv_heads;
-    const int threads = total >= 2 * 64 ? omp_get_max_threads() : 1;
-    /* pieces of the line, handed out one at a time (a thread that other load on the machine
-     * holds up leaves its share to the others): PIECE_KEYS keys or more, 8 per thread at most */
-    int64_t pieces = total / PD_PIECE_KEYS;
+    const int64_t D = head_dim, KVH = num_kv_heads, state_floats = 2 + D;
+    int rc = -2;
+    int64_t *members = malloc(sizeof(int64_t) * (size_t)(2 * num_seqs));
+    int64_t *shared = malloc(sizeof(int64_t) * (size_t)num_seqs);
+    int64_t *group_row0 = malloc(sizeof(int64_t) * (size_t)num_seqs);
+    int64_t *group_rows = malloc(sizeof(int64_t) * (size_t)num_seqs);
+    int64_t *same = malloc(sizeof(int64_t) * (size_t)(2 * num_seqs));
+    PdSegment *segments = NULL;
+    float *slots = NULL, *scratch = NULL, *totals = NULL;
+    PdRunning *runs = NULL;
+    if (!members || !shared || !group_row0 || !group_rows || !same) goto done;
+    const int64_t num_groups = pd_find_groups(&a, num_seqs, members, shared, group_row0, group_rows, same, same + num_seqs);
+    int64_t single0 = 0; /* members[single0 + b] == b */
+    for (int64_t g = 0; g < num_groups; g++) single0 += group_rows[g];
+
+    /* the tasks: each group's shared keys, then each sequence's own, per KV head; their work
+     * (keys x query vectors) sets how many segments each is cut into */
+    int64_t work = 0;
+    for (int64_t g = 0; g < num_groups; g++)
+        work += shared[members[group_row0[g]]] * group_rows[g];
+    for (int64_t b = 0; b < num_seqs; b++)
+        if (seq_lens[b] > shared[b]) work += seq_lens[b] - shared[b];
+    work *= KVH;
+    const int threads = work >= 2 * 64 ? omp_get_max_threads() : 1;
+    int64_t pieces = work / PD_PIECE_KEYS;
     pieces = threads == 1 ? 1 : pieces < threads ? threads : pieces > 8 * threads ? 8 * threads : pieces;
-    /* a piece cuts two tasks at most (its first and its last): slot 2 p holds the part of its
-     * first task (t0 > 0), slot 2 p + 1 that of its last (t0 == 0, t1 < len): slots in index
-     * order hold a cut task's parts in key order. A slot: m [G], l [G], acc [G, D]. */
-    const int64_t slot_floats = group * (2 + head_dim);
-    int64_t *slot_task = malloc(sizeof(int64_t) * 2 * (size_t)pieces);
-    float *slots = malloc(sizeof(float) * (size_t)(2 * pieces * slot_floats));
-    if (slot_task == NULL || slots == NULL) {
-        free(slot_task);
-        free(slots);
-        return -2;
-    }
-    for (int64_t i = 0; i < 2 * pieces; i++) slot_task[i] = -1;
-    for (int64_t b = 0; b < num_seqs; b++) /* no keys: zeros (the loop skips these tasks) */
-        if (seq_lens[b] <= 0)
-            memset(out + b * num_heads * head_dim, 0, sizeof(float) * (size_t)(num_heads * head_dim));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t piece = 0; piece < pieces; piece++) {
-        /* this piece [w0, w1) of the line of all tasks' key positions */
-        const int64_t w0 = total * piece / pieces, w1 = total * (piece + 1) / pieces;
-        PdRunning run[MAX_G];
-        float acc[MAX_G * PD_MAX_D];
-        int64_t start = 0; /* line position of task's first key */
-        for (int64_t task = 0; task < num_tasks && start < w1; task++) {
-            const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-            const int64_t len = seq_lens[b] > 0 ? seq_lens[b] : 0;
-            const int64_t t0 = w0 > start ? w0 - start : 0;
-            const int64_t t1 = w1 - start < len ? w1 - start : len;
-            start += len;
-            if (t0 >= t1) continue; /* not in this piece */
-            for (int64_t g = 0; g < group; g++) run[g] = (PdRunning){-INFINITY, 0.0f};
-            memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
-            if (wide)
-                pd_attend_avx512(&a, b, h, t0, t1, run, acc);
-            else
-                pd_attend_avx2(&a, b, h, t0, t1, run, acc);
-            if (t0 == 0 && t1 == len) {
-                pd_write_out(&a, task, run, acc, out);
-            } else {
-                const int64_t i = 2 * piece + (t0 == 0 ? 1 : 0);
-                float *slot = slots + i * slot_floats;
-                slot_task[i] = task;
-                for (int64_t g = 0; g < group; g++) {
-                    slot[g] = run[g].m;
-                    slot[group + g] = run[g].l;
+    const int64_t piece_work = work / pieces > 0 ? work / pieces : 1;
+    int64_t num_segments = 0, slot_floats = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        num_segments = slot_floats = 0;
+        for (int64_t t = 0; t < num_groups + num_seqs; t++) {
+            const int own = t >= num_groups;
+            const int64_t row0 = own ? single0 + (t - num_groups) : group_row0[t];
+            const int64_t nrows = own ? 1 : group_rows[t];
+            const int64_t b = members[row0];
+            const int64_t k0 = own ? shared[b] : 0;
+            const int64_t k1 = own ? (seq_lens[b] > 0 ? seq_lens[b] : 0) : shared[b];
+            if (k1 <= k0) continue;
+            int64_t cuts = ((k1 - k0) * nrows + piece_work - 1) / piece_work;
+            cuts = cuts < 1 ? 1 : cuts > k1 - k0 ? k1 - k0 : cuts;
+            for (int64_t h = 0; h < KVH; h++)
+                for (int64_t c = 0; c < cuts; c++) {
+                    if (pass == 1)
+                        segments[num_segments] = (PdSegment){
+                            h, k0 + (k1 - k0) * c / cuts, k0 + (k1 - k0) * (c + 1) / cuts,
+                            row0, nrows, slot_floats};
+                    num_segments++;
+                    slot_floats += nrows * group * state_floats;
                 }
-                memcpy(slot + 2 * group, acc, sizeof(float) * (size_t)(group * head_dim));
-            }
+        }
+        if (pass == 0) {
+            segments = malloc(sizeof(PdSegment) * (size_t)(num_segments > 0 ? num_segments : 1));
+            slots = malloc(sizeof(float) * (size_t)(slot_floats > 0 ? slot_floats : 1));
+            /* per thread: the gathered query vectors, their acc [MAX_NG, D] and states */
+            scratch = malloc(sizeof(float) * (size_t)(threads * (2 * MAX_NG * D + 2 * MAX_NG)));
+            if (!segments || !slots || !scratch) goto done;
         }
     }
-    /* merge each cut task's parts (adjacent slots), the log-sum-exp way, and write it out */
-    for (int64_t i = 0; i < 2 * pieces; i++) {
-        if (slot_task[i] < 0) continue;
-        const int64_t task = slot_task[i];
-        PdRunning run[MAX_G];
-        float *acc = slots + i * slot_floats + 2 * group;
-        for (int64_t g = 0; g < group; g++)
-            run[g] = (PdRunning){slots[i * slot_floats + g], slots[i * slot_floats + group + g]};
-        for (; i + 1 < 2 * pieces && (slot_task[i + 1] == task || slot_task[i + 1] < 0); i++) {
-            if (slot_task[i + 1] < 0) continue;
-            const float *next = slots + (i + 1) * slot_floats;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t i = 0; i < num_segments; i++) {
+        const PdSegment *sg = &segments[i];
+        float *qbuf = scratch + (size_t)omp_get_thread_num() * (2 * MAX_NG * D + 2 * MAX_NG);
+        float *acc = qbuf + MAX_NG * D;
+        PdRunning *run = (PdRunning *)(acc + MAX_NG * D);
+        const int64_t ng = sg->nrows * group;
+        const float *qg;
+        if (sg->nrows == 1) {
+            qg = q + (members[sg->row0] * num_heads + sg->h * group) * D;
+        } else { /* the members' G query vectors of head h, one matrix */
+            for (int64_t r = 0; r < sg->nrows; r++)
+                memcpy(qbuf + r * group * D, q + (members[sg->row0 + r] * num_heads + sg->h * group) * D,
+                       sizeof(float) * (size_t)(group * D));
+            qg = qbuf;
+        }
+        for (int64_t v = 0; v < ng; v++) run[v] = (PdRunning){-INFINITY, 0.0f};
+        memset(acc, 0, sizeof(float) * (size_t)(ng * D));
+        /* the group's keys are in every member's table: its first member's names them */
+        const int64_t *table = block_tables + members[sg->row0] * max_blocks;
+        if (wide)
+            pd_attend_avx512(&a, qg, ng, table, sg->h, sg->k0, sg->k1, run, acc);
+        else
+            pd_attend_avx2(&a, qg, ng, table, sg->h, sg->k0, sg->k1, run, acc);
+        float *slot = slots + sg->slot;
+        for (int64_t v = 0; v < ng; v++) {
+            slot[v * state_floats] = run[v].m;
+            slot[v * state_floats + 1] = run[v].l;
+            memcpy(slot + v * state_floats + 2, acc + v * D, sizeof(float) * (size_t)D);
+        }
+    }
+    /* each (sequence, head)'s segments, merged in key order: the segments were laid out
+     * groups' shared keys first, each task's cuts in key order */
+    totals = calloc((size_t)(num_seqs * num_heads * D), sizeof(float));
+    runs = malloc(sizeof(PdRunning) * (size_t)(num_seqs * num_heads));
+    if (!totals || !runs) goto done;
+    for (int64_t e = 0; e < num_seqs * num_heads; e++) runs[e] = (PdRunning){-INFINITY, 0.0f};
+    for (int64_t i = 0; i < num_segments; i++) {
+        const PdSegment *sg = &segments[i];
+        for (int64_t r = 0; r < sg->nrows; r++) {
+            const int64_t b = members[sg->row0 + r];
             for (int64_t g = 0; g < group; g++) {
-                const float m = fmaxf(run[g].m, next[g]);
-                const float ca = run[g].m == -INFINITY ? 0.0f : expf(run[g].m - m);
-                const float cb = next[g] == -INFINITY ? 0.0f : expf(next[g] - m);
-                run[g] = (PdRunning){m, run[g].l * ca + next[group + g] * cb};
-                for (int64_t e = 0; e < head_dim; e++)
-                    acc[g * head_dim + e] =
-                        acc[g * head_dim + e] * ca + next[2 * group + g * head_dim + e] * cb;
+                const int64_t head = b * num_heads + sg->h * group + g;
+                const float *st = slots + sg->slot + (r * group + g) * state_floats;
+                pd_merge(&runs[head], totals + head * D, st[0], st[1], st + 2, D);
             }
         }
-        pd_write_out(&a, task, run, acc, out);
     }
-    free(slot_task);
+    /* out = acc / l (zeros for a sequence with no keys) */
+    for (int64_t head = 0; head < num_seqs * num_heads; head++) {
+        const float inv = runs[head].l > 0.0f ? 1.0f / runs[head].l : 0.0f;
+        for (int64_t e = 0; e < D; e++) out[head * D + e] = totals[head * D + e] * inv;
+    }
+    rc = 0;
+done:
+    free(members);
+    free(shared);
+    free(group_row0);
+    free(group_rows);
+    free(same);
+    free(segments);
     free(slots);
-    return 0;
+    free(scratch);
+    free(totals);
+    free(runs);
+    return rc;
 }
 
 /* The AVX-512 code where cpuid reports it, else AVX2. Returns as baton_paged_decode_isa. */

@@ -183,7 +183,15 @@ def open_engine_tier(config: EngineConfig, model_dir: Path, runner: ModelRunner)
             f"kv_tier_bytes={config.kv_tier_bytes} is smaller than one KV block "
             f"({identity.block_bytes} bytes)"
         )
+    # The write queue holds host copies of whole blocks: its byte bound in blocks, at least one.
+    write_queue_blocks = max(1, config.kv_tier_write_queue_bytes // identity.block_bytes)
     try:
-        return open_tier(config.kv_tier, identity, config.kv_tier_bytes, config.kv_tier_path)
+        return open_tier(
+            config.kv_tier,
+            identity,
+            config.kv_tier_bytes,
+            config.kv_tier_path,
+            write_queue_blocks,
+        )
     except (TierLockedError, OSError) as exc:
         raise InvalidRequestError(f"kv_tier_path={config.kv_tier_path!r}: {exc}") from exc

@@ -215,6 +215,30 @@ def test_a_tier_smaller_than_a_block_is_refused(tiny_llama):
         LLMEngine(tiny_llama, **OPTS, kv_tier="host", kv_tier_bytes=100)
 
 
+@pytest.mark.parametrize("queue_blocks", [3, None], ids=["3-blocks", "default"])
+def test_the_write_queue_holds_kv_tier_write_queue_bytes_of_blocks(tiny_llama, queue_blocks):
+    """Blocks evicted while the writer is held up wait in a queue of
+    kv_tier_write_queue_bytes: past it they are dropped (counted), within it all are stored."""
+    block_bytes = 2048  # tiny Llama, block_size 4 (see the test above)
+    extra = {}
+    if queue_blocks is not None:
+        extra["kv_tier_write_queue_bytes"] = queue_blocks * block_bytes + 1
+    engine = LLMEngine(tiny_llama, **OPTS, kv_tier="host", kv_tier_bytes=1 << 20, **extra)
+    engine.kv_tier.pause_writes()
+    engine.add_request("a", PROMPT, params(False, "a"))
+    steps(engine, {}, {}, [])
+    engine.add_request("b", OTHER, params(False, "b", max_tokens=2))
+    steps(engine, {}, {}, [])
+    evicted = engine.pool.stats.evictions
+    assert evicted >= 6  # a's prompt blocks, at least
+    engine.kv_tier.resume_writes()
+    assert engine.kv_tier.flush(timeout=30)
+    stats = engine.kv_tier.stats()
+    stored = evicted if queue_blocks is None else queue_blocks
+    assert (stats.num_blocks, stats.dropped_writes) == (stored, evicted - stored)
+    engine.close()
+
+
 def test_kv_tier_options_are_checked_in_the_engine_and_the_manifest():
     from engine.config import EngineConfig
 
