@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -159,6 +160,14 @@ def run_one(args: argparse.Namespace, run: str, model: str, tier_root: Path) -> 
     )
     log = lambda message: print(message, file=sys.stderr)  # noqa: E731
     log(f"== {run}: {w.live_sessions()} sessions at once, {args.num_requests} requests")
+    enough = math.ceil((w.live_sessions() or 1) * w.mean_turns())
+    if args.num_requests < enough:
+        # a session claims all its turns when it starts (perf/bench/driver.py)
+        log(
+            f"note: {args.num_requests} requests are the turns of about "
+            f"{args.num_requests / w.mean_turns():.0f} sessions: the live context stays below "
+            f"{args.live_context_x:g}x one worker's KV (--num-requests {enough} reaches it)"
+        )
     kill = None
     if run.endswith("restart"):
         kill = KillMidRun(KILLED, max(1, int(args.num_requests * args.kill_after)), log)

@@ -6,9 +6,10 @@
  * Why: per token the unfused path runs ~15 torch ops and ~6 ctypes calls per layer; at batch 1
  * on SmolLM2 that dispatch was ~2.5 ms of a ~12.9 ms step. Here one OpenMP parallel region
  * spans the whole step: the matrix products (all R rows at once, decode_matrix.c) and the
- * attention (one task per row and KV head, reading its keys and values once for the group's
- * query heads) are shared out with `omp for` (one barrier
- * each, five per layer whatever R); the small vector ops (RMSNorm, residual adds, block sums
+ * attention (RoPE and the cache write per row and KV head; windows of keys, each read once for
+ * the query heads of its KV head, and for every row of a shared prompt head; the windows'
+ * merge per head) are shared out with `omp for` (one barrier each, seven per layer whatever
+ * R); the small vector ops (RMSNorm, residual adds, block sums
  * and int8 blocks of the activations) are computed by every thread on its own private copy of
  * the R rows, so they need no barrier.
  *
@@ -21,8 +22,8 @@
  *     unfused path takes AVX2 up to 8 rows and dense float32 above, another summation order);
  *   - RoPE: x' = x c - y s, y' = x s + y c on rotation pairs, products rounded before the add
  *     (torch's complex multiply, checked bit for bit by the tests);
- *   - attention: per query head, two passes (scores eight keys at a time, softmax, the
- *     weighted values in position order), shared out by (row, KV head);
+ *   - attention: paged_decode.c's one-pass online softmax per window of ATTEND_WINDOW keys,
+ *     the windows merged in key order (see ATTEND_WINDOW below);
  *   - SwiGLU: silu(g) * u with silu(g) = g / (1 + e^-g); the one place the values may differ
  *     from torch's in the last bit (its vectorized exp is another polynomial).
  * With int8_isa set (the opt-in int8_activations), every product's input rows are quantized
@@ -97,103 +98,80 @@ static void rope_rows(const float *src, int64_t heads, int64_t D, const float *r
     }
 }
 
-/* Attention of ng query heads of one KV head (q: their roped queries [ng, D]; k_head, v_head:
- * that KV head's base in the cache) over its len keys and values, into o [ng, D]: for each
- * head the same two passes (scores eight keys at a time, softmax, the weighted values summed
- * in position order), so a head's numbers do not depend on ng or on which heads share its
- * call. The heads share each key and value row while it is in L1
- * (pass 1: a chunk of 8 keys; pass 2: a tile of ATTEND_TILE values), so the group's keys and
- * values are read from memory once instead of once per head.
- * The last position's key and value (this step's token) are read from new_k, new_v instead
- * of the cache: the same values, so the cache write needs no barrier before the attention.
- * scores: [ng, len] scratch. */
-#define ATTEND_TILE 32
-static void attend_heads(const float *q, int64_t ng, const float *k_head, const float *v_head,
-                         const float *new_k, const float *new_v, int64_t stride_block,
-                         int64_t stride_token, const int64_t *table, int64_t len,
-                         int64_t head_dim, int64_t block_size, float scale, float *scores,
-                         float *o) {
-#define KEY(t)                                                                                     \
-    ((t) == len - 1 ? new_k                                                                        \
-                    : k_head + table[(t) / block_size] * stride_block +                           \
-                          ((t) % block_size) * stride_token)
-#define VALUE(t)                                                                                   \
-    ((t) == len - 1 ? new_v                                                                        \
-                    : v_head + table[(t) / block_size] * stride_block +                           \
-                          ((t) % block_size) * stride_token)
-    const __m256 scale_v = _mm256_set1_ps(scale);
-    int64_t t0 = 0;
-    for (; t0 + 8 <= len; t0 += 8) {
-        const float *k[8];
-        for (int j = 0; j < 8; j++) k[j] = KEY(t0 + j);
-        for (int64_t g = 0; g < ng; g++) {
-            const float *qv = q + g * head_dim;
-            __m256 acc[8];
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < head_dim; i += 8) {
-                const __m256 x = _mm256_loadu_ps(qv + i);
-                for (int j = 0; j < 8; j++)
-                    acc[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[j] + i), acc[j]);
-            }
-            _mm256_storeu_ps(scores + g * len + t0, _mm256_mul_ps(hsum8(acc), scale_v));
-        }
-    }
-    for (int64_t t = t0; t < len; t++)
-        for (int64_t g = 0; g < ng; g++)
-            scores[g * len + t] = dot(q + g * head_dim, KEY(t), head_dim) * scale;
-    float norms[MAX_G];
-    for (int64_t g = 0; g < ng; g++) {
-        float *sg = scores + g * len;
-        float m = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;
-        const __m256 mv = _mm256_set1_ps(m);
-        __m256 sums = _mm256_setzero_ps();
-        int64_t t = 0;
-        for (; t + 8 <= len; t += 8) {
-            __m256 p = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
-            _mm256_storeu_ps(sg + t, p);
-            sums = _mm256_add_ps(sums, p);
-        }
-        sum = hsum(sums);
-        for (; t < len; t++) {
-            sg[t] = expf(sg[t] - m);
-            sum += sg[t];
-        }
-        norms[g] = 1.0f / sum;
-    }
-    /* pass 2 by tiles of positions: o[g] holds head g's running sums between tiles (stored and
-     * loaded back unchanged: the sums are those of one pass over every position in order) */
-    for (int64_t tile = 0; tile < len; tile += ATTEND_TILE) {
-        const int64_t end = tile + ATTEND_TILE < len ? tile + ATTEND_TILE : len;
-        const float *vs[ATTEND_TILE];
-        for (int64_t t = tile; t < end; t++) vs[t - tile] = VALUE(t);
-        for (int64_t i0 = 0; i0 < head_dim; i0 += 64) {
-            const int64_t lanes = head_dim - i0 < 64 ? (head_dim - i0) / 8 : 8;
-            for (int64_t g = 0; g < ng; g++) {
-                const float *pg = scores + g * len;
-                float *og = o + g * head_dim + i0;
-                __m256 acc[8];
-                for (int64_t i = 0; i < lanes; i++)
-                    acc[i] = tile == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(og + 8 * i);
-                for (int64_t t = tile; t < end; t++) {
-                    const float *v = vs[t - tile] + i0;
-                    const __m256 p = _mm256_set1_ps(pg[t]);
-                    for (int64_t i = 0; i < lanes; i++)
-                        acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), acc[i]);
-                }
-                for (int64_t i = 0; i < lanes; i++) _mm256_storeu_ps(og + 8 * i, acc[i]);
-            }
-        }
-    }
-    for (int64_t g = 0; g < ng; g++) {
-        const __m256 norm = _mm256_set1_ps(norms[g]);
-        float *og = o + g * head_dim;
-        for (int64_t i = 0; i < head_dim; i += 8)
-            _mm256_storeu_ps(og + i, _mm256_mul_ps(_mm256_loadu_ps(og + i), norm));
-    }
-#undef KEY
-#undef VALUE
+/* Attention by fixed windows of keys. A row's keys [0, len) are cut at multiples of
+ * ATTEND_WINDOW; each window's (m, l, acc) state of each query head comes from paged_decode.c's
+ * one-pass online softmax over that window alone, and a head's output merges its windows'
+ * states in key order (the log-sum-exp merge). Windows fully inside the blocks a group of rows
+ * shares (prefix-cache hits on one prompt head: pd_find_groups) run once for the group, its
+ * rows' query vectors side by side, so those keys and values are read once for all of them;
+ * every other window runs for its row alone. A window's numbers are the same whichever way
+ * it runs (no lane mixes query vectors) and the cut points do not depend on the other rows:
+ * a row's output is the same whatever rows share its step. */
+#define ATTEND_WINDOW 128
+
+/* One window: keys [w ATTEND_WINDOW, ...) of KV head h for members[row0 .. row0 + nrows). */
+typedef struct {
+    int64_t h, w, row0, nrows;
+} ds_window;
+
+/* The windows of a step: which rows share which, and every window each row needs. */
+typedef struct {
+    int64_t *members; /* [2 R]: groups' rows, then each row by itself (members[single0 + r]) */
+    int64_t *shared;  /* [R]: keys row r shares with its group (0: none) */
+    ds_window *windows;
+    int64_t num_windows, max_windows; /* windows to run; most windows of one row */
+} ds_attention_plan;
+
+static void free_plan(ds_attention_plan *p) {
+    free(p->members);
+    free(p->shared);
+    free(p->windows);
 }
+
+/* 0, or -2 when scratch memory failed. */
+static int plan_attention(ds_attention_plan *p, const int64_t *tables, int64_t width,
+                          const int64_t *seq_lens, int64_t R, int64_t G, int64_t KVH,
+                          int64_t block_size) {
+    const int64_t W = ATTEND_WINDOW;
+    int64_t *row0 = malloc(sizeof(int64_t) * (size_t)(4 * R)), *rows = row0 + R;
+    p->members = malloc(sizeof(int64_t) * (size_t)(2 * R));
+    p->shared = malloc(sizeof(int64_t) * (size_t)R);
+    p->windows = NULL;
+    if (!row0 || !p->members || !p->shared) {
+        free(row0);
+        return -2;
+    }
+    PdArgs a = {0};
+    a.block_tables = tables, a.seq_lens = seq_lens, a.max_blocks = width;
+    a.group = G, a.block_size = block_size;
+    const int64_t num_groups =
+        pd_find_groups(&a, R, p->members, p->shared, row0, rows, rows + R, rows + 2 * R);
+    int64_t single0 = 0, total = 0;
+    p->max_windows = 0;
+    for (int64_t g = 0; g < num_groups; g++) single0 += rows[g];
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t n = (seq_lens[r] + W - 1) / W;
+        total += n;
+        p->max_windows = n > p->max_windows ? n : p->max_windows;
+    }
+    p->windows = malloc(sizeof(ds_window) * (size_t)(KVH * total));
+    if (!p->windows) {
+        free(row0);
+        return -2;
+    }
+    p->num_windows = 0;
+    for (int64_t h = 0; h < KVH; h++) {
+        for (int64_t g = 0; g < num_groups; g++) /* windows wholly inside the shared keys */
+            for (int64_t w = 0; w < p->shared[p->members[row0[g]]] / W; w++)
+                p->windows[p->num_windows++] = (ds_window){h, w, row0[g], rows[g]};
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t w = p->shared[r] / W; w * W < seq_lens[r]; w++)
+                p->windows[p->num_windows++] = (ds_window){h, w, single0 + r, 1};
+    }
+    free(row0);
+    return 0;
+}
+
 
 static int matrix_ok(const ds_matrix *w, int64_t n, int64_t k) {
     return w->blocks != NULL && w->n == n && w->k == k && k % QK == 0 &&
@@ -222,8 +200,8 @@ static int check_model(const ds_model *m) {
 
 /* Whether the rows can share one step: no row's new slot lies in a block another row reads
  * (positions before its own new one) or writes. The scheduler guarantees it (a block being
- * filled belongs to one sequence; only full blocks are shared), and it is what lets a row's
- * cache write go unsynchronized with the others' attention. 1 if fine. O(R * blocks read). */
+ * filled belongs to one sequence; only full blocks are shared), and it is what makes a row's
+ * keys its own sequence's whatever rows share the step. 1 if fine. O(R * blocks read). */
 static int rows_disjoint(const int64_t *tables, int64_t width, const int64_t *seq_lens, int64_t R,
                          int64_t bs) {
     for (int64_t r = 0; r < R; r++) {
@@ -255,13 +233,11 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
     const int64_t E = m->hidden, I = m->intermediate, H = m->num_heads, KVH = m->num_kv_heads,
                   D = m->head_dim, G = m->num_heads / (m->num_kv_heads ? m->num_kv_heads : 1);
     if (check_model(m) != 0 || R < 1 || num_logit_rows < 0 || num_logit_rows > R) return -1;
-    int64_t max_len = 0;
     for (int64_t r = 0; r < R; r++) {
         const int64_t blocks = (seq_lens[r] + m->block_size - 1) / m->block_size;
         if (tokens[r] < 0 || tokens[r] >= m->vocab || seq_lens[r] < 1 ||
             seq_lens[r] > m->max_positions || blocks > width)
             return -1;
-        max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
     }
     for (int64_t i = 0; i < num_logit_rows; i++)
         if (logit_rows[i] < i || logit_rows[i] >= R ||
@@ -272,29 +248,38 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
     const int64_t max_k = I > E ? (I > q_size ? I : q_size) : (E > q_size ? E : q_size);
     /* shared: qkv, attention output, a product's output, the SwiGLU activations (all [R, .]);
      * then per thread (private): residuals x and normed xn [R, E], roped q and k of one head,
-     * block sums, int8 scales [R, max_k / 32] (three), attention scores [G, max_len], int8
+     * block sums, int8 scales [R, max_k / 32] (three), a window's queries and states, int8
      * quants [R, max_k] bytes */
+    ds_attention_plan plan;
+    if (plan_attention(&plan, tables, width, seq_lens, R, G, KVH, m->block_size) != 0) {
+        free_plan(&plan);
+        return -2;
+    }
+    const int64_t num_states = R * H * plan.max_windows, state_floats = 2 + D;
+    /* per thread: a window's gathered queries and acc [MAX_NG, D], its states [MAX_NG] */
+    const int64_t window_size = 2 * MAX_NG * D + 2 * MAX_NG;
     const int64_t own_size =
-        2 * R * E + (G + 1) * D + 3 * R * (max_k / QK) + G * max_len + R * max_k / 4;
+        2 * R * E + D + 3 * R * (max_k / QK) + window_size + R * max_k / 4;
     const int threads = omp_get_max_threads();
-    /* A KV head's query heads go to `runs` tasks of run_len heads: one task per KV head reads
-     * its keys and values once for all its heads; with fewer than two tasks a thread, the
-     * groups are split so that the threads share the attention (a head's numbers are the same
-     * whichever run computes it). */
-    const int64_t wanted = (2 * threads + R * KVH - 1) / (R * KVH);
-    const int64_t runs_asked = wanted < 1 ? 1 : wanted > G ? G : wanted;
-    const int64_t run_len = (G + runs_asked - 1) / runs_asked, runs = (G + run_len - 1) / run_len;
-    float *shared = malloc(sizeof(float) *
-                           (size_t)(R * (qkv_n + q_size + E + I) + threads * own_size));
-    if (shared == NULL) return -2;
+    float *shared = malloc(sizeof(float) * (size_t)(R * (qkv_n + 2 * q_size + E + I) +
+                                                    num_states * state_floats +
+                                                    threads * own_size));
+    if (shared == NULL) {
+        free_plan(&plan);
+        return -2;
+    }
     float *qkv = shared, *attn = qkv + R * qkv_n, *tmp = attn + R * q_size, *act = tmp + R * E;
-    float *own_all = act + R * I;
+    /* roped queries [R, H, D]; window states [R, H, max_windows, 2 + D] */
+    float *roped = act + R * I, *states = roped + R * q_size;
+    float *own_all = states + num_states * state_floats;
 #pragma omp parallel num_threads(threads)
     {
         const int64_t nb = R * (max_k / QK);
-        float *x = own_all + omp_get_thread_num() * own_size, *xn = x + R * E, *q = xn + R * E,
-              *k = q + G * D, *xsum = k + D, *xd = xsum + nb, *xs = xd + nb, *scores = xs + nb;
-        int8_t *xq = (int8_t *)(scores + G * max_len); /* R * max_k bytes */
+        float *x = own_all + omp_get_thread_num() * own_size, *xn = x + R * E, *k = xn + R * E,
+              *xsum = k + D, *xd = xsum + nb, *xs = xd + nb, *window_q = xs + nb;
+        float *window_acc = window_q + MAX_NG * D;
+        PdRunning *window_run = (PdRunning *)(window_acc + MAX_NG * D);
+        int8_t *xq = (int8_t *)(window_q + window_size); /* R * max_k bytes */
         ds_input in = {.avx512 = m->avx512, .int8_isa = m->int8_isa};
         const int timed = timings != NULL && omp_get_thread_num() == 0;
         double t_prev = timed ? omp_get_wtime() : 0.0;
@@ -315,30 +300,75 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
             MARK(T_NORM);
             matrix_for(&L->qkv, &in, R, qkv);
             MARK(T_QKV);
-            /* one task per (row, KV head, run of its query heads): RoPE of those q heads and
-             * of the k head, the attention; the task of a group's first run also writes the
-             * row's key and value of that KV head to the cache. Nobody waits for the write: the
-             * attention reads this step's key and value from k and qkv, the cache only at
-             * other rows' blocks and positions before this one (rows_disjoint). */
+            /* RoPE of every row's query heads and keys; its key and value to the cache */
             OMP_FOR(HEADS_SCHEDULE)
-            for (int64_t task = 0; task < R * KVH * runs; task++) {
-                const int64_t r = task / (KVH * runs), h = task / runs % KVH, run = task % runs;
-                const int64_t g0 = run * run_len, ng = g0 + run_len < G ? run_len : G - g0;
+            for (int64_t task = 0; task < R * KVH; task++) {
+                const int64_t r = task / KVH, h = task % KVH;
                 const int64_t pos = seq_lens[r] - 1, *table = tables + r * width;
                 const float *rot = m->rope + pos * D; /* (cos, sin) pairs of this position */
                 const float *row = qkv + r * qkv_n, *v = row + q_size + kv_size + h * D;
-                rope_rows(row + (h * G + g0) * D, ng, D, rot, q);
+                rope_rows(row + h * G * D, G, D, rot, roped + r * q_size + h * G * D);
                 rope_rows(row + q_size + h * D, 1, D, rot, k);
-                float *k_head = L->kv_cache + h * m->stride_head;
-                if (run == 0) {
-                    float *k_dst = k_head + table[pos / m->block_size] * m->stride_block +
-                                   (pos % m->block_size) * m->stride_token;
-                    memcpy(k_dst, k, sizeof(float) * (size_t)D);
-                    memcpy(k_dst + m->stride_kv, v, sizeof(float) * (size_t)D);
+                float *k_dst = L->kv_cache + h * m->stride_head +
+                               table[pos / m->block_size] * m->stride_block +
+                               (pos % m->block_size) * m->stride_token;
+                memcpy(k_dst, k, sizeof(float) * (size_t)D);
+                memcpy(k_dst + m->stride_kv, v, sizeof(float) * (size_t)D);
+            }
+            /* every window of keys (after the barrier: this step's keys are in the cache) */
+            const PdArgs pa = {.cache = L->kv_cache,
+                               .stride_kv = m->stride_kv,
+                               .stride_head = m->stride_head,
+                               .stride_block = m->stride_block,
+                               .stride_token = m->stride_token,
+                               .head_dim = D,
+                               .block_size = m->block_size,
+                               .scale = m->scale};
+            OMP_FOR(HEADS_SCHEDULE)
+            for (int64_t i = 0; i < plan.num_windows; i++) {
+                const ds_window *win = &plan.windows[i];
+                const int64_t lead = plan.members[win->row0], ng = win->nrows * G;
+                const int64_t k0 = win->w * ATTEND_WINDOW;
+                const int64_t k1 = k0 + ATTEND_WINDOW < seq_lens[lead] ? k0 + ATTEND_WINDOW
+                                                                        : seq_lens[lead];
+                const float *qg = roped + lead * q_size + win->h * G * D;
+                if (win->nrows > 1) { /* the group's query vectors side by side */
+                    for (int64_t j = 0; j < win->nrows; j++)
+                        memcpy(window_q + j * G * D,
+                               roped + plan.members[win->row0 + j] * q_size + win->h * G * D,
+                               sizeof(float) * (size_t)(G * D));
+                    qg = window_q;
                 }
-                attend_heads(q, ng, k_head, k_head + m->stride_kv, k, v, m->stride_block,
-                             m->stride_token, table, seq_lens[r], D, m->block_size, m->scale,
-                             scores, attn + r * q_size + (h * G + g0) * D);
+                for (int64_t v = 0; v < ng; v++) window_run[v] = (PdRunning){-INFINITY, 0.0f};
+                memset(window_acc, 0, sizeof(float) * (size_t)(ng * D));
+                if (m->avx512 && D % 16 == 0)
+                    pd_attend_avx512(&pa, qg, ng, tables + lead * width, win->h, k0, k1,
+                                     window_run, window_acc);
+                else
+                    pd_attend_avx2(&pa, qg, ng, tables + lead * width, win->h, k0, k1,
+                                   window_run, window_acc);
+                for (int64_t j = 0; j < win->nrows; j++)
+                    for (int64_t g = 0; g < G; g++) {
+                        const int64_t b = plan.members[win->row0 + j], v = j * G + g;
+                        float *st = states + ((b * H + win->h * G + g) * plan.max_windows +
+                                              win->w) * state_floats;
+                        st[0] = window_run[v].m;
+                        st[1] = window_run[v].l;
+                        memcpy(st + 2, window_acc + v * D, sizeof(float) * (size_t)D);
+                    }
+            }
+            /* each head's windows merged in key order */
+            OMP_FOR(HEADS_SCHEDULE)
+            for (int64_t task = 0; task < R * H; task++) {
+                const int64_t b = task / H, windows = (seq_lens[b] + ATTEND_WINDOW - 1) / ATTEND_WINDOW;
+                PdRunning run = {-INFINITY, 0.0f};
+                memset(window_acc, 0, sizeof(float) * (size_t)D);
+                for (int64_t w = 0; w < windows; w++) {
+                    const float *st = states + (task * plan.max_windows + w) * state_floats;
+                    pd_merge(&run, window_acc, st[0], st[1], st + 2, D);
+                }
+                const float inv = 1.0f / run.l;
+                for (int64_t e = 0; e < D; e++) attn[task * D + e] = window_acc[e] * inv;
             }
             MARK(T_ATTENTION);
             prepare_input(&in, attn, R, q_size, xsum, xq, xd, xs);
@@ -375,5 +405,6 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
 #undef MARK
     }
     free(shared);
+    free_plan(&plan);
     return 0;
 }

@@ -57,13 +57,17 @@ class AgentWorkload:
     def shared_len(self) -> int:
         return self.system_len + self.tools_len
 
-    def mean_own_context(self) -> float:
-        """A session's own tokens (task and history, its answers' KV included) at the
-        mid-point of an average session, turns capped by max_context."""
+    def mean_turns(self) -> float:
+        """Turns of an average session, capped by max_context."""
         grow = self.output_len + self.tool_output_len
         room = (self.max_context - self.shared_len - self.task_len - self.output_len) // grow
-        turns = min((self.min_turns + self.max_turns) / 2, room + 1)
-        return self.task_len + grow * (turns - 1) / 2 + self.output_len
+        return min((self.min_turns + self.max_turns) / 2, room + 1)
+
+    def mean_own_context(self) -> float:
+        """A session's own tokens (task and history, its answers' KV included) at the
+        mid-point of an average session."""
+        grow = self.output_len + self.tool_output_len
+        return self.task_len + grow * (self.mean_turns() - 1) / 2 + self.output_len
 
     def live_sessions(self) -> int | None:
         """Sessions to run at once for live_context_x (None: not sized)."""

@@ -37,6 +37,10 @@ def test_the_workload_is_sized_to_five_times_one_workers_kv():
     # own context at the mid-point: 200 + (100 + 600) x (7 - 1) / 2 + 100 = 2400 tokens
     assert w.mean_own_context() == 2400.0
     assert w.live_sessions() == math.ceil((5 * 16384 - 2000) / 2400) == 34
+    # so 34 sessions of 7 turns: the default 300 requests reach the live context
+    assert w.mean_turns() == 7.0 and parse_args([]).num_requests >= 34 * 7
+    # contexts up to 4,096 positions fit (4096 - 2300) // 700 + 1 = 3 turns
+    assert workload(parse_args(["--max-context", "4096"])).mean_turns() == 3
     tiny = workload(parse_args(["--tiny"]))
     assert tiny.live_sessions() == math.ceil((5 * 128 * 4 - 80) / tiny.mean_own_context())
     assert tiny.max_context <= 128 * 4  # every prompt fits one worker's KV cache
