@@ -33,7 +33,6 @@ def load_kernel() -> ctypes.CDLL | None:
         SOURCE,
         baton_paged_decode=decode,
         baton_paged_decode_groups=groups,
-        baton_paged_decode_set_grouping=[ctypes.c_int],
         baton_paged_decode_isa=[*decode, ctypes.c_int],
         baton_paged_decode_has_avx512=[],
     )

@@ -73,14 +73,6 @@ static inline __m256 hsum8(const __m256 v[8]) {
     return _mm256_add_ps(lo, hi);
 }
 
-/* q . k over d floats (d % 8 == 0); kept for decode_step.c, which includes this file. */
-static inline __attribute__((unused)) float dot(const float *a, const float *b, int64_t d) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    return hsum(acc);
-}
-
 /* The call's fixed arguments. */
 typedef struct {
     const float *q, *cache;
@@ -331,11 +323,6 @@ typedef struct {
  * most reads (c x the others taken); the rest may group among themselves. Returns the number
  * of groups; their first members and sizes go to group_row0 / group_rows. same, sorted:
  * scratch [num_seqs]. */
-/* 0: pd_find_groups finds none (benchmarks/shared_prefix_attention.py's baseline). */
-static int pd_grouping = 1;
-
-void baton_paged_decode_set_grouping(int on) { pd_grouping = on != 0; }
-
 static int pd_descending(const void *x, const void *y) {
     const int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
     return (a < b) - (a > b);
@@ -348,7 +335,7 @@ static int64_t pd_find_groups(const PdArgs *a, int64_t num_seqs, int64_t *member
     const int64_t *tables = a->block_tables;
     int64_t num_groups = 0, used = 0;
     for (int64_t b = 0; b < num_seqs; b++) shared[b] = -1; /* -1: not placed yet */
-    for (int64_t lead = 0; lead < num_seqs && pd_grouping; lead++) {
+    for (int64_t lead = 0; lead < num_seqs; lead++) {
         const int64_t full = a->seq_lens[lead] > 0 ? a->seq_lens[lead] / bs : 0;
         if (shared[lead] >= 0 || full == 0) continue;
         const int64_t *head = tables + lead * width;

@@ -28,6 +28,16 @@ def step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, se
     return random_step(query_lens, seq_lens, *heads, block_size, num_blocks, gen, CPU)
 
 
+def assert_kernel_equals_torch(q, k, v, cache, meta, scale, isa) -> None:
+    """The C kernel's step over a copy of cache equals the torch backend's over another: the
+    cache writes exactly, the attention within float32 rounding."""
+    ref_cache, cpu_cache = cache.clone(), cache.clone()
+    ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, scale)
+    out = CpuAttentionBackend(lib, isa).forward(q, k, v, cpu_cache, meta, scale)
+    assert torch.equal(cpu_cache, ref_cache)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("query_lens", "seq_lens"),
     [
@@ -60,12 +70,7 @@ def test_decode_kernel_equals_torch(
         block_size,
         seed=len(seq_lens) + head_dim,
     )
-    ref_cache, cpu_cache = cache.clone(), cache.clone()
-    scale = head_dim**-0.5
-    ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, scale)
-    out = CpuAttentionBackend(lib, isa).forward(q, k, v, cpu_cache, meta, scale)
-    assert torch.equal(cpu_cache, ref_cache)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_kernel_equals_torch(q, k, v, cache, meta, head_dim**-0.5, isa)
 
 
 def test_auto_picks_the_cpu_backend_here():
@@ -162,12 +167,7 @@ def test_sequences_sharing_prefix_blocks_equal_torch(num_heads, num_kv_heads, he
         gen,
         CPU,
     )
-    ref_cache, cpu_cache = cache.clone(), cache.clone()
-    scale = head_dim**-0.5
-    ref = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, scale)
-    out = CpuAttentionBackend(lib, isa).forward(q, k, v, cpu_cache, meta, scale)
-    assert torch.equal(cpu_cache, ref_cache)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_kernel_equals_torch(q, k, v, cache, meta, head_dim**-0.5, isa)
 
     # the groups the kernel read once: exact sequences and shared keys
     _, decode_tables, decode_lens = TorchAttentionBackend()._make_plan(meta).decode_tensors()
