@@ -32,7 +32,8 @@ def test_left_out_worker_finishes_running_requests_and_gets_no_new_ones():
     router.set_workers({"p1": p1}, {"d1": d1})
     assert router.active_counts() == {"p0": 1, "d0": 1}  # still running on the old pair
     second = run(router, "r2", out)
-    wait_until(lambda: "r2" in d1.release)
+    # d1 reserves r2's blocks before p1 prefills it: wait for both
+    wait_until(lambda: "r2" in d1.release and p1.prefilled)
     assert p1.prefilled == ["r2"] and p0.prefilled == ["r1"] and "r2" not in d0.release
     assert router.active_counts() == {"p0": 1, "d0": 1, "p1": 1, "d1": 1}
     d0.release["r1"].set()
