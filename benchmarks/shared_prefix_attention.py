@@ -4,8 +4,8 @@ rows whose first P tokens are the same prompt head, three ways, one run:
     shared    one call, the tables naming the same physical blocks for the head (what prefix
               caching gives): the kernel groups the rows and reads the head once for them
     per row   the same tables, one call per row: the head read once per row, from the CPU's
-              caches after the first (what the kernel cost before it grouped rows, plus R-1
-              calls' overhead, a few microseconds each)
+              caches after the first (the kernel's cost without grouping, plus R-1 calls'
+              overhead, a few microseconds each)
     copied    one call, each row holding its own copy of the head's blocks (same values): R
               reads from memory, what rows with distinct contexts of the same length cost
 
