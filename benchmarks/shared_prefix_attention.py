@@ -92,8 +92,8 @@ def one_case(lib, rows: int, args) -> dict:
             num_shared, BLOCK, KV_HEADS, HEAD_DIM, torch.float32, "cpu"
         )
         shared_cache.copy_(torch.randn(shared_cache.shape, generator=gen))
-        # each copied table holds the values of the same row's shared table: the same keys
         shared_caches.append(head_major(shared_cache))
+        # each copied table holds the values of the same row's shared table: the same keys
         copied = allocate_kv_cache(num_copied, BLOCK, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
         copied.copy_(shared_cache[:, shared_tables.flatten()])
         copied_caches.append(head_major(copied))
