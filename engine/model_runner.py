@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,11 +140,7 @@ class ModelRunner:
     def execute(self, rows: list[BatchRow]) -> StepOutput:
         """Run one step: tokens (and logprobs) for the rows that sample, prompt logprobs for
         the rows that ask."""
-        if (
-            self.fused is not None
-            and len(rows) <= self.fused_max_rows
-            and all(r.n == 1 and len(r.samples) <= 1 and r.prompt_logprobs is None for r in rows)
-        ):
+        if self.fused is not None and self._fusable(rows):
             done = self._execute_fused(rows)
             if done is not None:
                 return done
@@ -213,10 +210,20 @@ class ModelRunner:
             at += span.hi - span.lo
         return out
 
+    def _fusable(self, rows: list[BatchRow]) -> bool:
+        """Whether the fused C step can run this step: at most fused_max_rows tokens in all,
+        each row drawing at most one sample and no prompt logprobs; with int8 activations
+        decode rows only (prompts stay float32, see EngineOptions.int8_activations)."""
+        one_token = self.fused is not None and self.fused.int8
+        return sum(r.n for r in rows) <= self.fused_max_rows and all(
+            len(r.samples) <= 1 and r.prompt_logprobs is None and (r.n == 1 or not one_token)
+            for r in rows
+        )
+
     def _execute_fused(self, rows: list[BatchRow]) -> StepOutput | None:
-        """A step of one token per row (each drawing at most one sample) through the fused C
-        step; None where it does not run (the caller then takes the unfused path; nothing was
-        written)."""
+        """A step through the fused C step: decode rows and prompt chunks, each row drawing at
+        most one sample (from its last token); None where it does not run (the caller then
+        takes the unfused path; nothing was written)."""
         fused = self.fused
         if fused is None or not fused.serves(self.kv_caches):
             return None
@@ -224,15 +231,18 @@ class ModelRunner:
         timings = fused.timings  # None unless profiling: seconds per part, accumulated
         before = list(timings) if timings is not None else None
         self.phases.lap("inputs")
-        if len(rows) == 1:
+        ends = list(itertools.accumulate(r.n for r in rows))  # one past each row's tokens
+        logit_rows = [ends[i] - 1 for i in wanted]  # the last token of each sampling row
+        if len(rows) == 1 and rows[0].n == 1:
             row = rows[0]
             out = fused.step(row.token_ids[row.start], row.block_ids, row.start + 1, bool(wanted))
         else:
             out = fused.step_rows(
-                [row.token_ids[row.start] for row in rows],
+                [t for r in rows for t in r.token_ids[r.start : r.start + r.n]],
                 [row.block_ids for row in rows],
-                [row.start + 1 for row in rows],
-                wanted,
+                [p + 1 for r in rows for p in range(r.start, r.start + r.n)],
+                logit_rows,
+                None if len(rows) == ends[-1] else [r.n for r in rows],
             )
         self.phases.lap("forward")
         if out is None:
@@ -244,7 +254,7 @@ class ModelRunner:
             return StepOutput([], [], {})
         hidden, logits = out
         if logits is None:  # the output projection is not in GGUF blocks
-            logits = self.model.compute_logits(hidden[wanted])
+            logits = self.model.compute_logits(hidden[logit_rows])
             self.phases.lap("logits")
         samples = [rows[i].samples[0] for i in wanted]
         tokens = sample(logits, samples)

@@ -129,14 +129,20 @@ static inline void pd_next_rows(PdRows *r, int64_t n, const float **k, const flo
     }
 }
 
-/* Per query head g of a chunk: fold the 8 scores s[g] (lanes >= n are ignored) into run[g];
- * returns in p[g] the weights e^(s - m) of the chunk's keys (0 past n) and in rescale[g] the
- * factor the accumulated output must be multiplied by first (1 when the max did not grow). */
-static inline void pd_online_softmax(const __m256 *s, int64_t group, int64_t n, PdRunning *run,
-                                  float p[][PD_CHUNK], float *rescale) {
-    const __m256 valid = _mm256_cmp_ps(
-        _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps((float)n), _CMP_LT_OQ);
+/* Per query head g of a chunk: fold the 8 scores s[g] (lanes >= n[g] are ignored) into
+ * run[g]; returns in p[g] the weights e^(s - m) of the chunk's keys (0 past n[g]) and in
+ * rescale[g] the factor the accumulated output must be multiplied by first (1 when the max
+ * did not grow). A query head with n[g] = 0 keeps its run, with weights 0 and rescale 1. */
+static inline void pd_online_softmax(const __m256 *s, int64_t group, const int64_t *n,
+                                     PdRunning *run, float p[][PD_CHUNK], float *rescale) {
     for (int64_t g = 0; g < group; g++) {
+        if (n[g] == 0) { /* weights 0, rescale 1: the output update is an exact no-op */
+            rescale[g] = 1.0f;
+            _mm256_storeu_ps(p[g], _mm256_setzero_ps());
+            continue;
+        }
+        const __m256 valid = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7),
+                                           _mm256_set1_ps((float)n[g]), _CMP_LT_OQ);
         const __m256 sg = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[g], valid);
         const float m_new = fmaxf(run[g].m, pd_hmax(sg));
         rescale[g] = 1.0f;
@@ -152,72 +158,116 @@ static inline void pd_online_softmax(const __m256 *s, int64_t group, int64_t n, 
     }
 }
 
+/* The keys of chunk [t, t + n) each query vector g attends to: n, or with limits (its own
+ * end of keys, a prompt's row attending up to itself) as many as lie before limits[g]; a
+ * vector whose keys ended before t gets 0 and is left as it is, so its state is the one a
+ * pass over [t0, limits[g]) alone leaves (masked lanes add 0 x V, an exact no-op). */
+static inline void pd_chunk_keys(const int64_t *limits, int64_t group, int64_t t, int64_t n,
+                                 int64_t *nv) {
+    for (int64_t g = 0; g < group; g++) {
+        const int64_t left = limits == NULL ? n : limits[g] - t;
+        nv[g] = left < 0 ? 0 : left < n ? left : n;
+    }
+}
+
 /* ---- AVX2: keys [t0, t1) of task (b, h) into run and acc [G, D] -----------------------------
  * The body is inlined with d a constant where the caller knows it (64, 128), so that the
  * register tiles below are registers, not stack arrays. PdRows past n in a chunk repeat the last
- * row with weight 0: every loop over the chunk has a constant trip count. */
+ * row with weight 0: every loop over the chunk has a constant trip count. Query vectors go
+ * three at a time through the scores (3 x 4 keys: 12 sums in registers share each load) and
+ * two at a time through the output update (2 x 32 lanes); each sum is the same chain of
+ * fused multiply-adds whichever tile it is in, so a query vector's numbers do not depend on
+ * the others passing the keys with it. */
+
+/* s[q] = scale * (qv[q] . k[j]) for the chunk's 8 keys j, q < NQ (<= 3): per key, 8 lane sums
+ * over d in order, then hsum8. */
+static inline __attribute__((always_inline)) void pd_scores_avx2(const float *qv, const int NQ,
+                                                                 const float *const *k,
+                                                                 const int64_t d, __m256 scale,
+                                                                 __m256 *s) {
+    __m256 dots[3][PD_CHUNK];
+    for (int half = 0; half < PD_CHUNK; half += 4) {
+        __m256 sum[3][4];
+        for (int q = 0; q < NQ; q++)
+            for (int j = 0; j < 4; j++) sum[q][j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+            __m256 x[3];
+            for (int q = 0; q < NQ; q++) x[q] = _mm256_loadu_ps(qv + q * d + i);
+            for (int j = 0; j < 4; j++) {
+                const __m256 key = _mm256_loadu_ps(k[half + j] + i);
+                for (int q = 0; q < NQ; q++) sum[q][j] = _mm256_fmadd_ps(x[q], key, sum[q][j]);
+            }
+        }
+        for (int q = 0; q < NQ; q++)
+            for (int j = 0; j < 4; j++) dots[q][half + j] = sum[q][j];
+    }
+    for (int q = 0; q < NQ; q++) s[q] = _mm256_mul_ps(hsum8(dots[q]), scale);
+}
+
+/* o[q] = o[q] * rescale[q] + sum_j p[q, j] V[j] for q < NQ (<= 2), 32 lanes at a time (8 at a
+ * time for the last d % 32): per lane the multiply, then the 8 fused multiply-adds in key
+ * order. */
+static inline __attribute__((always_inline)) void pd_values_avx2(float *o, const int NQ,
+                                                                 const float (*p)[PD_CHUNK],
+                                                                 const float *rescale,
+                                                                 const float *const *v,
+                                                                 const int64_t d) {
+    for (int64_t i0 = 0; i0 < d; i0 += 32) {
+        const int lanes = d - i0 >= 32 ? 4 : (int)((d - i0) / 8); /* vectors of 8 */
+        __m256 sum[2][4];
+        for (int q = 0; q < NQ; q++) {
+            const __m256 r = _mm256_set1_ps(rescale[q]);
+            for (int w = 0; w < lanes; w++)
+                sum[q][w] = _mm256_mul_ps(_mm256_loadu_ps(o + q * d + i0 + 8 * w), r);
+        }
+        for (int j = 0; j < PD_CHUNK; j++) {
+            __m256 val[4];
+            for (int w = 0; w < lanes; w++) val[w] = _mm256_loadu_ps(v[j] + i0 + 8 * w);
+            for (int q = 0; q < NQ; q++) {
+                const __m256 pj = _mm256_broadcast_ss(&p[q][j]);
+                for (int w = 0; w < lanes; w++) sum[q][w] = _mm256_fmadd_ps(pj, val[w], sum[q][w]);
+            }
+        }
+        for (int q = 0; q < NQ; q++)
+            for (int w = 0; w < lanes; w++) _mm256_storeu_ps(o + q * d + i0 + 8 * w, sum[q][w]);
+    }
+}
+
 static inline __attribute__((always_inline)) void pd_attend_avx2_body(
-    const PdArgs *a, const float *qg, int64_t group, const int64_t *table, int64_t h, int64_t t0,
-    int64_t t1, PdRunning *run, float *acc, const int64_t d) {
+    const PdArgs *a, const float *qg, int64_t group, const int64_t *limits, const int64_t *table,
+    int64_t h, int64_t t0, int64_t t1, PdRunning *run, float *acc, const int64_t d) {
     const __m256 scale = _mm256_set1_ps(a->scale);
     PdRows rows = pd_rows_from(a, table, h, t0, t1);
     for (int64_t t = t0; t < t1; t += PD_CHUNK) {
         const int64_t n = t1 - t < PD_CHUNK ? t1 - t : PD_CHUNK;
         const float *k[PD_CHUNK], *v[PD_CHUNK];
         pd_next_rows(&rows, n, k, v);
+        int64_t nv[MAX_NG];
+        pd_chunk_keys(limits, group, t, n, nv);
         __m256 s[MAX_NG];
-        for (int64_t g = 0; g < group; g++) {
-            const float *qv = qg + g * d;
-            __m256 dots[PD_CHUNK];
-            for (int j = 0; j < PD_CHUNK; j++) dots[j] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < d; i += 8) {
-                const __m256 x = _mm256_loadu_ps(qv + i);
-                for (int j = 0; j < PD_CHUNK; j++)
-                    dots[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[j] + i), dots[j]);
-            }
-            s[g] = _mm256_mul_ps(hsum8(dots), scale);
-        }
+        int64_t g = 0;
+        for (; g + 3 <= group; g += 3) pd_scores_avx2(qg + g * d, 3, k, d, scale, s + g);
+        if (group - g == 2) pd_scores_avx2(qg + g * d, 2, k, d, scale, s + g);
+        else if (group - g == 1) pd_scores_avx2(qg + g * d, 1, k, d, scale, s + g);
         float p[MAX_NG][PD_CHUNK], rescale[MAX_NG];
-        pd_online_softmax(s, group, n, run, p, rescale);
-        /* acc[g] = acc[g] * rescale[g] + sum_j p[g, j] V[j], 64 lanes at a time in registers */
-        for (int64_t g = 0; g < group; g++) {
-            float *o = acc + g * d;
-            const __m256 r = _mm256_set1_ps(rescale[g]);
-            for (int64_t i0 = 0; i0 < d; i0 += 64) {
-                if (d - i0 >= 64) {
-                    __m256 sum[8];
-                    for (int i = 0; i < 8; i++)
-                        sum[i] = _mm256_mul_ps(_mm256_loadu_ps(o + i0 + 8 * i), r);
-                    for (int j = 0; j < PD_CHUNK; j++) {
-                        const __m256 pj = _mm256_broadcast_ss(&p[g][j]);
-                        for (int i = 0; i < 8; i++)
-                            sum[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v[j] + i0 + 8 * i), sum[i]);
-                    }
-                    for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + i0 + 8 * i, sum[i]);
-                } else {  /* the last d % 64 lanes, 8 at a time */
-                    for (int64_t i = i0; i < d; i += 8) {
-                        __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(o + i), r);
-                        for (int j = 0; j < PD_CHUNK; j++)
-                            sum = _mm256_fmadd_ps(_mm256_broadcast_ss(&p[g][j]),
-                                                  _mm256_loadu_ps(v[j] + i), sum);
-                        _mm256_storeu_ps(o + i, sum);
-                    }
-                }
-            }
-        }
+        pd_online_softmax(s, group, nv, run, p, rescale);
+        for (g = 0; g + 2 <= group; g += 2)
+            pd_values_avx2(acc + g * d, 2, p + g, rescale + g, v, d);
+        if (g < group) pd_values_avx2(acc + g * d, 1, p + g, rescale + g, v, d);
     }
 }
 
 /* Keys [t0, t1) of table's KV head h for the ng query vectors qg [ng, D] (ng <= MAX_NG), into
  * run [ng] and acc [ng, D]. */
-static void pd_attend_avx2(const PdArgs *a, const float *qg, int64_t ng, const int64_t *table,
-                           int64_t h, int64_t t0, int64_t t1, PdRunning *run, float *acc) {
+static void pd_attend_avx2(const PdArgs *a, const float *qg, int64_t ng, const int64_t *limits,
+                           const int64_t *table, int64_t h, int64_t t0, int64_t t1,
+                           PdRunning *run, float *acc) {
     if (a->head_dim == 64)
-        pd_attend_avx2_body(a, qg, ng, table, h, t0, t1, run, acc, 64);
+        pd_attend_avx2_body(a, qg, ng, limits, table, h, t0, t1, run, acc, 64);
     else if (a->head_dim == 128)
-        pd_attend_avx2_body(a, qg, ng, table, h, t0, t1, run, acc, 128);
+        pd_attend_avx2_body(a, qg, ng, limits, table, h, t0, t1, run, acc, 128);
     else
-        pd_attend_avx2_body(a, qg, ng, table, h, t0, t1, run, acc, a->head_dim);
+        pd_attend_avx2_body(a, qg, ng, limits, table, h, t0, t1, run, acc, a->head_dim);
 }
 
 /* ---- AVX-512 (D % 16 == 0): the same steps 16 lanes wide ------------------------------------ */
@@ -226,16 +276,19 @@ PD_AVX512_TARGET static inline __m256 pd_fold512(__m512 v) {
 }
 
 PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_attend_avx512_body(
-    const PdArgs *a, const float *qg, int64_t group, const int64_t *table, int64_t h, int64_t t0,
-    int64_t t1, PdRunning *run, float *acc, const int64_t d) {
+    const PdArgs *a, const float *qg, int64_t group, const int64_t *limits, const int64_t *table,
+    int64_t h, int64_t t0, int64_t t1, PdRunning *run, float *acc, const int64_t d) {
     const __m256 scale = _mm256_set1_ps(a->scale);
     PdRows rows = pd_rows_from(a, table, h, t0, t1);
     for (int64_t t = t0; t < t1; t += PD_CHUNK) {
         const int64_t n = t1 - t < PD_CHUNK ? t1 - t : PD_CHUNK;
         const float *k[PD_CHUNK], *v[PD_CHUNK];
         pd_next_rows(&rows, n, k, v);
+        int64_t nv[MAX_NG];
+        pd_chunk_keys(limits, group, t, n, nv);
         __m256 s[MAX_NG];
         for (int64_t g = 0; g < group; g++) {
+            if (nv[g] == 0) continue;
             const float *qv = qg + g * d;
             __m512 dots[PD_CHUNK];
             for (int j = 0; j < PD_CHUNK; j++) dots[j] = _mm512_setzero_ps();
@@ -249,8 +302,9 @@ PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_attend_avx
             s[g] = _mm256_mul_ps(hsum8(half), scale);
         }
         float p[MAX_NG][PD_CHUNK], rescale[MAX_NG];
-        pd_online_softmax(s, group, n, run, p, rescale);
+        pd_online_softmax(s, group, nv, run, p, rescale);
         for (int64_t g = 0; g < group; g++) {
+            if (nv[g] == 0) continue;
             float *o = acc + g * d;
             const __m512 r = _mm512_set1_ps(rescale[g]);
             for (int64_t i0 = 0; i0 < d; i0 += 128) {
@@ -289,14 +343,15 @@ PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_attend_avx
 }
 
 PD_AVX512_TARGET static void pd_attend_avx512(const PdArgs *a, const float *qg, int64_t ng,
-                                              const int64_t *table, int64_t h, int64_t t0,
-                                              int64_t t1, PdRunning *run, float *acc) {
+                                              const int64_t *limits, const int64_t *table,
+                                              int64_t h, int64_t t0, int64_t t1, PdRunning *run,
+                                              float *acc) {
     if (a->head_dim == 64)
-        pd_attend_avx512_body(a, qg, ng, table, h, t0, t1, run, acc, 64);
+        pd_attend_avx512_body(a, qg, ng, limits, table, h, t0, t1, run, acc, 64);
     else if (a->head_dim == 128)
-        pd_attend_avx512_body(a, qg, ng, table, h, t0, t1, run, acc, 128);
+        pd_attend_avx512_body(a, qg, ng, limits, table, h, t0, t1, run, acc, 128);
     else
-        pd_attend_avx512_body(a, qg, ng, table, h, t0, t1, run, acc, a->head_dim);
+        pd_attend_avx512_body(a, qg, ng, limits, table, h, t0, t1, run, acc, a->head_dim);
 }
 
 /* 1 where this CPU (and OS) runs AVX-512 F, VL and DQ, else 0. */
@@ -500,9 +555,9 @@ int baton_paged_decode_isa(const float *q, const float *cache, int64_t stride_kv
         /* the group's keys are in every member's table: its first member's names them */
         const int64_t *table = block_tables + members[sg->row0] * max_blocks;
         if (wide)
-            pd_attend_avx512(&a, qg, ng, table, sg->h, sg->k0, sg->k1, run, acc);
+            pd_attend_avx512(&a, qg, ng, NULL, table, sg->h, sg->k0, sg->k1, run, acc);
         else
-            pd_attend_avx2(&a, qg, ng, table, sg->h, sg->k0, sg->k1, run, acc);
+            pd_attend_avx2(&a, qg, ng, NULL, table, sg->h, sg->k0, sg->k1, run, acc);
         float *slot = slots + sg->slot;
         for (int64_t v = 0; v < ng; v++) {
             slot[v * state_floats] = run[v].m;

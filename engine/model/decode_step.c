@@ -101,30 +101,33 @@ static void rope_rows(const float *src, int64_t heads, int64_t D, const float *r
 /* Attention by fixed windows of keys. A row's keys [0, len) are cut at multiples of
  * ATTEND_WINDOW; each window's (m, l, acc) state of each query head comes from paged_decode.c's
  * one-pass online softmax over that window alone, and a head's output merges its windows'
- * states in key order (the log-sum-exp merge). Windows fully inside the blocks a group of rows
- * shares (prefix-cache hits on one prompt head: pd_find_groups) run once for the group, its
- * rows' query vectors side by side, so those keys and values are read once for all of them;
- * every other window runs for its row alone. A window's numbers are the same whichever way
- * it runs (no lane mixes query vectors) and the cut points do not depend on the other rows:
- * a row's output is the same whatever rows share its step. */
+ * states in key order (the log-sum-exp merge). Windows shared by a group of rows run once for
+ * the group, its rows' query vectors side by side, so those keys and values are read once for
+ * all of them; every other window runs for its row alone. Two kinds of group:
+ *   - decode rows of sequences whose tables start with the same blocks (prefix-cache hits on
+ *     one prompt head: pd_find_groups) share the windows wholly inside those blocks;
+ *   - a prompt's chunk (consecutive rows of one sequence), up to MAX_NG / G rows at a time,
+ *     share every window, each row attending up to its own position (the kernel's limits).
+ * A window's numbers for a row are the same whichever way it runs (no lane mixes query
+ * vectors; a row's keys end in a window as they would alone) and the cut points do not depend
+ * on the other rows: a row's output is the same whatever rows share its step. */
 #define ATTEND_WINDOW 128
 
-/* One window: keys [w ATTEND_WINDOW, ...) of KV head h for members[row0 .. row0 + nrows). */
+/* One window: keys [w ATTEND_WINDOW, k1) of KV head h for members[row0 .. row0 + nrows),
+ * each member up to its own sequence length. */
 typedef struct {
-    int64_t h, w, row0, nrows;
+    int64_t h, w, k1, row0, nrows;
 } ds_window;
 
 /* The windows of a step: which rows share which, and every window each row needs. */
 typedef struct {
-    int64_t *members; /* [2 R]: groups' rows, then each row by itself (members[single0 + r]) */
-    int64_t *shared;  /* [R]: keys row r shares with its group (0: none) */
+    int64_t *members; /* [2 R]: the groups' rows, then each decode row by itself */
     ds_window *windows;
     int64_t num_windows, max_windows; /* windows to run; most windows of one row */
 } ds_attention_plan;
 
 static void free_plan(ds_attention_plan *p) {
     free(p->members);
-    free(p->shared);
     free(p->windows);
 }
 
@@ -132,46 +135,91 @@ static void free_plan(ds_attention_plan *p) {
 static int plan_attention(ds_attention_plan *p, const int64_t *tables, int64_t width,
                           const int64_t *seq_lens, int64_t R, int64_t G, int64_t KVH,
                           int64_t block_size) {
-    const int64_t W = ATTEND_WINDOW;
-    int64_t *row0 = malloc(sizeof(int64_t) * (size_t)(4 * R)), *rows = row0 + R;
+    const int64_t W = ATTEND_WINDOW, per_group = MAX_NG / G;
+    /* scratch [R] each: run_end, idx, sub_lens, sub_shared, row0, rows, same, sorted, gshared,
+     * chunk_row0, chunk_rows, chunk_end; sub_members [2 R]; sub_tables [R, width] */
+    int64_t *run_end = malloc(sizeof(int64_t) * (size_t)(14 * R + R * width));
     p->members = malloc(sizeof(int64_t) * (size_t)(2 * R));
-    p->shared = malloc(sizeof(int64_t) * (size_t)R);
     p->windows = NULL;
-    if (!row0 || !p->members || !p->shared) {
-        free(row0);
+    if (!run_end || !p->members) {
+        free(run_end);
         return -2;
     }
+    int64_t *idx = run_end + R, *sub_lens = idx + R, *sub_shared = sub_lens + R;
+    int64_t *row0 = sub_shared + R, *rows = row0 + R, *same = rows + R, *sorted = same + R;
+    int64_t *gshared = sorted + R, *chunk_row0 = gshared + R, *chunk_rows = chunk_row0 + R;
+    int64_t *chunk_end = chunk_rows + R, *sub_members = chunk_end + R;
+    int64_t *sub_tables = sub_members + 2 * R;
+    /* runs of rows with the same table: one sequence's tokens (rows_disjoint checked them) */
+    for (int64_t r = R - 1; r >= 0; r--)
+        run_end[r] = r + 1 < R && memcmp(tables + r * width, tables + (r + 1) * width,
+                                         sizeof(int64_t) * (size_t)width) == 0
+                         ? run_end[r + 1]
+                         : r + 1;
+    /* decode rows (runs of one row), grouped by the prompt blocks their tables share */
+    int64_t nd = 0;
+    for (int64_t r = 0; r < R; r = run_end[r]) {
+        if (run_end[r] != r + 1) continue;
+        memcpy(sub_tables + nd * width, tables + r * width, sizeof(int64_t) * (size_t)width);
+        sub_lens[nd] = seq_lens[r];
+        idx[nd++] = r;
+    }
     PdArgs a = {0};
-    a.block_tables = tables, a.seq_lens = seq_lens, a.max_blocks = width;
+    a.block_tables = sub_tables, a.seq_lens = sub_lens, a.max_blocks = width;
     a.group = G, a.block_size = block_size;
     const int64_t num_groups =
-        pd_find_groups(&a, R, p->members, p->shared, row0, rows, rows + R, rows + 2 * R);
-    int64_t single0 = 0, total = 0;
+        pd_find_groups(&a, nd, sub_members, sub_shared, row0, rows, same, sorted);
+    int64_t total = 0;
     p->max_windows = 0;
-    for (int64_t g = 0; g < num_groups; g++) single0 += rows[g];
     for (int64_t r = 0; r < R; r++) {
         const int64_t n = (seq_lens[r] + W - 1) / W;
         total += n;
         p->max_windows = n > p->max_windows ? n : p->max_windows;
     }
-    p->windows = malloc(sizeof(ds_window) * (size_t)(KVH * total));
+    p->windows = malloc(sizeof(ds_window) * (size_t)(KVH * total > 0 ? KVH * total : 1));
     if (!p->windows) {
-        free(row0);
+        free(run_end);
         return -2;
     }
+    /* members: the decode groups' rows, the chunks' rows (per_group at a time), then each
+     * decode row by itself (from single0 on, in sub-row order) */
+    int64_t m = 0, num_chunks = 0;
+    for (int64_t g = 0; g < num_groups; g++) {
+        gshared[g] = sub_shared[sub_members[row0[g]]];
+        const int64_t first = m;
+        for (int64_t i = row0[g]; i < row0[g] + rows[g]; i++) p->members[m++] = idx[sub_members[i]];
+        row0[g] = first;
+    }
+    for (int64_t r = 0; r < R; r = run_end[r]) {
+        if (run_end[r] == r + 1) continue;
+        for (int64_t c = r; c < run_end[r]; c += per_group) {
+            const int64_t n = run_end[r] - c < per_group ? run_end[r] - c : per_group;
+            chunk_row0[num_chunks] = m;
+            chunk_rows[num_chunks] = n;
+            chunk_end[num_chunks++] = seq_lens[c + n - 1]; /* its last (longest) row's */
+            for (int64_t i = c; i < c + n; i++) p->members[m++] = i;
+        }
+    }
+    const int64_t single0 = m;
+    for (int64_t i = 0; i < nd; i++) p->members[m++] = idx[i];
     p->num_windows = 0;
     for (int64_t h = 0; h < KVH; h++) {
         for (int64_t g = 0; g < num_groups; g++) /* windows wholly inside the shared keys */
-            for (int64_t w = 0; w < p->shared[p->members[row0[g]]] / W; w++)
-                p->windows[p->num_windows++] = (ds_window){h, w, row0[g], rows[g]};
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t w = p->shared[r] / W; w * W < seq_lens[r]; w++)
-                p->windows[p->num_windows++] = (ds_window){h, w, single0 + r, 1};
+            for (int64_t w = 0; w < gshared[g] / W; w++)
+                p->windows[p->num_windows++] = (ds_window){h, w, (w + 1) * W, row0[g], rows[g]};
+        for (int64_t c = 0; c < num_chunks; c++) /* every window of a chunk's keys */
+            for (int64_t w = 0; w * W < chunk_end[c]; w++)
+                p->windows[p->num_windows++] = (ds_window){
+                    h, w, (w + 1) * W < chunk_end[c] ? (w + 1) * W : chunk_end[c], chunk_row0[c],
+                    chunk_rows[c]};
+        for (int64_t i = 0; i < nd; i++) /* a decode row's other windows, alone */
+            for (int64_t w = sub_shared[i] / W; w * W < sub_lens[i]; w++)
+                p->windows[p->num_windows++] = (ds_window){
+                    h, w, (w + 1) * W < sub_lens[i] ? (w + 1) * W : sub_lens[i], single0 + i, 1};
     }
-    free(row0);
+    free(run_end);
     return 0;
 }
-
 
 static int matrix_ok(const ds_matrix *w, int64_t n, int64_t k) {
     return w->blocks != NULL && w->n == n && w->k == k && k % QK == 0 &&
@@ -198,32 +246,57 @@ static int check_model(const ds_model *m) {
     return 0;
 }
 
-/* Whether the rows can share one step: no row's new slot lies in a block another row reads
- * (positions before its own new one) or writes. The scheduler guarantees it (a block being
- * filled belongs to one sequence; only full blocks are shared), and it is what makes a row's
- * keys its own sequence's whatever rows share the step. 1 if fine. O(R * blocks read). */
+/* Whether the rows can share one step. Consecutive rows with the same block table (over the
+ * whole width) are one sequence's tokens, their positions one after another (a prompt's chunk;
+ * a decode row is a sequence of one). No sequence may write (into a block holding one of its
+ * rows' positions) to a block another sequence reads or writes (up to its last row's
+ * position). The scheduler guarantees it (a block being filled belongs to one sequence; only
+ * full blocks are shared), and it is what makes a row's keys its own sequence's whatever rows
+ * share the step. 1 if fine, 0 if not (or no scratch memory). O(S^2 * blocks), S sequences. */
 static int rows_disjoint(const int64_t *tables, int64_t width, const int64_t *seq_lens, int64_t R,
                          int64_t bs) {
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t new_block = tables[r * width + (seq_lens[r] - 1) / bs];
-        for (int64_t s = 0; s < R; s++) {
-            if (s == r) continue;
-            const int64_t *t = tables + s * width;
-            if (t[(seq_lens[s] - 1) / bs] == new_block) return 0;
-            for (int64_t j = 0; j * bs < seq_lens[s] - 1; j++)
-                if (t[j] == new_block) return 0;
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(R + 1)); /* each sequence's first row */
+    if (first == NULL) return 0;
+    int64_t S = 0;
+    int ok = 1;
+    for (int64_t r = 0; r < R && ok; r++) {
+        if (r > 0 && memcmp(tables + r * width, tables + (r - 1) * width,
+                            sizeof(int64_t) * (size_t)width) == 0)
+            ok = seq_lens[r] == seq_lens[r - 1] + 1;
+        else
+            first[S++] = r;
+    }
+    first[S] = R;
+    for (int64_t a = 0; a < S && ok; a++) {
+        const int64_t *ta = tables + first[a] * width;
+        const int64_t lo = (seq_lens[first[a]] - 1) / bs, hi = (seq_lens[first[a + 1] - 1] - 1) / bs;
+        for (int64_t b = 0; b < S && ok; b++) {
+            if (b == a) continue;
+            const int64_t *tb = tables + first[b] * width;
+            const int64_t used = (seq_lens[first[b + 1] - 1] - 1) / bs; /* blocks 0 .. used */
+            for (int64_t i = lo; i <= hi && ok; i++)
+                for (int64_t j = 0; j <= used && ok; j++) ok = ta[i] != tb[j];
         }
     }
-    return 1;
+    free(first);
+    return ok;
 }
 
-/* Runs the decoder stack for R decode rows, row r one token tokens[r] at position
- * seq_lens[r] - 1 of its own sequence, whose keys live in the blocks of its block table
- * (tables [R, width], at least ceil(seq_lens[r] / block_size) entries used): writes every
- * row's keys and values into every layer's cache, the final-normed hidden states into
- * hidden [R, E] and, where the model has a head and logits is not NULL, the logits of rows
- * logit_rows (strictly increasing, num_logit_rows of them) into logits [num_logit_rows, vocab].
- * Each row's results are those the step computes for that row alone (R = 1).
+/* Rows up to which every product of a step has the one-row kernels' arithmetic (above it: the
+ * panels'), for callers that compare steps. */
+int baton_decode_exact_max_rows(void) { return EXACT_MAX_ROWS; }
+
+/* Runs the decoder stack for R rows, row r one token tokens[r] at position seq_lens[r] - 1 of
+ * its sequence, whose keys live in the blocks of its block table (tables [R, width], at least
+ * ceil(seq_lens[r] / block_size) entries used). Consecutive rows with the same table are one
+ * sequence's consecutive tokens (a prompt's chunk: each row attends to the keys before it,
+ * those written by this step's earlier rows included); any other rows are decodes of their own
+ * sequences. Writes every row's keys and values into every layer's cache, the final-normed
+ * hidden states into hidden [R, E] and, where the model has a head and logits is not NULL,
+ * the logits of rows logit_rows (strictly increasing, num_logit_rows of them) into logits
+ * [num_logit_rows, vocab]. A row's results do not depend on the other rows of the step: they
+ * are what a step of as many rows computes for it with the keys before it in the cache (up
+ * to EXACT_MAX_ROWS rows: what it computes alone, R = 1).
  * timings: NULL, or [T_PARTS] seconds that thread 0 adds its time per part to.
  * Returns 0; -1 for a shape, token, position or row set it does not take (nothing written
  * then); -2 when scratch memory failed. */
@@ -259,7 +332,7 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
     /* per thread: a window's gathered queries and acc [MAX_NG, D], its states [MAX_NG] */
     const int64_t window_size = 2 * MAX_NG * D + 2 * MAX_NG;
     const int64_t own_size =
-        2 * R * E + D + 3 * R * (max_k / QK) + window_size + R * max_k / 4;
+        2 * R * E + D + 3 * R * (max_k / QK) + window_size + R * max_k / 4 + 2 * PANEL_N * max_k;
     const int threads = omp_get_max_threads();
     float *shared = malloc(sizeof(float) * (size_t)(R * (qkv_n + 2 * q_size + E + I) +
                                                     num_states * state_floats +
@@ -279,8 +352,12 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
               *xsum = k + D, *xd = xsum + nb, *xs = xd + nb, *window_q = xs + nb;
         float *window_acc = window_q + MAX_NG * D;
         PdRunning *window_run = (PdRunning *)(window_acc + MAX_NG * D);
+        int64_t window_limits[MAX_NG];
         int8_t *xq = (int8_t *)(window_q + window_size); /* R * max_k bytes */
-        ds_input in = {.avx512 = m->avx512, .int8_isa = m->int8_isa};
+        ds_input in = {.avx512 = m->avx512,
+                       .int8_isa = m->int8_isa,
+                       .by_panels = !m->int8_isa && R > EXACT_MAX_ROWS,
+                       .panels = window_q + window_size + R * max_k / 4};
         const int timed = timings != NULL && omp_get_thread_num() == 0;
         double t_prev = timed ? omp_get_wtime() : 0.0;
 #define MARK(part)                                                                                 \
@@ -328,28 +405,32 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
             for (int64_t i = 0; i < plan.num_windows; i++) {
                 const ds_window *win = &plan.windows[i];
                 const int64_t lead = plan.members[win->row0], ng = win->nrows * G;
-                const int64_t k0 = win->w * ATTEND_WINDOW;
-                const int64_t k1 = k0 + ATTEND_WINDOW < seq_lens[lead] ? k0 + ATTEND_WINDOW
-                                                                        : seq_lens[lead];
+                const int64_t k0 = win->w * ATTEND_WINDOW, k1 = win->k1;
                 const float *qg = roped + lead * q_size + win->h * G * D;
+                const int64_t *limits = NULL; /* each query vector's end of keys */
                 if (win->nrows > 1) { /* the group's query vectors side by side */
-                    for (int64_t j = 0; j < win->nrows; j++)
-                        memcpy(window_q + j * G * D,
-                               roped + plan.members[win->row0 + j] * q_size + win->h * G * D,
+                    for (int64_t j = 0; j < win->nrows; j++) {
+                        const int64_t b = plan.members[win->row0 + j];
+                        memcpy(window_q + j * G * D, roped + b * q_size + win->h * G * D,
                                sizeof(float) * (size_t)(G * D));
+                        for (int64_t g = 0; g < G; g++) window_limits[j * G + g] = seq_lens[b];
+                    }
                     qg = window_q;
+                    limits = window_limits;
                 }
                 for (int64_t v = 0; v < ng; v++) window_run[v] = (PdRunning){-INFINITY, 0.0f};
                 memset(window_acc, 0, sizeof(float) * (size_t)(ng * D));
+                const int64_t *table = tables + lead * width; /* every member's, to k1 */
                 if (m->avx512 && D % 16 == 0)
-                    pd_attend_avx512(&pa, qg, ng, tables + lead * width, win->h, k0, k1,
-                                     window_run, window_acc);
+                    pd_attend_avx512(&pa, qg, ng, limits, table, win->h, k0, k1, window_run,
+                                     window_acc);
                 else
-                    pd_attend_avx2(&pa, qg, ng, tables + lead * width, win->h, k0, k1,
-                                   window_run, window_acc);
+                    pd_attend_avx2(&pa, qg, ng, limits, table, win->h, k0, k1, window_run,
+                                   window_acc);
                 for (int64_t j = 0; j < win->nrows; j++)
                     for (int64_t g = 0; g < G; g++) {
                         const int64_t b = plan.members[win->row0 + j], v = j * G + g;
+                        if (seq_lens[b] <= k0) continue; /* a prompt row before this window */
                         float *st = states + ((b * H + win->h * G + g) * plan.max_windows +
                                               win->w) * state_floats;
                         st[0] = window_run[v].m;

@@ -1,12 +1,15 @@
-"""The fused decode step (decode_step.c): the whole decoder stack for a step of decode tokens
-(one to MAX_ROWS rows, each its own sequence), and their logits, in one C call.
+"""The fused step (decode_step.c): the whole decoder stack for a step's rows, and their
+logits, in one C call. A row is one token: a decode token of its own sequence, or one of a
+prompt chunk's tokens (consecutive rows of one sequence); up to MAX_ROWS rows a step.
 
-The model runner takes it for a step whose every row is one token (decode rows) on a model it
-can run: CPU float32, every layer matrix held as GGUF blocks (GGUFBlockLinear), the cpu
-attention backend, the engine option fused_decode on. Anything else (a prefill chunk, more
-than MAX_ROWS rows, other devices or dtypes, dense layers) keeps the unfused path. Both
+The model runner takes it for a step of at most MAX_ROWS tokens, each row drawing at most one
+sample and no prompt logprobs, on a model it can run: CPU float32, every layer matrix held as
+GGUF blocks (GGUFBlockLinear), the cpu attention backend, the engine option fused_decode on
+(with int8_activations: decode rows only, prompts stay float32). Anything else (more tokens,
+forks, prompt logprobs, other devices or dtypes, dense layers) keeps the unfused path. Both
 compute the same float32 operations on the same weights (see decode_step.c), so greedy tokens
-do not change; and a row's numbers in the fused step do not depend on the other rows.
+do not change; and a row's numbers in the fused step do not depend on the other rows of its
+step (see decode_matrix.c's EXACT_MAX_ROWS for the two arithmetics of the products).
 
 Weight pointers, KV cache pointers, strides and the kernels' instruction set (the one the
 layers' own kernels use) are gathered once (FusedDecoder.build); per step only the tokens,
@@ -34,10 +37,10 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 BLOCK_TYPES = (3, 8)  # GGML Q4_1, Q8_0: what decode_step.c multiplies
-# Most rows a step runs fused with. The C step takes any number; past this the unfused path's
-# dense float32 products (oneDNN) reuse each weight across rows better than the block kernels:
-# `python -m benchmarks.decode_batch` measured fused / unfused 1.28x at 8 rows, 0.89x at 16.
-MAX_ROWS = 8
+# Most rows (tokens) a step runs fused with. The C step takes any number; its per-row attention
+# states grow with rows x windows of keys, and the largest prefill steps are as fast through
+# the unfused path's oneDNN products.
+MAX_ROWS = 256
 # The parts decode_step.c times (its enum, in order), as profile labels.
 PARTS = (
     "norms, residuals, block sums",
@@ -116,7 +119,7 @@ def load_kernel() -> ctypes.CDLL | None:
     # model, rows, tokens, tables, table width, lengths, logit rows, their count, hidden,
     # logits, timings
     rows = [ctypes.POINTER(Model), i64, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr]
-    return load_kernel_library(SOURCE, baton_decode_rows=rows)
+    return load_kernel_library(SOURCE, baton_decode_rows=rows, baton_decode_exact_max_rows=[])
 
 
 def _matrix(layer: object) -> Matrix | None:
@@ -291,24 +294,37 @@ class FusedDecoder:
         block_tables: list[list[int]],
         seq_lens: list[int],
         logit_rows: list[int],
+        rows_per_table: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """R rows, each its own sequence: tokens[r] at position seq_lens[r] - 1, its key and
-        value to that position's slot of block_tables[r]. Returns (final hidden [R, E], logits
+        """R rows: tokens[r] at position seq_lens[r] - 1, its key and value to that position's
+        slot of its block table. Each table serves one row, or with rows_per_table, table i
+        the next rows_per_table[i] rows: one sequence's consecutive tokens (a prompt's chunk,
+        seq_lens one after another). Returns (final hidden [R, E], logits
         [len(logit_rows), V] of the rows logit_rows (increasing), or None where the model's
         head is not in blocks or logit_rows is empty); None where the C step refused (nothing
         was written: the caller runs the unfused path)."""
         rows = len(tokens)
-        if not rows or len(block_tables) != rows or len(seq_lens) != rows:
+        counts = [1] * len(block_tables) if rows_per_table is None else rows_per_table
+        if (
+            not rows
+            or sum(counts) != rows
+            or len(counts) != len(block_tables)
+            or len(seq_lens) != rows
+        ):
             raise ValueError(
-                f"{rows} tokens need as many block tables and lengths "
-                f"(got {len(block_tables)}, {len(seq_lens)})"
+                f"{rows} tokens need as many lengths and rows of block tables "
+                f"(got {len(seq_lens)}, {sum(counts)})"
             )
-        for blocks, seq_len in zip(block_tables, seq_lens, strict=True):
-            if len(blocks) * self.block_size < seq_len:
-                raise ValueError(f"{len(blocks)} blocks cannot hold {seq_len} tokens")
+        last = 0
+        for blocks, count in zip(block_tables, counts, strict=True):
+            last += count
+            if len(blocks) * self.block_size < seq_lens[last - 1]:
+                raise ValueError(f"{len(blocks)} blocks cannot hold {seq_lens[last - 1]} tokens")
         width = max(len(blocks) for blocks in block_tables)
         padded = [b for blocks in block_tables for b in (*blocks, *[0] * (width - len(blocks)))]
-        table = torch.tensor(padded, dtype=torch.int64)  # [R, width]
+        table = torch.tensor(padded, dtype=torch.int64).view(len(block_tables), width)
+        if rows_per_table is not None:  # [R, width]: each row its sequence's table
+            table = table.repeat_interleave(torch.tensor(counts), dim=0)
         ints = torch.tensor([*tokens, *seq_lens, *logit_rows], dtype=torch.int64)
         heads = len(logit_rows) if self.has_head else 0
         hidden = torch.empty(rows, self.hidden_size, dtype=torch.float32)

@@ -13,7 +13,9 @@
  * Build: cc -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp -shared -fPIC.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "../simd_math.h"
@@ -130,6 +132,107 @@ int baton_gguf_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
         for (int64_t m0 = 0; m0 < M; m0 += TILE_M)
             row_rows_avx2(w + n * nb * block_bytes, type, K, x + m0 * K, xsum + m0 * nb,
                           M - m0 < TILE_M ? (int)(M - m0) : TILE_M, y + m0 * N + n, N);
+    return 0;
+}
+
+/* ---- many rows: weights rebuilt into a float32 panel ----------------------------------------
+ * Past a few rows, unpacking every block again for each tile of TILE_M rows costs more than
+ * the products themselves. Here PANEL_N weight rows are rebuilt once into a panel (w = d q + m
+ * or q d, exactly the checkpoint's float32 weights: rebuild_q4_1 / rebuild_q8_0), which stays
+ * in L1 while tiles of PANEL_TM input rows pass it: PANEL_TM x PANEL_N running sums in
+ * registers, PANEL_TM + PANEL_N loads per PANEL_TM x PANEL_N multiply-adds. Input rows go in
+ * blocks of PANEL_MB, so that a block stays in L2 while every panel passes it.
+ *
+ * Per output element: eight lane sums over k (lane j takes k = j mod 8, in order of k, fused
+ * multiply-adds), then hsum. That is the same whichever tile, block or thread computes the
+ * element, so a row's result does not depend on the other rows of the product; it is a dense
+ * float32 product of the same weights, summed in another order than row_tile_avx2 (which
+ * factors d and m out of each block). */
+#define PANEL_N 4   /* weight rows per panel */
+#define PANEL_TM 3  /* input rows per tile: 3 x 4 sums + 3 x loads + 1 w load = 16 registers */
+#define PANEL_MB 96 /* input rows per block (a multiple of PANEL_TM) */
+
+/* Rows [n0, n0 + count) of W (count <= PANEL_N) rebuilt into panel [PANEL_N, K]; the rows past
+ * count repeat the last one (their sums are computed and dropped). */
+static inline void panel_rebuild(const uint8_t *w, int32_t type, int64_t K, int64_t n0, int count,
+                                 float *panel) {
+    const int64_t block_bytes = type == 3 ? 20 : 34, nb = K / QK;
+    for (int r = 0; r < PANEL_N; r++) {
+        const uint8_t *row = w + (n0 + (r < count ? r : count - 1)) * nb * block_bytes;
+        float *out = panel + r * K;
+        for (int64_t b = 0; b < nb; b++) {
+            __m256 v[4];
+            if (type == 3) rebuild_q4_1(row + b * block_bytes, v);
+            else rebuild_q8_0(row + b * block_bytes, v);
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + b * QK + 8 * j, v[j]);
+        }
+    }
+}
+
+/* y[i * ys + r] = (panel row r) . (x row i) (+ bias[r]), i < TM, r < count (x [TM, K]). TM is
+ * a constant where it is inlined (panel_rows switches on it), so the sums are registers. */
+static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t K,
+                                                             const float *panel, const int TM,
+                                                             int count, const float *bias,
+                                                             float *y, int64_t ys) {
+    __m256 acc[PANEL_TM][PANEL_N];
+    for (int i = 0; i < TM; i++)
+        for (int r = 0; r < PANEL_N; r++) acc[i][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 xv[PANEL_TM];
+        for (int i = 0; i < TM; i++) xv[i] = _mm256_loadu_ps(x + i * K + k);
+        for (int r = 0; r < PANEL_N; r++) {
+            const __m256 wv = _mm256_loadu_ps(panel + r * K + k);
+            for (int i = 0; i < TM; i++) acc[i][r] = _mm256_fmadd_ps(xv[i], wv, acc[i][r]);
+        }
+    }
+    for (int i = 0; i < TM; i++)
+        for (int r = 0; r < count; r++)
+            y[i * ys + r] = bias == NULL ? hsum(acc[i][r]) : hsum(acc[i][r]) + bias[r];
+}
+
+/* The panel times input rows [0, M) of x [M, K] (+ bias [count] or NULL): y[i * ys + r],
+ * r < count. */
+static void panel_rows(const float *x, int64_t M, int64_t K, const float *panel, int count,
+                       const float *bias, float *y, int64_t ys) {
+    int64_t i = 0;
+    for (; i + PANEL_TM <= M; i += PANEL_TM)
+        panel_tile(x + i * K, K, panel, PANEL_TM, count, bias, y + i * ys, ys);
+    if (M - i == 2) panel_tile(x + i * K, K, panel, 2, count, bias, y + i * ys, ys);
+    else if (M - i == 1) panel_tile(x + i * K, K, panel, 1, count, bias, y + i * ys, ys);
+}
+
+/* y[M, N] = x[M, K] W^T (+ bias [N] or NULL) by panels (the arithmetic above), panels shared
+ * out among the threads. panel: PANEL_N * K floats of this thread's own. Call from inside a
+ * parallel region with `omp for` semantics: every thread of the team calls it; it ends with a
+ * barrier. */
+static void panel_product_for(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                              int32_t type, const float *bias, float *panel, float *y) {
+    const int64_t groups = (N + PANEL_N - 1) / PANEL_N;
+    for (int64_t m0 = 0; m0 < M; m0 += PANEL_MB) {
+        const int64_t mb = M - m0 < PANEL_MB ? M - m0 : PANEL_MB;
+#pragma omp for schedule(guided, 4)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t n0 = g * PANEL_N;
+            const int count = N - n0 < PANEL_N ? (int)(N - n0) : PANEL_N;
+            panel_rebuild(w, type, K, n0, count, panel);
+            panel_rows(x + m0 * K, mb, K, panel, count, bias == NULL ? NULL : bias + n0,
+                       y + m0 * N + n0, N);
+        }
+    }
+}
+
+/* y[M, N] = x[M, K] W^T by panels (panel_product_for): products of many rows. Returns 0, -1
+ * for an unknown block type or K not a multiple of 32, -2 when scratch memory failed. */
+int baton_gguf_gemm_panel(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                          int32_t type, float *y) {
+    if ((type != 3 && type != 8) || K % QK != 0 || K <= 0) return -1;
+    const int threads = omp_get_max_threads();
+    float *panels = malloc(sizeof(float) * (size_t)(threads * PANEL_N * K));
+    if (panels == NULL) return -2;
+#pragma omp parallel num_threads(threads)
+    panel_product_for(x, M, K, w, N, type, NULL, panels + omp_get_thread_num() * PANEL_N * K, y);
+    free(panels);
     return 0;
 }
 

@@ -41,13 +41,14 @@ def engine_pair(quantized_llama):
 
 def spy_steps(runner, monkeypatch) -> list[int | tuple[int, ...]]:
     """Records every fused step the runner takes: the sequence length of a one-row step, the
-    tuple of its rows' sequence lengths for a step of several rows."""
+    tuple of its rows' sequence lengths for a step of several rows (a prompt's chunk: one row
+    per token)."""
     calls: list[int | tuple[int, ...]] = []
     original = runner.fused.step_rows
 
-    def step_rows(tokens, block_tables, seq_lens, logit_rows):
+    def step_rows(tokens, block_tables, seq_lens, logit_rows, rows_per_table=None):
         calls.append(seq_lens[0] if len(seq_lens) == 1 else tuple(seq_lens))
-        return original(tokens, block_tables, seq_lens, logit_rows)
+        return original(tokens, block_tables, seq_lens, logit_rows, rows_per_table)
 
     monkeypatch.setattr(runner.fused, "step_rows", step_rows)
     return calls
@@ -147,33 +148,39 @@ def test_greedy_tokens_equal_unfused_and_transformers(
     calls = spy_steps(fused.engine.runner, monkeypatch)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     hf = hf_models(str(quantized_llama))
-    for prompt in random_prompts([1, 5, 9, 17], seed=41, vocab=VOCAB):
+    for prompt in random_prompts([1, 5, 9, 17, 150], seed=41, vocab=VOCAB):
         calls.clear()
         ours = fused.generate([prompt], params)[0].token_ids
-        # every step after the prompt's one prefill step is a fused decode step (a one-token
-        # prompt's own step too)
-        first = len(prompt) + 1 if len(prompt) > 1 else 1
-        assert calls == list(range(first, len(prompt) + 12))
+        # the prompt's step (one row per token) and every decode step run fused
+        prompt_step = tuple(range(1, len(prompt) + 1)) if len(prompt) > 1 else 1
+        assert calls == [prompt_step, *range(len(prompt) + 1, len(prompt) + 12)]
         assert ours == unfused.generate([prompt], params)[0].token_ids
         assert ours == hf_greedy(hf, prompt, 12)
-        # again: the prompt's full blocks now come from the prefix cache
+        # again: the prompt's full blocks now come from the prefix cache; the rest is computed
+        calls.clear()
         assert fused.generate([prompt], params)[0].token_ids == ours
+        cached = (len(prompt) - 1) // 4 * 4
+        rest = tuple(range(cached + 1, len(prompt) + 1))
+        assert calls[0] == (rest if len(rest) > 1 else rest[0])
 
 
-def test_decode_steps_of_several_requests_run_fused_and_prefills_do_not(engine_pair, monkeypatch):
+def test_prompts_and_decodes_of_several_requests_run_fused(engine_pair, monkeypatch):
     fused, unfused = engine_pair
     calls = spy_steps(fused.engine.runner, monkeypatch)
     prompts = random_prompts([6, 6], seed=42, vocab=VOCAB)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     ours = [o.token_ids for o in fused.generate(prompts, params)]
-    # the prefill step of both prompts is unfused; each later step decodes both in one C call
-    assert calls == [(7, 7), (8, 8), (9, 9), (10, 10)]
+    # both prompts in one C call (a row per token), then each step decodes both
+    both_prompts = (*range(1, 7), *range(1, 7))
+    assert calls == [both_prompts, (7, 7), (8, 8), (9, 9), (10, 10)]
     assert ours == [o.token_ids for o in unfused.generate(prompts, params)]
     # a longer request finishes alone: its last steps are one-row steps
     params_each = [params, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)]
     calls.clear()
     ours = [o.token_ids for o in fused.generate(prompts, params_each)]
-    assert calls == [(7, 7), (8, 8), (9, 9), (10, 10), 11, 12, 13]
+    # the prompts' last blocks are computed again (their first full block is cached)
+    rest = (5, 6, 5, 6)
+    assert calls == [rest, (7, 7), (8, 8), (9, 9), (10, 10), 11, 12, 13]
     assert ours == [o.token_ids for o in unfused.generate(prompts, params_each)]
 
 
@@ -256,4 +263,4 @@ def test_a_head_without_blocks_gets_its_logits_from_torch(engine_pair, monkeypat
     assert fused.generate([prompt], params)[0].token_ids == (
         unfused.generate([prompt], params)[0].token_ids
     )
-    assert calls == [7, 8, 9, 10, 11]
+    assert calls == [tuple(range(1, 7)), 7, 8, 9, 10, 11]
