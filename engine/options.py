@@ -160,10 +160,11 @@ class EngineOptions:
     )
     fused_decode: bool = option(
         True,
-        "CPU float32 with GGUF blocks: a step whose rows are all decode tokens (1 to 32 "
-        "requests) runs the whole decoder stack and the logits in one C call, each weight "
-        "read once per step (the same arithmetic, per row, whatever the batch); off: the "
-        "per-operation path for every step (A/B runs)",
+        "CPU float32 with GGUF blocks: a step of up to 256 tokens (decode rows and prompt "
+        "chunks; with int8_activations decode rows only) runs the whole decoder stack and "
+        "the logits in one C call, each weight read once per step (a row's numbers do not "
+        "depend on the other rows of its step); off: the per-operation path for every step "
+        "(A/B runs)",
     )
     gguf_isa: str = option(
         "auto",

@@ -6,8 +6,8 @@
  *             out[b, h G + g] = sum_t softmax(s[g])_t * V[h, blk(t), t % bs]
  * with blk(t) = block_tables[b, t / bs].
  *
- * One pass with an online softmax: keys come 8 at a time (a chunk); per query head the chunk's
- * scores update a running max m, the sum l of e^(s - m) and the unnormalized output
+ * One pass with an online softmax: keys come 32 at a time (AVX2; AVX-512: 8); per query head
+ * their scores update a running max m, the sum l of e^(s - m) and the unnormalized output
  * acc = sum e^(s - m) V (both rescaled by e^(m_old - m_new) when the max grows). Each key and
  * value row is read from memory once and used while it is in L1.
  *
@@ -171,13 +171,16 @@ static inline void pd_chunk_keys(const int64_t *limits, int64_t group, int64_t t
 }
 
 /* ---- AVX2: keys [t0, t1) of task (b, h) into run and acc [G, D] -----------------------------
- * The body is inlined with d a constant where the caller knows it (64, 128), so that the
- * register tiles below are registers, not stack arrays. PdRows past n in a chunk repeat the last
- * row with weight 0: every loop over the chunk has a constant trip count. Query vectors go
- * three at a time through the scores (3 x 4 keys: 12 sums in registers share each load) and
- * two at a time through the output update (2 x 32 lanes); each sum is the same chain of
- * fused multiply-adds whichever tile it is in, so a query vector's numbers do not depend on
- * the others passing the keys with it. */
+ * Keys come PD_SPAN (32) at a time: the scores of a span, then one online-softmax update per
+ * query vector (a running max, sum and rescale per 32 keys rather than per 8), then the
+ * output update. The body is inlined with d a constant where the caller knows it (64, 128),
+ * so that the register tiles below are registers, not stack arrays. Rows past n in a span
+ * repeat the last row with weight 0: every loop over the span has a constant trip count.
+ * Query vectors go three at a time through the scores (3 x 4 keys: 12 sums in registers
+ * share each load) and two at a time through the output update (2 x 32 lanes); each sum is
+ * the same chain of fused multiply-adds whichever tile it is in, so a query vector's numbers
+ * do not depend on the others passing the keys with it. A span starts every 32 keys from
+ * the pass's first key (a window of 128 keys: at fixed places). */
 
 /* s[q] = scale * (qv[q] . k[j]) for the chunk's 8 keys j, q < NQ (<= 3): per key, 8 lane sums
  * over d in order, then hsum8. */
@@ -204,23 +207,79 @@ static inline __attribute__((always_inline)) void pd_scores_avx2(const float *qv
     for (int q = 0; q < NQ; q++) s[q] = _mm256_mul_ps(hsum8(dots[q]), scale);
 }
 
-/* o[q] = o[q] * rescale[q] + sum_j p[q, j] V[j] for q < NQ (<= 2), 32 lanes at a time (8 at a
- * time for the last d % 32): per lane the multiply, then the 8 fused multiply-adds in key
- * order. */
-static inline __attribute__((always_inline)) void pd_values_avx2(float *o, const int NQ,
-                                                                 const float (*p)[PD_CHUNK],
+#define PD_SPAN 32 /* keys per online-softmax update (AVX2) */
+
+/* k[j], j < PD_SPAN: the next n rows' keys (past n: the last row again); v likewise. */
+static inline void pd_next_span(PdRows *r, int64_t n, const float **k, const float **v) {
+    for (int c = 0; c < PD_SPAN; c += PD_CHUNK) {
+        const int64_t left = n - c;
+        if (left > 0) {
+            pd_next_rows(r, left < PD_CHUNK ? left : PD_CHUNK, k + c, v + c);
+        } else {
+            for (int j = 0; j < PD_CHUNK; j++) {
+                k[c + j] = k[c - 1];
+                v[c + j] = v[c - 1];
+            }
+        }
+    }
+}
+
+/* pd_online_softmax over a span: s[g] holds the span's 32 scores (4 vectors); lanes >= n[g]
+ * are ignored, and a query vector with n[g] = 0 keeps its run (weights 0, rescale 1). The
+ * span's weights are summed lane-wise over its 4 vectors, then across lanes. */
+static inline void pd_online_softmax_span(__m256 (*s)[PD_SPAN / 8], int64_t group,
+                                          const int64_t *n, PdRunning *run, float (*p)[PD_SPAN],
+                                          float *rescale) {
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t g = 0; g < group; g++) {
+        if (n[g] == 0) {
+            rescale[g] = 1.0f;
+            for (int c = 0; c < PD_SPAN; c += 8) _mm256_storeu_ps(p[g] + c, _mm256_setzero_ps());
+            continue;
+        }
+        __m256 valid[PD_SPAN / 8], sg[PD_SPAN / 8];
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        for (int c = 0; c < PD_SPAN / 8; c++) {
+            valid[c] = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)(8 * c))),
+                                     _mm256_set1_ps((float)n[g]), _CMP_LT_OQ);
+            sg[c] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[g][c], valid[c]);
+            mx = _mm256_max_ps(mx, sg[c]);
+        }
+        const float m_new = fmaxf(run[g].m, pd_hmax(mx));
+        rescale[g] = 1.0f;
+        if (m_new > run[g].m) {
+            rescale[g] = run[g].m == -INFINITY ? 0.0f : expf(run[g].m - m_new);
+            run[g].l *= rescale[g];
+            run[g].m = m_new;
+        }
+        const __m256 m = _mm256_set1_ps(m_new);
+        __m256 total = _mm256_setzero_ps();
+        for (int c = 0; c < PD_SPAN / 8; c++) {
+            const __m256 pc = _mm256_and_ps(exp_ps(_mm256_sub_ps(sg[c], m)), valid[c]);
+            total = _mm256_add_ps(total, pc);
+            _mm256_storeu_ps(p[g] + 8 * c, pc);
+        }
+        run[g].l += hsum(total);
+    }
+}
+
+/* o[q] = o[q] * rescale[q] + sum_j p[q, j] V[j] for q < NQ (<= 2) over the span's keys, 32
+ * lanes at a time (8 at a time for the last d % 32): per lane the multiply, then the fused
+ * multiply-adds in key order. */
+static inline __attribute__((always_inline)) void pd_values_span_avx2(float *o, const int NQ,
+                                                                 const float (*p)[PD_SPAN],
                                                                  const float *rescale,
                                                                  const float *const *v,
                                                                  const int64_t d) {
     for (int64_t i0 = 0; i0 < d; i0 += 32) {
-        const int lanes = d - i0 >= 32 ? 4 : (int)((d - i0) / 8); /* vectors of 8 */
+        const int lanes = d - i0 >= 32 ? 4 : (int)((d - i0) / 8);
         __m256 sum[2][4];
         for (int q = 0; q < NQ; q++) {
             const __m256 r = _mm256_set1_ps(rescale[q]);
             for (int w = 0; w < lanes; w++)
                 sum[q][w] = _mm256_mul_ps(_mm256_loadu_ps(o + q * d + i0 + 8 * w), r);
         }
-        for (int j = 0; j < PD_CHUNK; j++) {
+        for (int j = 0; j < PD_SPAN; j++) {
             __m256 val[4];
             for (int w = 0; w < lanes; w++) val[w] = _mm256_loadu_ps(v[j] + i0 + 8 * w);
             for (int q = 0; q < NQ; q++) {
@@ -238,22 +297,31 @@ static inline __attribute__((always_inline)) void pd_attend_avx2_body(
     int64_t h, int64_t t0, int64_t t1, PdRunning *run, float *acc, const int64_t d) {
     const __m256 scale = _mm256_set1_ps(a->scale);
     PdRows rows = pd_rows_from(a, table, h, t0, t1);
-    for (int64_t t = t0; t < t1; t += PD_CHUNK) {
-        const int64_t n = t1 - t < PD_CHUNK ? t1 - t : PD_CHUNK;
-        const float *k[PD_CHUNK], *v[PD_CHUNK];
-        pd_next_rows(&rows, n, k, v);
+    for (int64_t t = t0; t < t1; t += PD_SPAN) {
+        const int64_t n = t1 - t < PD_SPAN ? t1 - t : PD_SPAN;
+        const float *k[PD_SPAN], *v[PD_SPAN];
+        pd_next_span(&rows, n, k, v);
         int64_t nv[MAX_NG];
         pd_chunk_keys(limits, group, t, n, nv);
-        __m256 s[MAX_NG];
+        __m256 s[MAX_NG][PD_SPAN / 8];
+        for (int c = 0; c < PD_SPAN / 8; c++) {
+            if (8 * c >= n) { /* past the pass's keys: weights 0 whatever the scores */
+                for (int64_t g = 0; g < group; g++) s[g][c] = _mm256_setzero_ps();
+                continue;
+            }
+            __m256 sc[MAX_NG];
+            int64_t g = 0;
+            for (; g + 3 <= group; g += 3) pd_scores_avx2(qg + g * d, 3, k + 8 * c, d, scale, sc + g);
+            if (group - g == 2) pd_scores_avx2(qg + g * d, 2, k + 8 * c, d, scale, sc + g);
+            else if (group - g == 1) pd_scores_avx2(qg + g * d, 1, k + 8 * c, d, scale, sc + g);
+            for (g = 0; g < group; g++) s[g][c] = sc[g];
+        }
+        float p[MAX_NG][PD_SPAN], rescale[MAX_NG];
+        pd_online_softmax_span(s, group, nv, run, p, rescale);
         int64_t g = 0;
-        for (; g + 3 <= group; g += 3) pd_scores_avx2(qg + g * d, 3, k, d, scale, s + g);
-        if (group - g == 2) pd_scores_avx2(qg + g * d, 2, k, d, scale, s + g);
-        else if (group - g == 1) pd_scores_avx2(qg + g * d, 1, k, d, scale, s + g);
-        float p[MAX_NG][PD_CHUNK], rescale[MAX_NG];
-        pd_online_softmax(s, group, nv, run, p, rescale);
-        for (g = 0; g + 2 <= group; g += 2)
-            pd_values_avx2(acc + g * d, 2, p + g, rescale + g, v, d);
-        if (g < group) pd_values_avx2(acc + g * d, 1, p + g, rescale + g, v, d);
+        for (; g + 2 <= group; g += 2)
+            pd_values_span_avx2(acc + g * d, 2, p + g, rescale + g, v, d);
+        if (g < group) pd_values_span_avx2(acc + g * d, 1, p + g, rescale + g, v, d);
     }
 }
 

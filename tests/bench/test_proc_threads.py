@@ -81,8 +81,11 @@ def test_this_process_threads_by_their_python_names():
     comm = {t.tid: t.name for t in threads}
     assert comm[worker.native_id] == "kv-recv-prefill"  # the OS keeps 15 bytes
     assert comm[os.getpid()] == Path(f"/proc/{os.getpid()}/comm").read_text().strip()
-    # the total is in 10 ms ticks, each thread's time in ns, read one after another: the
-    # total may fall short of their sum by up to a tick per thread
-    assert total >= sum(t.cpu_s for t in threads) - 0.01 * (len(threads) + 2)
+    # the total is in 10 ms ticks the kernel samples, each thread's time in exact ns from
+    # schedstat, read one after another: on a busy (or virtual) machine the sampled total
+    # may fall short of their sum by a tick per thread and a few percent (threads that
+    # exited count in the total only, so it has no upper bound here)
+    exact = sum(t.cpu_s for t in threads)
+    assert total >= exact * 0.95 - 0.01 * (len(threads) + 2)
     with pytest.raises(ProcessLookupError):
         read_process(2**22 + 1)  # above Linux's pid_max

@@ -272,7 +272,9 @@ def test_errors_have_openai_shape_and_status_and_server_keeps_serving(
         assert param_or_code in (error["param"], error["code"])
     if param_or_code and status == 400 and param_or_code == error["param"]:
         assert param_or_code in error["message"]  # the sentence names the field
-    ok = httpx.post(url + "/v1/completions", json={**GOOD, "ignore_eos": True}, headers=AUTH)
+    ok = httpx.post(
+        url + "/v1/completions", json={**GOOD, "ignore_eos": True}, headers=AUTH, timeout=60
+    )
     assert ok.json()["choices"][0]["finish_reason"] == "length"
     for w in workers:
         w.check_integrity()
