@@ -27,7 +27,7 @@ from engine.request_outputs import RequestOutputs, finished_last
 from engine.retention import Retention
 from engine.sampler import SampleRequest, choice_seed
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import CPU_PREFILL_BATCH_TOKENS, Scheduler, SchedulerConfig
 from engine.step_model import find_step_model, profile_key
 from engine.step_phases import StepPhases, TokenTimes
 from engine.tokenizer import eos_token_ids, load_tokenizer
@@ -90,6 +90,7 @@ class LLMEngine(DisaggregationHooks, BlockExchangeHooks, RequestOutputs):
                 self.config.max_num_batched_tokens,
                 self.config.chunk_size,
                 self.config.max_num_seqs,
+                self._prefill_batch_tokens(),
             ),
             self.kv,
             self._chunk_budget(),
@@ -121,6 +122,13 @@ class LLMEngine(DisaggregationHooks, BlockExchangeHooks, RequestOutputs):
 
     def _constrained(self, request_id: str) -> bool:
         return self._grammar is not None and self._grammar.is_constrained(request_id)
+
+    def _prefill_batch_tokens(self) -> int | None:
+        """The configured limit, else the device's: on CPU a step of a few dozen rows is
+        compute-bound already."""
+        if self.config.prefill_batch_tokens is not None:
+            return self.config.prefill_batch_tokens
+        return CPU_PREFILL_BATCH_TOKENS if self.runner.device.type == "cpu" else None
 
     def _chunk_budget(self) -> ChunkBudget | None:
         """Dynamic chunking's budget (engine/chunk_budget.py): itl_target_ms when set, else

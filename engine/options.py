@@ -92,6 +92,14 @@ class EngineOptions:
     kv_cache_memory_gb: float = option(2.0, "KV budget in GiB when num_kv_blocks is not set", gt=0)
     chunk_size: int = option(1024, "most prefill tokens one request gets in a step", ge=1)
     max_num_batched_tokens: int = option(2048, "all tokens (prefill + decode) in one step", ge=1)
+    prefill_batch_tokens: int | None = option(
+        None,
+        "once a step carries this many prompt tokens no other prompt joins it (one prompt's "
+        "chunk still takes up to chunk_size; the next prompt gets at most what is left): "
+        "batching prompts past a compute-bound step only holds back the earlier prompts' first "
+        "tokens. Default: 32 on CPU, no limit on CUDA",
+        ge=1,
+    )
     max_num_seqs: int = option(128, "most running requests per engine", ge=1)
     max_n: int = option(8, "most choices (sampling n) one request may ask for", ge=1)
     max_model_len: int | None = option(

@@ -2,7 +2,10 @@
 
 Each step: running requests first (decodes, then unfinished prefills, in admission order),
 then waiting requests in arrival order. A request gets min(remaining, chunk_size, budget)
-tokens; decodes get one. With a ChunkBudget (itl_target_ms) a prefill chunk instead gets what
+tokens; decodes get one. Once a step carries prompt tokens, another prompt's chunk gets at most
+what is left of prefill_batch_tokens: where a step of that many rows is already compute-bound,
+batching more prompts would only hold back the first tokens of the earlier ones, and prompts
+that arrive together (a closed-loop client's streams) would stay in lock-step. With a ChunkBudget (itl_target_ms) a prefill chunk instead gets what
 the budget grants within min(remaining, budget): chunk_size no longer applies. When blocks run
 out the newest running request is preempted (blocks freed, requeued at the front for recompute).
 """
@@ -20,6 +23,8 @@ from engine.request import Request, RequestStatus
 if TYPE_CHECKING:
     from engine.kv_tier.connector import TierConnector
 
+CPU_PREFILL_BATCH_TOKENS = 32  # prefill_batch_tokens on CPU unless set (benchmarks/prefill_batching.py)
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -28,6 +33,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     chunk_size: int
     max_num_seqs: int
+    prefill_batch_tokens: int | None = None  # None: prompts batch up to the token budget
 
 
 @dataclass(slots=True)
@@ -136,22 +142,33 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for req in decodes + prefills:
+        prompt_tokens = 0  # of prefill chunks in this step
+        for req, is_prompt in [(r, False) for r in decodes] + [(r, True) for r in prefills]:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = self._chunk(req, budget, out.plan)
+            room = min(budget, self._prompt_room(prompt_tokens)) if is_prompt else budget
+            n = self._chunk(req, room, out.plan)
             if n <= 0:
                 continue
             if not self._allocate_or_preempt(req, n, out):
                 continue
             budget -= n
+            prompt_tokens += n if is_prompt else 0
             out.requests.append(req)
             out.num_tokens[req.request_id] = n
         # Budget given back by preempted requests stays unused by running ones this step.
         budget = self.config.max_num_batched_tokens - out.total_tokens
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, prompt_tokens)
         return out
+
+    def _prompt_room(self, prompt_tokens: int) -> int:
+        """Most tokens the next prompt chunk may get in a step that already carries
+        `prompt_tokens` prompt tokens."""
+        limit = self.config.prefill_batch_tokens
+        if limit is None or prompt_tokens == 0:
+            return self.config.max_num_batched_tokens
+        return max(0, limit - prompt_tokens)
 
     def _chunk(self, req: Request, budget: int, plan: StepPlan | None) -> int:
         """Tokens `req` gets this step (a decode: 1; a prefill: up to chunk_size, or what the
@@ -191,7 +208,7 @@ class Scheduler:
         self.waiting.appendleft(req)
         out.preempted.append(req.request_id)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, prompt_tokens: int) -> None:
         # A request with n choices takes n seats: the n - 1 forks join the running batch at
         # its first sample. A request loading its prefix from the KV tier holds its seat.
         seats = (
@@ -212,7 +229,7 @@ class Scheduler:
                 seats += 1 + req.num_pending_forks
                 continue  # loading; too few free blocks for its tier hits: computed as without
             req.num_computed_tokens = len(hits) * self.kv.block_size
-            n = self._chunk(req, budget, out.plan)
+            n = self._chunk(req, min(budget, self._prompt_room(prompt_tokens)), out.plan)
             if n <= 0 or not self.kv.allocate_slots(req, n, hits):
                 req.num_computed_tokens = 0
                 break
@@ -224,6 +241,7 @@ class Scheduler:
             out.requests.append(req)
             out.num_tokens[req.request_id] = n
             budget -= n
+            prompt_tokens += n
             seats += 1 + req.num_pending_forks
 
     # ---- a KV tier below the cache (engine/kv_tier/connector.py) ----------------------------

@@ -41,6 +41,7 @@ WORKER_FIELDS = (
     "chunk_size",
     "max_num_batched_tokens",
     "max_num_seqs",
+    "prefill_batch_tokens",
     "itl_target_ms",
     "decode_stretch",
     "enable_prefix_caching",
@@ -62,6 +63,12 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, help="KV capacity of each worker in blocks")
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument(
+        "--prefill-batch-tokens",
+        type=int,
+        help="no other prompt joins a step carrying this many prompt tokens (default: the "
+        "engine's for the profile's device: 32 on CPU, no limit on CUDA)",
+    )
     p.add_argument("--profile", default=str(DEFAULT_PROFILE), help="step profile JSON")
     p.add_argument(
         "--kv-bandwidth-gbps",

@@ -1,7 +1,7 @@
 """A simulated worker: the real BlockPool (prefix cache, LRU eviction, KV events) and the
 scheduler's budgets (engine/scheduler.py: decodes, then running prefills, then waiting prompts
 in order; chunk_size, or a ChunkBudget for itl_target_ms or decode_stretch; max_num_batched_tokens,
-max_num_seqs), with each step's duration predicted by the step profile.
+prefill_batch_tokens, max_num_seqs), with each step's duration predicted by the step profile.
 
 Differences from the engine, kept on purpose (simpler, and no effect without memory pressure):
 a job reserves all its blocks when admitted (prompt + max_tokens for a decoding job, the
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
 from engine.chunk_budget import ChunkBudget, DecodeStretchBudget
+from engine.scheduler import CPU_PREFILL_BATCH_TOKENS
 from engine.step_model import StepModel, StepShape
 from perf.sim.events import EventLoop
 from perf.sim.request import DECODE, PREFILL, Job
@@ -30,6 +31,7 @@ class WorkerConfig:
     chunk_size: int = 1024
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
+    prefill_batch_tokens: int | None = None  # None: the engine's default for the profile's device
     itl_target_ms: float | None = None
     decode_stretch: float = 0.0
     enable_prefix_caching: bool = True
@@ -52,6 +54,9 @@ class SimWorker:
         self.loop = loop
         self.cluster = cluster
         self.pool = BlockPool(config.num_kv_blocks, config.enable_prefix_caching)
+        self.prefill_batch_tokens = config.prefill_batch_tokens
+        if self.prefill_batch_tokens is None and model.key.get("device", "cpu") == "cpu":
+            self.prefill_batch_tokens = CPU_PREFILL_BATCH_TOKENS
         self.budget: ChunkBudget | None = None
         if config.itl_target_ms:
             self.budget = ChunkBudget(model, config.itl_target_ms / 1000.0, config.block_size)
@@ -172,17 +177,25 @@ class SimWorker:
         shape = [0, 0, 0, 0, 0, 0]
         decodes = [j for j in self.running if j.num_tokens - j.num_computed == 1]
         prefills = [j for j in self.running if j.num_tokens - j.num_computed > 1]
-        for job in decodes + prefills:
+        prompt_tokens = 0
+        for job in decodes:
             n = self._chunk(job, budget, plan, shape, running=True)
             if n > 0:
                 budget -= n
                 rows.append((job, n))
+        for job in prefills:
+            n = self._chunk(job, min(budget, self._prompt_room(prompt_tokens)), plan, shape, True)
+            if n > 0:
+                budget -= n
+                prompt_tokens += n
+                rows.append((job, n))
         while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
             job = self.waiting[0]
-            if not self._take_blocks(job):
+            room = min(budget, self._prompt_room(prompt_tokens))
+            if room <= 0 or not self._take_blocks(job):
                 break
-            n = self._chunk(job, budget, plan, shape, running=False)
-            if n <= 0:  # cannot happen while budget > 0; keep the blocks' accounting exact
+            n = self._chunk(job, room, plan, shape, running=False)
+            if n <= 0:  # keep the blocks' accounting exact
                 self.release(job)
                 break
             if job.mode != DECODE:
@@ -191,6 +204,7 @@ class SimWorker:
             self.running.append(job)
             rows.append((job, n))
             budget -= n
+            prompt_tokens += n
         self._publish()
         if not rows:  # everything waits for blocks: idle until some are freed
             self._set_busy(False)
@@ -205,6 +219,12 @@ class SimWorker:
         self.steps += 1
         self.busy_s += seconds
         self.loop.at(self.loop.now + seconds, self._step_done, rows)
+
+    def _prompt_room(self, prompt_tokens: int) -> int:
+        """engine/scheduler.py's Scheduler._prompt_room."""
+        if self.prefill_batch_tokens is None or prompt_tokens == 0:
+            return self.config.max_num_batched_tokens
+        return max(0, self.prefill_batch_tokens - prompt_tokens)
 
     def _set_busy(self, busy: bool) -> None:
         """Mark this worker computing (a step in flight or about to start) or idle; the

@@ -173,7 +173,12 @@ def test_engine_with_a_target_keeps_greedy_outputs(tiny_llama):
     outputs = []
     for options in ({}, {"itl_target_ms": 1e-3}):
         engine = LLMEngine(
-            tiny_llama, skip_tokenizer_init=True, block_size=8, num_kv_blocks=256, **options
+            tiny_llama,
+            skip_tokenizer_init=True,
+            block_size=8,
+            num_kv_blocks=256,
+            prefill_batch_tokens=2048,  # the three prompts may share a step
+            **options,
         )
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, GREEDY)

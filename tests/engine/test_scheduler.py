@@ -24,10 +24,11 @@ def make_scheduler(
     budget: int = 64,
     chunk: int = 16,
     max_seqs: int = 16,
+    prefill_batch: int | None = None,
 ) -> Scheduler:
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, block_size, "scheduler-test")
-    return Scheduler(SchedulerConfig(budget, chunk, max_seqs), kv)
+    return Scheduler(SchedulerConfig(budget, chunk, max_seqs, prefill_batch), kv)
 
 
 def step(sched: Scheduler) -> tuple[SchedulerOutput, list[str]]:
@@ -135,6 +136,40 @@ def test_budget_caps_a_prefill_behind_decodes():
     assert step(sched)[0].num_tokens == {"X1": 1, "X2": 1, "X3": 1, "B": 3}
     sched.finish(sched.requests["X1"], RequestStatus.FINISHED_STOPPED)
     assert step(sched)[0].num_tokens == {"X2": 1, "X3": 1, "B": 4}
+
+
+def test_prompts_arriving_together_are_prefilled_one_after_another():
+    # prefill_batch 8: once a step carries 8 prompt tokens no other prompt joins; the next
+    # prompt gets what is left of the 8. Decodes are not counted.
+    sched = make_scheduler(budget=64, chunk=16, prefill_batch=8)
+    for i, rid in enumerate(("A", "B", "C")):
+        sched.add(make_request(rid, range(100 * i, 100 * i + 10), max_tokens=3))
+    trace = [step(sched) for _ in range(5)]
+    assert [(out.num_tokens, sampled) for out, sampled in trace] == [
+        ({"A": 10}, ["A"]),  # the first prompt is not held back: its whole chunk
+        ({"A": 1, "B": 10}, ["A", "B"]),  # its first token comes one step before B's
+        ({"A": 1, "B": 1, "C": 10}, ["A", "B", "C"]),
+        ({"B": 1, "C": 1}, ["B", "C"]),
+        ({"C": 1}, ["C"]),
+    ]
+    sched.add(make_request("D", range(20, 26), max_tokens=1))
+    sched.add(make_request("E", range(30, 50), max_tokens=1))
+    sched.add(make_request("F", range(60, 70), max_tokens=1))
+    # short prompts share a step up to the limit: D (6) and 2 of E; then E's chunk of 16
+    # (a running prefill, first in its step) and none of F
+    assert step(sched)[0].num_tokens == {"D": 6, "E": 2}
+    assert step(sched)[0].num_tokens == {"E": 16}
+    assert step(sched)[0].num_tokens == {"E": 2, "F": 6}
+    assert step(sched)[0].num_tokens == {"F": 4}
+    assert not sched.has_unfinished()
+
+
+def test_without_a_prefill_batch_limit_prompts_share_the_token_budget():
+    sched = make_scheduler(budget=64, chunk=16)
+    for i, rid in enumerate(("A", "B", "C")):
+        sched.add(make_request(rid, range(100 * i, 100 * i + 10), max_tokens=1))
+    out, sampled = step(sched)
+    assert (out.num_tokens, sampled) == ({"A": 10, "B": 10, "C": 10}, ["A", "B", "C"])
 
 
 def test_max_num_seqs_limits_running_requests():
