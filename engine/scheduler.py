@@ -5,9 +5,10 @@ then waiting requests in arrival order. A request gets min(remaining, chunk_size
 tokens; decodes get one. Once a step carries prompt tokens, another prompt's chunk gets at most
 what is left of prefill_batch_tokens: where a step of that many rows is already compute-bound,
 batching more prompts would only hold back the first tokens of the earlier ones, and prompts
-that arrive together (a closed-loop client's streams) would stay in lock-step. With a ChunkBudget (itl_target_ms) a prefill chunk instead gets what
-the budget grants within min(remaining, budget): chunk_size no longer applies. When blocks run
-out the newest running request is preempted (blocks freed, requeued at the front for recompute).
+that arrive together (a closed-loop client's streams) would stay in lock-step. With a
+ChunkBudget (itl_target_ms) a prefill chunk instead gets what the budget grants within
+min(remaining, budget): chunk_size no longer applies. When blocks run out the newest running
+request is preempted (blocks freed, requeued at the front for recompute).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from engine.request import Request, RequestStatus
 if TYPE_CHECKING:
     from engine.kv_tier.connector import TierConnector
 
-CPU_PREFILL_BATCH_TOKENS = 32  # prefill_batch_tokens on CPU unless set (benchmarks/prefill_batching.py)
+# prefill_batch_tokens on CPU unless set (benchmarks/prefill_batching.py)
+CPU_PREFILL_BATCH_TOKENS = 32
 
 
 @dataclass(frozen=True, slots=True)
