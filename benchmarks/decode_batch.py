@@ -77,6 +77,7 @@ def measure(args) -> list[dict]:
         num_kv_blocks=blocks,
         max_num_seqs=biggest,
         max_num_batched_tokens=max(2048, biggest * args.prompt_len),
+        prefill_batch_tokens=max(2048, biggest * args.prompt_len),  # the prompts in one step
         chunk_size=max(1024, args.prompt_len),
     )
     engines = {

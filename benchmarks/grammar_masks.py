@@ -134,6 +134,7 @@ def measure(args) -> list[dict]:
         num_kv_blocks=biggest * -(-tokens // 16) + 16,
         max_num_seqs=biggest,
         max_num_batched_tokens=max(2048, biggest * args.prompt_len),
+        prefill_batch_tokens=max(2048, biggest * args.prompt_len),  # the prompts in one step
         chunk_size=max(1024, args.prompt_len),
     )
     vocab = llm.engine.runner.model.args.vocab_size

@@ -27,6 +27,7 @@ SERVE_FLAGS = {
     "policy": ("router", "policy"),
     "block_size": ("engine", "block_size"),
     "chunk_size": ("engine", "chunk_size"),
+    "prefill_batch_tokens": ("engine", "prefill_batch_tokens"),
     "decode_stretch": ("engine", "decode_stretch"),
     "itl_target_ms": ("engine", "itl_target_ms"),
     "kv_cache_memory_gb": ("engine", "kv_cache_memory_gb"),
@@ -58,6 +59,7 @@ class LocalOptions:
     policy: str | None = None
     block_size: int | None = None
     chunk_size: int | None = None
+    prefill_batch_tokens: int | None = None  # no other prompt joins a step with this many
     decode_stretch: float | None = None  # a step budget relative to the decode step (0: off)
     itl_target_ms: float | None = None  # an absolute step-time target instead
     kv_cache_memory_gb: float | None = None  # replaces the example's num_kv_blocks

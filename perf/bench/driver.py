@@ -13,6 +13,7 @@ or duration_s seconds, and waits for those in flight.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import time
 import uuid
@@ -38,6 +39,7 @@ class BenchConfig:
     burstiness: float = 1.0
     max_concurrency: int | None = None
     seed: int = 0
+    skip_sessions: int = 0  # the workload's first sessions left out (a warm-up sent them)
     timeout_s: float = 600.0  # per request
     block_size: int = 16
     hash_seed: str = "baton"
@@ -122,7 +124,8 @@ async def run_bench(
 
     arrivals = arrival_times(config.request_rate, config.burstiness, config.seed)
     tasks: list[asyncio.Task] = []
-    for session in workload.sessions(tokens, config.seed):
+    sessions = workload.sessions(tokens, config.seed)
+    for session in itertools.islice(sessions, config.skip_sessions, None):
         first = session.next_turn(None)
         if first is None:
             continue

@@ -9,7 +9,9 @@ run would take the first one's cores), through its /v1/completions with token-id
 greedy, exactly max_tokens tokens (perf/bench/servers.py says how each kind of server is
 told so). For every stream count S, each server gets `warmup` requests of the workload one at
 a time, then the workload at S concurrent streams (--max-concurrency S); the same seed gives
-every server the same prompts in the same order. The table's statistics are perf/stats.py's
+every server the same prompts in the same order. Each S draws its requests with seed + S, the
+warm-up the first of them and the run the ones after, so that no run repeats a prompt a
+server may have cached from the warm-up or an earlier run. The table's statistics are perf/stats.py's
 (through perf/bench/report.summarize).
 """
 
@@ -87,9 +89,13 @@ def run_target(
             )
         )
 
+    # Each stream count draws its own requests (seed + streams: a server that keeps its
+    # prefix cache between runs has not seen them); the warm-up sends the first ones and
+    # the run the ones after (a shared-prefix workload's system prompt is then cached).
+    config = replace(config, seed=config.seed + streams)
     if warmup:
         one(replace(config, num_requests=warmup, duration_s=None, max_concurrency=1))
-    summary, records = one(replace(config, max_concurrency=streams))
+    summary, records = one(replace(config, max_concurrency=streams, skip_sessions=warmup))
     summary["config"]["label"] = target.label
     # the first error of each failure status, to tell why without the records
     summary["error_examples"] = {}

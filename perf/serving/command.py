@@ -6,9 +6,10 @@
 
 For each shape (aggregated: 0 prefill + 1 decode worker, the decode worker prefilling;
 disaggregated: 1 + 1) a local cluster (Ray in this process, free loopback ports) is started
-from the manifest (default deploy/examples/local.yaml) and warmed up with --warmup requests
-one at a time; then for each stream count S it runs S x --requests-per-stream requests of the
-workload, S at a time (`baton bench`'s driver, the same seed at every S), and reads before
+from the manifest (default deploy/examples/local.yaml); then for each stream count S it sends
+--warmup requests one at a time and runs the next S x --requests-per-stream requests of the
+workload, S at a time (`baton bench`'s driver; seed + S, so that no run repeats a prompt an
+earlier one cached), and reads before
 and after the run: every worker's metrics (steps, their phases, the gaps between steps), every
 process's threads' CPU (/proc), and the end of the step that sampled each token. It prints one
 table per (shape, S) (perf/serving/breakdown.py says what each line is) and with --out writes
@@ -52,7 +53,9 @@ def parser() -> argparse.ArgumentParser:
                    help="a spec.engine field (YAML value), e.g. fused_decode=false")  # fmt: skip
     p.add_argument("--threads", type=int, help="torch threads per worker (spec.<pool>.threads)")
     p.add_argument("--door", choices=("grpc", "http"), default="grpc")
-    p.add_argument("--warmup", type=int, default=2, help="requests, one at a time, per shape")
+    p.add_argument(
+        "--warmup", type=int, default=2, help="requests, one at a time, before each stream count"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--vocab-size", type=int, default=49152, help="a model without tokenizer")
@@ -111,11 +114,19 @@ def profile_shape(shape: str, manifest, workload, tokens, streams: list[int], ar
         def run(config: BenchConfig):
             return asyncio.run(bench(address, workload, tokens, config, door=args.door))
 
-        if args.warmup:
-            run(replace(base, num_requests=args.warmup, max_concurrency=1))
         probe = ClusterProbe.find()
         for n in streams:
-            config = replace(base, num_requests=n * args.requests_per_stream, max_concurrency=n)
+            # each stream count draws its own requests (seed + n), the warm-up the first and
+            # the run the ones after: no run repeats a prompt the cache holds whole
+            drawn = replace(base, seed=args.seed + n)
+            if args.warmup:
+                run(replace(drawn, num_requests=args.warmup, max_concurrency=1))
+            config = replace(
+                drawn,
+                num_requests=n * args.requests_per_stream,
+                max_concurrency=n,
+                skip_sessions=args.warmup,
+            )
             probe.token_times(True)
             metrics_before, cpu_before, t0 = probe.metrics(), probe.cpu(), time.monotonic()
             summary, records = run(config)

@@ -22,7 +22,7 @@ def test_profile_serving_both_shapes(tiny_llama, tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["profile", "serving", "--manifest", str(manifest), "--streams", "1,2"]
     argv += ["--requests-per-stream", "2", "--warmup", "1", "--vocab-size", "512"]
-    argv += ["-o", "system_len=24", "-o", "user_len=4", "-o", "output_len=4"]
+    argv += ["-o", "system_len=24", "-o", "user_len=8", "-o", "output_len=4"]
     assert main([*argv, "--out", str(out)]) == 0
 
     text = capsys.readouterr().out
@@ -34,6 +34,10 @@ def test_profile_serving_both_shapes(tiny_llama, tmp_path, capsys):
         assert f"== {run['shape']}, {run['streams']} stream" in text
         s = run["summary"]
         assert (s["completed"], s["failed"]) == (2 * run["streams"], 0)
+        # each stream count's own requests (seed + streams) after its warm-up's: none repeats
+        # a prompt an earlier run cached, so no request hits more than the system prompt
+        assert (s["config"]["seed"], s["config"]["skip_sessions"]) == (run["streams"], 1)
+        assert s["cache"]["cached_tokens"] <= 24 * s["completed"]
         roles = {"aggregated": 1, "disaggregated": 2}[run["shape"]]
         assert len(run["engines"]) == roles
         for engine in run["engines"].values():

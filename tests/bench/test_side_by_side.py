@@ -111,7 +111,7 @@ def test_two_labels_of_one_baton_door(tiny_llama, tmp_path, capsys):
     with serving(tiny_llama) as (_, url, _):
         argv = ["--url", url, "--label", "first", "--url", url, "--label", "second"]
         argv += ["--api-key", KEY, "--streams", "1,2", "--num-requests", "4", "--warmup", "1"]
-        argv += ["--workload", "shared-prefix", "-o", "system_len=24", "-o", "user_len=4"]
+        argv += ["--workload", "shared-prefix", "-o", "system_len=24", "-o", "user_len=8"]
         argv += ["-o", "output_len=3", "--vocab-size", "512", "--block-size", str(BLOCK)]
         assert main([*argv, "--no-progress", "--out", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -130,8 +130,13 @@ def test_two_labels_of_one_baton_door(tiny_llama, tmp_path, capsys):
         assert s["config"]["server_kind"] == "baton"
         assert s["config"]["max_concurrency"] == run["streams"]
         assert s["throughput"]["output_tokens_per_s"] > 0
-        # the shared system prompt was cached by the warm-up: every measured prompt hits it
-        assert s["cache"]["cached_tokens"] >= 4 * 24
+        # each stream count draws its own prompts (seed + streams), the warm-up the first and
+        # the run the next four: the warm-up cached the system prompt (6 blocks), so every
+        # measured prompt of the first label hits it, and only it; the second label (the same
+        # server) is sent the same prompts again and hits all but their last block
+        assert (s["config"]["seed"], s["config"]["skip_sessions"]) == (run["streams"], 1)
+        hit_blocks = 6 if run["label"] == "first" else 7
+        assert s["cache"]["cached_tokens"] == 4 * hit_blocks * BLOCK
 
 
 def test_a_request_on_a_connection_closed_before_any_reply_is_sent_again():
