@@ -11,8 +11,8 @@ told so). For every stream count S, each server gets `warmup` requests of the wo
 a time, then the workload at S concurrent streams (--max-concurrency S); the same seed gives
 every server the same prompts in the same order. Each S draws its requests with seed + S, the
 warm-up the first of them and the run the ones after, so that no run repeats a prompt a
-server may have cached from the warm-up or an earlier run. The table's statistics are perf/stats.py's
-(through perf/bench/report.summarize).
+server may have cached from the warm-up or an earlier run. The table's statistics are
+perf/stats.py's (through perf/bench/report.summarize).
 """
 
 from __future__ import annotations
