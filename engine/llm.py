@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -9,6 +10,7 @@ from typing import cast
 
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
+from engine.options import EngineOptions
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
 
@@ -19,6 +21,12 @@ class LLM:
     """Runs an LLMEngine to completion over a batch of prompts."""
 
     def __init__(self, model: str | None = None, **engine_options) -> None:
+        # Offline, the whole batch's time counts, not each prompt's first token: prompts batch
+        # up to the step's token budget unless prefill_batch_tokens is given (on CPU a served
+        # engine prefills them one after another; engine/scheduler.py)
+        defaults = {f.name: f.default for f in dataclasses.fields(EngineOptions)}
+        budget = engine_options.get("max_num_batched_tokens") or defaults["max_num_batched_tokens"]
+        engine_options.setdefault("prefill_batch_tokens", budget)
         self.engine = LLMEngine(model, **engine_options)
         self._ids = itertools.count()
 

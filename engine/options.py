@@ -97,7 +97,8 @@ class EngineOptions:
         "once a step carries this many prompt tokens no other prompt joins it (one prompt's "
         "chunk still takes up to chunk_size; the next prompt gets at most what is left): "
         "batching prompts past a compute-bound step only holds back the earlier prompts' first "
-        "tokens. Default: 32 on CPU, no limit on CUDA",
+        "tokens. Default: 32 on CPU, no limit on CUDA; the offline LLM: max_num_batched_tokens "
+        "(the batch's throughput, not each prompt's first token)",
         ge=1,
     )
     max_num_seqs: int = option(128, "most running requests per engine", ge=1)

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine import CapacityError, InvalidRequestError, LLMEngine, PromptTooLongError, SamplingParams
+from engine import (
+    LLM,
+    CapacityError,
+    InvalidRequestError,
+    LLMEngine,
+    PromptTooLongError,
+    SamplingParams,
+)
 from tests.helpers import random_prompts, run_to_completion
 
 DECODE = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
@@ -42,6 +49,25 @@ def test_cached_prefix_then_chunked_prefill_interleaved_with_decodes(tiny_llama)
     for _ in range(3):
         assert engine.step().scheduled == {"B": 1, "C": 1, "D": 1, "A": 1}
     engine.check_integrity()
+
+
+def test_prompts_arriving_together_on_cpu_prefill_in_turn_offline_in_one_step(tiny_llama):
+    prompts = random_prompts([40, 40, 40], seed=23)
+    served = LLMEngine(tiny_llama, skip_tokenizer_init=True, block_size=8, num_kv_blocks=64)
+    offline = LLM(tiny_llama, skip_tokenizer_init=True, block_size=8, num_kv_blocks=64).engine
+    for engine in (served, offline):
+        for rid, prompt in zip("ABC", prompts, strict=True):
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=5, temperature=0))
+    # a served CPU engine: no other prompt joins a step carrying 32 prompt tokens
+    assert served.scheduler.config.prefill_batch_tokens == 32
+    assert [served.step().scheduled for _ in range(3)] == [
+        {"A": 40},
+        {"A": 1, "B": 40},
+        {"A": 1, "B": 1, "C": 40},
+    ]
+    # the offline LLM batches prompts up to the step's token budget (2,048 by default)
+    assert offline.scheduler.config.prefill_batch_tokens == 2048
+    assert offline.step().scheduled == {"A": 40, "B": 40, "C": 40}
 
 
 def test_abort_frees_blocks_immediately(tiny_llama):
