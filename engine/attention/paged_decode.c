@@ -49,6 +49,13 @@
 #include "../simd_math.h"
 
 #define MAX_G 16
+
+/* n floats starting on a cache line (free() them): 32-byte vector loads from a buffer that
+ * malloc left 16 bytes off would straddle two lines every other load (~25% slower products). */
+static inline float *pd_aligned_floats(int64_t n) {
+    const size_t bytes = sizeof(float) * (size_t)(n > 0 ? n : 1);
+    return aligned_alloc(64, (bytes + 63) / 64 * 64);
+}
 #define MAX_NG 64 /* query vectors in one pass over keys: G per sequence, times sequences */
 #define PD_MAX_D 256
 #define PD_CHUNK 8
@@ -598,7 +605,7 @@ int baton_paged_decode_isa(const float *q, const float *cache, int64_t stride_kv
             segments = malloc(sizeof(PdSegment) * (size_t)(num_segments > 0 ? num_segments : 1));
             slots = malloc(sizeof(float) * (size_t)(slot_floats > 0 ? slot_floats : 1));
             /* per thread: the gathered query vectors, their acc [MAX_NG, D] and states */
-            scratch = malloc(sizeof(float) * (size_t)(threads * (2 * MAX_NG * D + 2 * MAX_NG)));
+            scratch = pd_aligned_floats(threads * (2 * MAX_NG * D + 2 * MAX_NG));
             if (!segments || !slots || !scratch) goto done;
         }
     }

@@ -45,6 +45,11 @@
 #include "rms_norm.c"
 #include "decode_matrix.c"
 
+#define SCRATCH_ALIGN 16 /* floats: one 64-byte cache line */
+
+/* n floats rounded up to whole cache lines. */
+static inline int64_t lines(int64_t n) { return (n + SCRATCH_ALIGN - 1) / SCRATCH_ALIGN * SCRATCH_ALIGN; }
+
 typedef struct {
     ds_matrix qkv;     /* [(H + 2 KVH) D, E], q and k rows in rotation-pair order */
     ds_matrix o;       /* [E, H D] */
@@ -329,27 +334,32 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
         return -2;
     }
     const int64_t num_states = R * H * plan.max_windows, state_floats = 2 + D;
-    /* per thread: a window's gathered queries and acc [MAX_NG, D], its states [MAX_NG] */
-    const int64_t window_size = 2 * MAX_NG * D + 2 * MAX_NG;
-    const int64_t own_size =
-        2 * R * E + D + 3 * R * (max_k / QK) + window_size + R * max_k / 4 + 2 * PANEL_N * max_k;
+    /* Every part starts on a cache line (SCRATCH_ALIGN floats): the products' 32-byte loads of
+     * x rows and panels then never straddle two lines, whatever address malloc returns. */
+    const int64_t window_size = lines(2 * MAX_NG * D + 2 * MAX_NG);
+    const int64_t own_size = 2 * lines(R * E) + lines(D) + 3 * lines(R * (max_k / QK)) +
+                             window_size + lines(R * max_k / 4) + lines(2 * PANEL_N * max_k);
     const int threads = omp_get_max_threads();
-    float *shared = malloc(sizeof(float) * (size_t)(R * (qkv_n + 2 * q_size + E + I) +
-                                                    num_states * state_floats +
-                                                    threads * own_size));
+    const int64_t shared_size = lines(R * qkv_n) + 2 * lines(R * q_size) + lines(R * E) +
+                                lines(R * I) + lines(num_states * state_floats);
+    float *shared = aligned_alloc(
+        sizeof(float) * SCRATCH_ALIGN,
+        sizeof(float) * (size_t)(shared_size + threads * own_size));
     if (shared == NULL) {
         free_plan(&plan);
         return -2;
     }
-    float *qkv = shared, *attn = qkv + R * qkv_n, *tmp = attn + R * q_size, *act = tmp + R * E;
+    float *qkv = shared, *attn = qkv + lines(R * qkv_n), *tmp = attn + lines(R * q_size),
+          *act = tmp + lines(R * E);
     /* roped queries [R, H, D]; window states [R, H, max_windows, 2 + D] */
-    float *roped = act + R * I, *states = roped + R * q_size;
-    float *own_all = states + num_states * state_floats;
+    float *roped = act + lines(R * I), *states = roped + lines(R * q_size);
+    float *own_all = shared + shared_size;
 #pragma omp parallel num_threads(threads)
     {
         const int64_t nb = R * (max_k / QK);
-        float *x = own_all + omp_get_thread_num() * own_size, *xn = x + R * E, *k = xn + R * E,
-              *xsum = k + D, *xd = xsum + nb, *xs = xd + nb, *window_q = xs + nb;
+        float *x = own_all + omp_get_thread_num() * own_size, *xn = x + lines(R * E),
+              *k = xn + lines(R * E), *xsum = k + lines(D), *xd = xsum + lines(nb),
+              *xs = xd + lines(nb), *window_q = xs + lines(nb);
         float *window_acc = window_q + MAX_NG * D;
         PdRunning *window_run = (PdRunning *)(window_acc + MAX_NG * D);
         int64_t window_limits[MAX_NG];
@@ -357,7 +367,7 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
         ds_input in = {.avx512 = m->avx512,
                        .int8_isa = m->int8_isa,
                        .by_panels = !m->int8_isa && R > EXACT_MAX_ROWS,
-                       .panels = window_q + window_size + R * max_k / 4};
+                       .panels = window_q + window_size + lines(R * max_k / 4)};
         const int timed = timings != NULL && omp_get_thread_num() == 0;
         double t_prev = timed ? omp_get_wtime() : 0.0;
 #define MARK(part)                                                                                 \

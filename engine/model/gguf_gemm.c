@@ -228,7 +228,7 @@ int baton_gguf_gemm_panel(const float *x, int64_t M, int64_t K, const uint8_t *w
                           int32_t type, float *y) {
     if ((type != 3 && type != 8) || K % QK != 0 || K <= 0) return -1;
     const int threads = omp_get_max_threads();
-    float *panels = malloc(sizeof(float) * (size_t)(threads * PANEL_N * K));
+    float *panels = aligned_alloc(64, sizeof(float) * (size_t)(threads * PANEL_N * K)); /* K % 32 == 0 */
     if (panels == NULL) return -2;
 #pragma omp parallel num_threads(threads)
     panel_product_for(x, M, K, w, N, type, NULL, panels + omp_get_thread_num() * PANEL_N * K, y);
