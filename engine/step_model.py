@@ -15,11 +15,12 @@ in context):
 
 small_rows, multi_row and large_step are the three regimes of a CPU engine's matrix products
 on a GGUF checkpoint (not stored, derived from the step's rows R = prefill tokens + decode
-rows): one row runs the fused batch-1 step; up to SMALL_STEP_ROWS rows multiply straight from
-the quantized blocks, at a cost per row (small_rows = min(R, SMALL_STEP_ROWS); multi_row = 1
-from two rows, the cost of leaving the fused step); above that the dense float32 weights are
-streamed once more (large_step = 1). Linear in decode rows alone, the 1-thread SmolLM2
-profile was 20% high at one decode row and 29% low at eight.
+rows): one row is bound by reading the quantized weights; up to SMALL_STEP_ROWS rows multiply
+straight from the quantized blocks, at a cost per row (small_rows = min(R, SMALL_STEP_ROWS);
+multi_row = 1 from two rows); above that the weights are rebuilt into float32 panels (the
+fused step) or streamed as dense float32 (the per-operation path) (large_step = 1). Linear in
+decode rows alone, the 1-thread SmolLM2 profile was 20% high at one decode row and 29% low at
+eight.
 
 The prefill_context term is the part of a chunk's attention that goes with its cached
 context and not with its query count (gathering the cached keys, and attention over few

@@ -1,0 +1,225 @@
+"""How much concurrency can raise served throughput on this CPU, from the arithmetic of the
+steps a workload needs, one run:
+
+    python -m benchmarks.serving_bounds [--model smollm2-135m-instruct] [--threads 2]
+        [--streams 4] [--output-len 64] [--rounds 3]
+
+For each workload of `baton bench` meant for peers (shared-prefix: 2,000 cached tokens + 64
+new a request; short-prompt: 256 new tokens), one engine measures the steps a closed-loop
+client of S streams causes: a request's prefill (its first token) and decode steps of 1 and of
+S rows at that context (the S rows share the cached prompt where the workload does). It counts
+each step's floating-point work from the model's shape (products: 2 x weights per row, the
+output projection for rows that sample; attention: 4 x head_dim x keys per query head) and
+times PyTorch's float32 matrix product (MKL / oneDNN) on the model's product shapes at 256
+rows; the reference rate is the faster of that and the products of the measured prefills.
+
+Per request of --output-len tokens, one stream costs a prefill and output-len - 1 one-row
+steps; S streams cost, per S requests, S prefills and output-len - 1 S-row steps (a prefill
+step's decode rows are counted in its own S - 1 rows). Printed: the tokens/s ratio of S
+streams to one from the measured steps, and the highest it could be if the S streams' steps
+did all their extra work at the reference rate (one stream as measured): the prefills
+at that rate, each S-row step the one-row step plus S - 1 rows of products and attention at
+that rate. A ratio target above that bound cannot hold on this machine without
+a slower one-stream figure; the served ratio adds the token path and the HTTP door on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.model.fused_decode import PARTS
+from engine.model.loader import read_hf_config
+from engine.model_resolver import resolve_model
+
+MODEL_ALIAS = "smollm2-135m-instruct"
+VOCAB_DRAW = 40_000  # prompt tokens are drawn from [100, min(VOCAB_DRAW, vocab))
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config: dict) -> Shape:
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        return cls(
+            layers=int(config["num_hidden_layers"]),
+            hidden=hidden,
+            intermediate=int(config["intermediate_size"]),
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads", heads)),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            vocab=int(config["vocab_size"]),
+        )
+
+    def products(self) -> list[tuple[int, int]]:
+        """(K, N) of each layer's products: qkv, attention output, gate + up, down."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return [
+            (self.hidden, q + 2 * kv),
+            (q, self.hidden),
+            (self.hidden, 2 * self.intermediate),
+            (self.intermediate, self.hidden),
+        ]
+
+    def row_flops(self) -> float:
+        """Products of one row through the layers (no output projection)."""
+        return 2.0 * self.layers * sum(k * n for k, n in self.products())
+
+    def head_flops(self) -> float:
+        return 2.0 * self.hidden * self.vocab
+
+    def attention_flops(self, keys: int) -> float:
+        """One query row over `keys` positions: scores and values of every query head."""
+        return 4.0 * self.layers * self.heads * self.head_dim * keys
+
+    def prefill_flops(self, cached: int, new: int) -> float:
+        keys = sum(cached + i + 1 for i in range(new))
+        return new * self.row_flops() + self.attention_flops(keys) + self.head_flops()
+
+    def decode_row_flops(self, keys: int) -> float:
+        return self.row_flops() + self.head_flops() + self.attention_flops(keys)
+
+
+def reference_rate(shape: Shape, threads: int, rows: int = 256, repeats: int = 200) -> float:
+    """FLOP/s of PyTorch's float32 products on the model's shapes at `rows` rows (the best)."""
+    torch.set_num_threads(threads)
+    best = 0.0
+    for k, n in shape.products():
+        x, w = torch.randn(rows, k), torch.randn(n, k)
+        for _ in range(5):
+            torch.mm(x, w.t())
+        start = time.perf_counter()
+        for _ in range(repeats):
+            torch.mm(x, w.t())
+        best = max(best, 2.0 * rows * k * n * repeats / (time.perf_counter() - start))
+    return best
+
+
+class Steps:
+    """Times steps of one engine: prefills and decode steps of chosen rows and context."""
+
+    def __init__(self, model: str, threads: int, seed: int = 0) -> None:
+        options = dict(dtype="float32", skip_tokenizer_init=True, num_threads=threads)
+        self.engine = LLM(model, **options).engine
+        self.shape = Shape.of(read_hf_config(self.engine.model_dir))
+        self.draw_below = min(VOCAB_DRAW, self.shape.vocab)
+        self.g = torch.Generator().manual_seed(seed)
+        self.count = 0
+
+    def tokens(self, n: int) -> list[int]:
+        return torch.randint(100, self.draw_below, (n,), generator=self.g).tolist()
+
+    def add(self, prompt: list[int], max_tokens: int) -> str:
+        self.count += 1
+        rid = f"r{self.count}"
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.engine.add_request(rid, prompt, params)
+        return rid
+
+    def finish(self) -> None:
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+    def prefill(self, prefix: list[int], new: int) -> tuple[float, dict[str, float]]:
+        """Seconds to a request's first token (its prompt's steps), and the fused parts' share."""
+        fused = self.engine.runner.fused
+        before = list(fused.timings) if fused is not None and fused.timings is not None else None
+        self.add(prefix + self.tokens(new), 1)
+        start = time.perf_counter()
+        self.finish()
+        seconds = time.perf_counter() - start
+        parts = {}
+        if before is not None:
+            parts = {p: a - b for p, a, b in zip(PARTS, fused.timings, before, strict=True)}
+        return seconds, parts
+
+    def decode(self, prefix: list[int], new: int, rows: int, steps: int) -> float:
+        """Median seconds of a decode step of `rows` requests, each prefix + `new` of its own."""
+        for _ in range(rows):
+            self.add(prefix + self.tokens(new), steps + 2)
+        while (
+            any(r.num_tokens - r.num_computed_tokens > 1 for r in self.engine.scheduler.running)
+            or self.engine.scheduler.waiting
+        ):
+            self.engine.step()  # every prompt prefilled
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            self.engine.step()
+            times.append(time.perf_counter() - start)
+        self.finish()
+        return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=MODEL_ALIAS)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    shape = Shape.of(read_hf_config(resolve_model(args.model)))
+    ref = reference_rate(shape, args.threads)  # before the engine's threads exist
+    steps = Steps(args.model, args.threads)
+    print(f"{args.model}, {args.threads} threads, {args.streams} streams, {args.output_len} tokens")
+    print(f"reference: PyTorch float32 products at 256 rows, best shape: {ref / 1e9:.0f} GFLOP/s")
+    system = steps.tokens(2000)
+    steps.add(system, 1)
+    steps.finish()  # the shared system prompt, cached from here on
+    workloads = {"shared-prefix": (system, 64), "short-prompt": ([], 256)}
+    S, n = args.streams, args.output_len - 1
+    for name, (prefix, new) in workloads.items():
+        prefill, parts = min(
+            (steps.prefill(prefix, new) for _ in range(args.rounds)), key=lambda run: run[0]
+        )
+        one = min(steps.decode(prefix, new, 1, 16) for _ in range(args.rounds))
+        many = min(steps.decode(prefix, new, S, 16) for _ in range(args.rounds))
+        cached, keys = len(prefix), len(prefix) + new + args.output_len // 2
+        flops_prefill, flops_row = shape.prefill_flops(cached, new), shape.decode_row_flops(keys)
+        products = sum(seconds for part, seconds in parts.items() if "product" in part)
+        attention = parts.get("rope + KV write + attention", 0.0)
+        prompt_keys = sum(cached + i + 1 for i in range(new))
+        rates, rate = "", ref
+        if products > 0 and attention > 0:
+            product_rate = new * shape.row_flops() / products
+            attention_rate = shape.attention_flops(prompt_keys) / attention
+            rates = f" (products {product_rate / 1e9:.0f}, attention {attention_rate / 1e9:.0f})"
+            rate = max(ref, product_rate)  # the reference: the faster float32 products
+        print(f"\n{name}: {cached} cached + {new} new tokens, answers of {args.output_len}")
+        print(
+            f"  prefill          {1e3 * prefill:7.1f} ms, {flops_prefill / 1e9:5.2f} GFLOP,"
+            f" {flops_prefill / prefill / 1e9:.0f} GFLOP/s{rates}"
+        )
+        print(f"  decode, 1 row    {1e3 * one:7.1f} ms (the answer's first 16 tokens)")
+        print(
+            f"  decode, {S} rows   {1e3 * many:7.1f} ms: {many / one:.2f}x one row; a row's work"
+            f" at ~{keys} keys {flops_row / 1e9:.2f} GFLOP"
+        )
+        single = prefill + n * one
+        measured = S * single / (S * prefill + n * many)
+        bound = S * single / (S * flops_prefill / rate + n * (one + (S - 1) * flops_row / rate))
+        print(f"  tokens/s, {S} streams vs 1: {measured:.2f}x from these steps,")
+        print(
+            f"    at most {bound:.2f}x with all their extra work at {rate / 1e9:.0f} GFLOP/s"
+            " (the faster float32 products: PyTorch's or these prefills')"
+        )
+
+
+if __name__ == "__main__":
+    main()

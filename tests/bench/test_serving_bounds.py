@@ -1,0 +1,73 @@
+"""benchmarks/serving_bounds.py counts a step's floating-point work as PyTorch's FLOP counter
+counts transformers' forward of the same checkpoint, and runs on a tiny engine."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoModelForCausalLM
+
+from benchmarks import serving_bounds
+from benchmarks.serving_bounds import Shape
+
+
+def counted_flops(model, input_ids, past=None, logits_to_keep=1):
+    with FlopCounterMode(display=False) as counter:
+        out = model(
+            input_ids=input_ids,
+            past_key_values=past,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+    return counter.get_total_flops(), out.past_key_values
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="eager").eval()
+    shape = Shape.of(json.loads((Path(tiny_llama) / "config.json").read_text()))
+    return model, shape
+
+
+def test_a_decode_row_is_what_transformers_computes(hf_model):
+    model, shape = hf_model
+    prompt = torch.tensor([[5, 9, 3, 7, 11, 2, 4]])
+    with torch.no_grad():
+        _, past = counted_flops(model, prompt)
+        # one new token over the 7 cached: 8 keys, one query row, logits for it
+        flops, _ = counted_flops(model, torch.tensor([[6]]), past)
+    assert flops == shape.decode_row_flops(8)
+    assert flops == shape.row_flops() + shape.head_flops() + shape.attention_flops(8)
+
+
+def test_prefill_products_and_the_last_rows_logits(hf_model):
+    model, shape = hf_model
+    with torch.no_grad():
+        # 3 rows, no cache: the products of 3 rows and one row of logits, plus attention,
+        # over the full 3 x 3 scores (eager attention multiplies them all, then masks)
+        flops, _ = counted_flops(model, torch.tensor([[5, 9, 3]]))
+    full_square = shape.attention_flops(3) * 3
+    assert flops == 3 * shape.row_flops() + shape.head_flops() + full_square
+    # Baton's count keeps only the causal half: 1 + 2 + 3 keys
+    assert shape.prefill_flops(0, 3) == 3 * shape.row_flops() + shape.head_flops() + (
+        shape.attention_flops(1 + 2 + 3)
+    )
+
+
+def test_runs_on_a_tiny_engine(tiny_llama, monkeypatch, capsys):
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["serving_bounds", "--model", tiny_llama, "--threads", "1", "--rounds", "1"],
+    )
+    monkeypatch.setattr(serving_bounds, "reference_rate", lambda shape, threads: 1e9)
+    serving_bounds.main()
+    out = capsys.readouterr().out
+    for workload in ("shared-prefix: 2000 cached + 64 new", "short-prompt: 0 cached + 256 new"):
+        assert workload in out
+    assert out.count("tokens/s, 4 streams vs 1") == 2
