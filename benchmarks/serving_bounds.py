@@ -14,13 +14,15 @@ times PyTorch's float32 matrix product (MKL / oneDNN) on the model's product sha
 rows; the reference rate is the faster of that and the products of the measured prefills.
 
 Per request of --output-len tokens, one stream costs a prefill and output-len - 1 one-row
-steps; S streams cost, per S requests, S prefills and output-len - 1 S-row steps (a prefill
-step's decode rows are counted in its own S - 1 rows). Printed: the tokens/s ratio of S
-streams to one from the measured steps, and the highest it could be if the S streams' steps
-did all their extra work at the reference rate (one stream as measured): the prefills
-at that rate, each S-row step the one-row step plus S - 1 rows of products and attention at
-that rate. A ratio target above that bound cannot hold on this machine without
-a slower one-stream figure; the served ratio adds the token path and the HTTP door on top.
+steps. S streams cost, per S requests, S prefill steps that each carry the other S - 1
+streams' decode rows (each such row adds one more row's work to the step), and
+output-len - 1 - (S - 1) S-row decode steps for the remaining tokens. Printed: the tokens/s
+ratio of S streams to one from the measured steps, and the highest it could be if the S
+streams' steps did all their extra work at the reference rate (one stream as measured): the
+prefills at that rate, and each further row of a step, beside a prefill or in an S-row step,
+one row's products and attention at that rate. A ratio target above that bound cannot hold
+on this machine without a slower one-stream figure; the served ratio adds the token path and
+the HTTP door on top.
 """
 
 from __future__ import annotations
@@ -212,8 +214,11 @@ def main() -> None:
             f" at ~{keys} keys {flops_row / 1e9:.2f} GFLOP"
         )
         single = prefill + n * one
-        measured = S * single / (S * prefill + n * many)
-        bound = S * single / (S * flops_prefill / rate + n * (one + (S - 1) * flops_row / rate))
+        rider, rider_bound = (many - one) / max(S - 1, 1), flops_row / rate  # one more row
+        rest = max(n - (S - 1), 0)  # tokens not decoded inside the S prefill steps
+        measured = S * single / (S * (prefill + (S - 1) * rider) + rest * many)
+        fastest_prefill = flops_prefill / rate + (S - 1) * rider_bound
+        bound = S * single / (S * fastest_prefill + rest * (one + (S - 1) * rider_bound))
         print(f"  tokens/s, {S} streams vs 1: {measured:.2f}x from these steps,")
         print(
             f"    at most {bound:.2f}x with all their extra work at {rate / 1e9:.0f} GFLOP/s"
