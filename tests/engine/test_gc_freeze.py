@@ -23,7 +23,8 @@ def test_collects_start_up_garbage_then_freezes_what_is_alive():
     try:
         frozen = freeze_startup_objects()
         assert dead() is None  # collected before the freeze, not kept forever
-        assert frozen == gc.get_freeze_count() > 0
+        # other threads of the process may free frozen objects since, never freeze more
+        assert 0 < gc.get_freeze_count() <= frozen
         # a frozen object is in no generation a collection scans
         assert all(obj is not alive for g in range(3) for obj in gc.get_objects(generation=g))
     finally:
