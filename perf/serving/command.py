@@ -1,20 +1,23 @@
 """`baton profile serving`: where a serving step's time goes, per cluster shape and stream count.
 
     baton profile serving [--model smollm2-135m-instruct] [--shapes aggregated,disaggregated]
-        [--streams 1,2,4,8,16] [--requests-per-stream 4] [--workload shared-prefix]
-        [--door grpc|http] [--out DIR]
+        [--streams 1,2,4,8,16] [--requests-per-stream 4] [--rounds 1]
+        [--workload shared-prefix] [--door grpc|http] [--out DIR]
 
 For each shape (aggregated: 0 prefill + 1 decode worker, the decode worker prefilling;
 disaggregated: 1 + 1) a local cluster (Ray in this process, free loopback ports) is started
 from the manifest (default deploy/examples/local.yaml); then for each stream count S it sends
 --warmup requests one at a time and runs the next S x --requests-per-stream requests of the
-workload, S at a time (`baton bench`'s driver; seed + S, so that no run repeats a prompt an
-earlier one cached), and reads before
-and after the run: every worker's metrics (steps, their phases, the gaps between steps), every
-process's threads' CPU (/proc), and the end of the step that sampled each token. It prints one
-table per (shape, S) (perf/serving/breakdown.py says what each line is) and with --out writes
-serving_profile.json: {"runs": [{"shape", "streams", "summary", "engines", "token_path",
-"threads"}, ...]}.
+workload, S at a time (`baton bench`'s driver; seed + S + 1000 x round, so that no run repeats
+a prompt an earlier one cached), and reads before and after the run: every worker's metrics
+(steps, their phases, the gaps between steps), every process's threads' CPU (/proc), and the
+end of the step that sampled each token. It prints one table per (shape, S, round)
+(perf/serving/breakdown.py says what each line is), then each stream count's tokens/s, TTFT
+p50 and ITL p50 as ratios to the first stream count's in the same round, and their median over
+the rounds: on a host whose speed drifts between minutes, --rounds 3 or more alternates the
+stream counts so that each ratio compares runs a minute apart. With --out it writes
+serving_profile.json: {"runs": [{"shape", "streams", "round", "summary", "engines",
+"token_path", "threads"}, ...], "ratios": {shape: {S: {...}}}}.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ from perf.bench.flags import workload_options
 from perf.bench.side_by_side import parse_streams
 from perf.bench.workloads import WORKLOADS, TokenSpace, make_workload
 from perf.serving.breakdown import breakdown_table, engine_breakdown, thread_breakdown, token_path
+from perf.serving.ratios import ratios_table, stream_ratios
 
 SHAPES = {"aggregated": (0, 1), "disaggregated": (1, 1)}  # (prefill, decode) replicas
+ROUND_SEED_STRIDE = 1000  # round r draws seed + S + 1000 r: no two runs share a prompt
 LOCAL_MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "local.yaml"
 
 
@@ -46,6 +51,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", default="aggregated,disaggregated", help="of: " + ",".join(SHAPES))
     p.add_argument("--streams", default="1,2,4,8,16", help="concurrent streams, e.g. 1,4,16")
     p.add_argument("--requests-per-stream", type=int, default=4)
+    p.add_argument(
+        "--rounds", type=int, default=1, help="times through the stream counts, for the ratios"
+    )
     p.add_argument("--workload", choices=list(WORKLOADS), default="shared-prefix")
     p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a workload option (perf/bench/workloads.py)")  # fmt: skip
@@ -115,10 +123,12 @@ def profile_shape(shape: str, manifest, workload, tokens, streams: list[int], ar
             return asyncio.run(bench(address, workload, tokens, config, door=args.door))
 
         probe = ClusterProbe.find()
-        for n in streams:
-            # each stream count draws its own requests (seed + n), the warm-up the first and
-            # the run the ones after: no run repeats a prompt the cache holds whole
-            drawn = replace(base, seed=args.seed + n)
+        for round_, n in ((r, n) for r in range(args.rounds) for n in streams):
+            # each stream count of each round draws its own requests, the warm-up the first
+            # and the run the ones after: no run repeats a prompt the cache holds whole
+            drawn = replace(base, seed=args.seed + n + ROUND_SEED_STRIDE * round_)
+            if args.rounds > 1 and n == streams[0]:
+                print(f"-- {shape}: round {round_ + 1} of {args.rounds}", flush=True)
             if args.warmup:
                 run(replace(drawn, num_requests=args.warmup, max_concurrency=1))
             config = replace(
@@ -136,6 +146,7 @@ def profile_shape(shape: str, manifest, workload, tokens, streams: list[int], ar
             result = dict(
                 shape=shape,
                 streams=n,
+                round=round_,
                 summary=summary,
                 engines={
                     w: engine_breakdown(metrics_before[w], metrics_after[w]) for w in metrics_after
@@ -170,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--shapes takes {', '.join(SHAPES)}; got {args.shapes!r}")
         if args.requests_per_stream < 1:
             raise ValueError("--requests-per-stream must be >= 1")
+        if args.rounds < 1:
+            raise ValueError("--rounds must be >= 1")
         workload = make_workload(args.workload, workload_options(args.option))
         base = load_manifest(args.manifest).model_dump(mode="json")
         manifests = {shape: shape_manifest(base, shape, args) for shape in shapes}
@@ -180,10 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for shape in shapes:
         runs += profile_shape(shape, manifests[shape], workload, tokens, streams, args)
+    ratios = stream_ratios(runs)
+    if ratios:
+        print(ratios_table(ratios))
     if args.out:
         path = Path(args.out) / "serving_profile.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+        path.write_text(json.dumps({"runs": runs, "ratios": ratios}, indent=1) + "\n")
         print(f"results: {path}")
     return 0 if all(r["summary"]["failed"] == 0 for r in runs) else 1
 

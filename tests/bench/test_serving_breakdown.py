@@ -77,6 +77,7 @@ def test_token_path_matches_each_chunk_to_its_tokens_step():
         (["--shapes", "sideways"], "--shapes takes aggregated, disaggregated"),
         (["--streams", "0"], "--streams takes counts >= 1"),
         (["--requests-per-stream", "0"], "--requests-per-stream must be >= 1"),
+        (["--rounds", "0"], "--rounds must be >= 1"),
         (["-o", "nosuch=1"], "workload shared-prefix has no option 'nosuch'"),
         (["--manifest", "/nonexistent.yaml"], "/nonexistent.yaml"),
     ],

@@ -21,22 +21,27 @@ def test_profile_serving_both_shapes(tiny_llama, tmp_path, capsys):
     manifest.write_text(yaml.safe_dump(tiny_manifest(tiny_llama)))
     out = tmp_path / "out"
     argv = ["profile", "serving", "--manifest", str(manifest), "--streams", "1,2"]
-    argv += ["--requests-per-stream", "2", "--warmup", "1", "--vocab-size", "512"]
+    argv += ["--requests-per-stream", "2", "--rounds", "2", "--warmup", "1", "--vocab-size", "512"]
     argv += ["-o", "system_len=24", "-o", "user_len=8", "-o", "output_len=4"]
     assert main([*argv, "--out", str(out)]) == 0
 
     text = capsys.readouterr().out
-    runs = json.loads((out / "serving_profile.json").read_text())["runs"]
-    assert [(r["shape"], r["streams"]) for r in runs] == [
-        ("aggregated", 1), ("aggregated", 2), ("disaggregated", 1), ("disaggregated", 2)
-    ]  # fmt: skip
+    written = json.loads((out / "serving_profile.json").read_text())
+    runs = written["runs"]
+    assert [(r["shape"], r["round"], r["streams"]) for r in runs] == [
+        (shape, round_, streams)
+        for shape in ("aggregated", "disaggregated")
+        for round_ in (0, 1)
+        for streams in (1, 2)
+    ]
     for run in runs:
         assert f"== {run['shape']}, {run['streams']} stream" in text
         s = run["summary"]
         assert (s["completed"], s["failed"]) == (2 * run["streams"], 0)
-        # each stream count's own requests (seed + streams) after its warm-up's: none repeats
-        # a prompt an earlier run cached, so no request hits more than the system prompt
-        assert (s["config"]["seed"], s["config"]["skip_sessions"]) == (run["streams"], 1)
+        # each stream count of each round draws its own requests after its warm-up's: none
+        # repeats a prompt an earlier run cached, so no request hits more than the system prompt
+        seed = run["streams"] + 1000 * run["round"]
+        assert (s["config"]["seed"], s["config"]["skip_sessions"]) == (seed, 1)
         assert s["cache"]["cached_tokens"] <= 24 * s["completed"]
         roles = {"aggregated": 1, "disaggregated": 2}[run["shape"]]
         assert len(run["engines"]) == roles
@@ -58,3 +63,8 @@ def test_profile_serving_both_shapes(tiny_llama, tmp_path, capsys):
             names = {t["name"] for t in run["threads"][worker]["threads"]}
             assert "engine-loop" in names, names
         assert run["threads"]["router"]["cpu_s"] > 0
+    for shape in ("aggregated", "disaggregated"):
+        two = written["ratios"][shape]["2"]
+        assert two["base_streams"] == 1 and len(two["rounds"]["tok_s"]) == 2
+        assert all(r > 0 for r in two["rounds"]["tok_s"] + two["rounds"]["ttft_p50"])
+        assert f"{shape}, 2 vs 1 stream (median of 2 rounds" in text
