@@ -26,7 +26,7 @@ def _ratio(value: float | None, base: float | None) -> float | None:
 def stream_ratios(runs: list[dict]) -> dict:
     """{shape: {str(S): {"base_streams", "rounds": {name: [ratio per round]}, "median":
     {name: ratio}}}} for every stream count S after the first of its (shape, round); runs
-    without a "round" are round 0. Empty when no shape ran two stream counts."""
+    without a "round" are the first round. Empty when no shape ran two stream counts."""
     firsts: dict[tuple[str, int], dict] = {}
     out: dict[str, dict] = {}
     for run in runs:
