@@ -36,7 +36,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.model.fused_decode import PARTS
-from engine.model.loader import read_hf_config
+from engine.model.loader import llama_args, read_hf_config
 from engine.model_resolver import resolve_model
 
 MODEL_ALIAS = "smollm2-135m-instruct"
@@ -55,16 +55,15 @@ class Shape:
 
     @classmethod
     def of(cls, config: dict) -> Shape:
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
+        a = llama_args(config)
         return cls(
-            layers=int(config["num_hidden_layers"]),
-            hidden=hidden,
-            intermediate=int(config["intermediate_size"]),
-            heads=heads,
-            kv_heads=int(config.get("num_key_value_heads", heads)),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            vocab=int(config["vocab_size"]),
+            layers=a.num_layers,
+            hidden=a.hidden_size,
+            intermediate=a.intermediate_size,
+            heads=a.num_heads,
+            kv_heads=a.num_kv_heads,
+            head_dim=a.head_dim,
+            vocab=a.vocab_size,
         )
 
     def products(self) -> list[tuple[int, int]]:
@@ -89,11 +88,19 @@ class Shape:
         return 4.0 * self.layers * self.heads * self.head_dim * keys
 
     def prefill_flops(self, cached: int, new: int) -> float:
-        keys = sum(cached + i + 1 for i in range(new))
-        return new * self.row_flops() + self.attention_flops(keys) + self.head_flops()
+        return (
+            new * self.row_flops()
+            + self.attention_flops(prompt_keys(cached, new))
+            + self.head_flops()
+        )
 
     def decode_row_flops(self, keys: int) -> float:
         return self.row_flops() + self.head_flops() + self.attention_flops(keys)
+
+
+def prompt_keys(cached: int, new: int) -> int:
+    """Keys the `new` prompt rows attend to in all, each its cached ones and those before it."""
+    return sum(cached + i + 1 for i in range(new))
 
 
 def reference_rate(shape: Shape, threads: int, rows: int = 256, repeats: int = 200) -> float:
@@ -196,11 +203,10 @@ def main() -> None:
         flops_prefill, flops_row = shape.prefill_flops(cached, new), shape.decode_row_flops(keys)
         products = sum(seconds for part, seconds in parts.items() if "product" in part)
         attention = parts.get("rope + KV write + attention", 0.0)
-        prompt_keys = sum(cached + i + 1 for i in range(new))
         rates, rate = "", ref
         if products > 0 and attention > 0:
             product_rate = new * shape.row_flops() / products
-            attention_rate = shape.attention_flops(prompt_keys) / attention
+            attention_rate = shape.attention_flops(prompt_keys(cached, new)) / attention
             rates = f" (products {product_rate / 1e9:.0f}, attention {attention_rate / 1e9:.0f})"
             rate = max(ref, product_rate)  # the reference: the faster float32 products
         print(f"\n{name}: {cached} cached + {new} new tokens, answers of {args.output_len}")
