@@ -30,15 +30,27 @@ static inline float f16_to_f32(const uint8_t *p) {
 }
 
 /* The 32 quants of one block as four float vectors of 8, in order (Q4_1 unsigned 0..15,
- * Q8_0 signed). */
+ * Q8_0 signed). Q4_1: bytes 0-7 and 8-15 widened to 32-bit lanes (each load folded into the
+ * widening), their low nibbles are quants 0-15 and their high nibbles quants 16-31. Fewer
+ * shuffles than splitting the nibbles as bytes first: SmolLM2's one-row fused decode step took
+ * 11.2 vs 13.5 ms (4 rows: 26.3 vs 28.1), both in one process on the 2-core AVX2 EPYC. */
 static inline void quants_q4_1(const uint8_t *qs, __m256 q[4]) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs);
-    const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    const __m256i lo8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
+    const __m256i hi8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
+    const __m256i nibble = _mm256_set1_epi32(0x0F);
+    q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo8, nibble));
+    q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi8, nibble));
+    q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo8, 4));
+    q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi8, 4));
+}
+
+/* A Q4_1 block's d and m (its first two f16) as floats, in one conversion. */
+static inline void scales_q4_1(const uint8_t *blk, __m256 *d, float *m) {
+    int32_t dm;
+    memcpy(&dm, blk, 4);
+    const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+    *d = _mm256_broadcastss_ps(both);
+    *m = _mm_cvtss_f32(_mm_movehdup_ps(both));
 }
 
 static inline void quants_q8_0(const uint8_t *qs, __m256 q[4]) {
@@ -50,8 +62,10 @@ static inline void quants_q8_0(const uint8_t *qs, __m256 q[4]) {
 /* The 32 weights of one block as four vectors of 8, in order, each computed as gguf-py does:
  * Q4_1 (d * q) + m, Q8_0 q * d. */
 static inline void rebuild_q4_1(const uint8_t *b, __m256 w[4]) {
-    const __m256 d = _mm256_set1_ps(f16_to_f32(b));
-    const __m256 m = _mm256_set1_ps(f16_to_f32(b + 2));
+    __m256 d;
+    float m1;
+    scales_q4_1(b, &d, &m1);
+    const __m256 m = _mm256_set1_ps(m1);
     quants_q4_1(b + 4, w);
     for (int i = 0; i < 4; i++) w[i] = _mm256_add_ps(_mm256_mul_ps(d, w[i]), m);
 }
@@ -82,18 +96,23 @@ static inline __attribute__((always_inline)) void row_tile_avx2(const uint8_t *r
     }
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * block_bytes;
-        const __m256 d = _mm256_set1_ps(f16_to_f32(blk));
-        __m256 q[4];
-        if (type == 3) quants_q4_1(blk + 4, q);
-        else quants_q8_0(blk + 2, q);
-        const float m = type == 3 ? f16_to_f32(blk + 2) : 0.0f;
+        __m256 d, q[4];
+        float m = 0.0f;
+        if (type == 3) {
+            scales_q4_1(blk, &d, &m);
+            quants_q4_1(blk + 4, q);
+        } else {
+            d = _mm256_set1_ps(f16_to_f32(blk));
+            quants_q8_0(blk + 2, q);
+        }
+        /* each row's p = x0 q0 + x1 q1 + x2 q2 + x3 q3 in that order, the rows side by side */
+        __m256 p[TILE_M];
+        for (int i = 0; i < TM; i++) p[i] = _mm256_mul_ps(_mm256_loadu_ps(x + i * K + b * QK), q[0]);
+        for (int j = 1; j < 4; j++)
+            for (int i = 0; i < TM; i++)
+                p[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * K + b * QK + 8 * j), q[j], p[i]);
         for (int i = 0; i < TM; i++) {
-            const float *xb = x + i * K + b * QK;
-            __m256 p = _mm256_mul_ps(_mm256_loadu_ps(xb), q[0]);
-            p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), q[1], p);
-            p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), q[2], p);
-            p = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q[3], p);
-            acc[i] = _mm256_fmadd_ps(d, p, acc[i]);
+            acc[i] = _mm256_fmadd_ps(d, p[i], acc[i]);
             if (type == 3) offset[i] += m * xsum[i * nb + b];
         }
     }
