@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from benchmarks.model_flops import Shape, prompt_keys
 from engine import LLM, SamplingParams
 
 
@@ -176,22 +177,13 @@ def gemm_floor_s(llm: LLM, args) -> float:
 
 
 def compute_share(llm: LLM, total: int, cached: int) -> float:
-    """FLOPs to prefill tokens [cached, total) over FLOPs to prefill [0, total)."""
-    a = llm.engine.runner.model.args
-    per_token = (
-        2
-        * (
-            a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
-            + a.num_heads * a.head_dim * a.hidden_size
-            + 3 * a.hidden_size * a.intermediate_size
-        )
-        * a.num_layers
-    )
-    per_pair = 4 * a.num_heads * a.head_dim * a.num_layers  # QK^T and PV, per (query, key)
+    """FLOPs to prefill tokens [cached, total) over FLOPs to prefill [0, total) (products and
+    causal attention; the one row of logits is left out of both)."""
+    shape = Shape.of_args(llm.engine.runner.model.args)
 
     def flops(start: int) -> float:
-        pairs = sum(range(start + 1, total + 1))  # query i attends i keys (causal)
-        return per_token * (total - start) + per_pair * pairs
+        new = total - start
+        return new * shape.row_flops() + shape.attention_flops(prompt_keys(start, new))
 
     return flops(cached) / flops(0)
 

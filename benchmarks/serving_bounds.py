@@ -30,77 +30,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 
+from benchmarks.model_flops import Shape, prompt_keys
 from engine import LLM, SamplingParams
 from engine.model.fused_decode import PARTS
-from engine.model.loader import llama_args, read_hf_config
+from engine.model.loader import read_hf_config
 from engine.model_resolver import resolve_model
 
 MODEL_ALIAS = "smollm2-135m-instruct"
 VOCAB_DRAW = 40_000  # prompt tokens are drawn from [100, min(VOCAB_DRAW, vocab))
-
-
-@dataclass(frozen=True)
-class Shape:
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-
-    @classmethod
-    def of(cls, config: dict) -> Shape:
-        a = llama_args(config)
-        return cls(
-            layers=a.num_layers,
-            hidden=a.hidden_size,
-            intermediate=a.intermediate_size,
-            heads=a.num_heads,
-            kv_heads=a.num_kv_heads,
-            head_dim=a.head_dim,
-            vocab=a.vocab_size,
-        )
-
-    def products(self) -> list[tuple[int, int]]:
-        """(K, N) of each layer's products: qkv, attention output, gate + up, down."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return [
-            (self.hidden, q + 2 * kv),
-            (q, self.hidden),
-            (self.hidden, 2 * self.intermediate),
-            (self.intermediate, self.hidden),
-        ]
-
-    def row_flops(self) -> float:
-        """Products of one row through the layers (no output projection)."""
-        return 2.0 * self.layers * sum(k * n for k, n in self.products())
-
-    def head_flops(self) -> float:
-        return 2.0 * self.hidden * self.vocab
-
-    def attention_flops(self, keys: int) -> float:
-        """One query row over `keys` positions: scores and values of every query head."""
-        return 4.0 * self.layers * self.heads * self.head_dim * keys
-
-    def prefill_flops(self, cached: int, new: int) -> float:
-        return (
-            new * self.row_flops()
-            + self.attention_flops(prompt_keys(cached, new))
-            + self.head_flops()
-        )
-
-    def decode_row_flops(self, keys: int) -> float:
-        return self.row_flops() + self.head_flops() + self.attention_flops(keys)
-
-
-def prompt_keys(cached: int, new: int) -> int:
-    """Keys the `new` prompt rows attend to in all, each its cached ones and those before it."""
-    return sum(cached + i + 1 for i in range(new))
 
 
 def reference_rate(shape: Shape, threads: int, rows: int = 256, repeats: int = 200) -> float:

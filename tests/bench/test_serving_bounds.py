@@ -1,5 +1,6 @@
-"""benchmarks/serving_bounds.py counts a step's floating-point work as PyTorch's FLOP counter
-counts transformers' forward of the same checkpoint, and runs on a tiny engine."""
+"""benchmarks/model_flops.py counts a step's floating-point work as PyTorch's FLOP counter
+counts transformers' forward of the same checkpoint; benchmarks/serving_bounds.py runs on a
+tiny engine."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
 from benchmarks import serving_bounds
-from benchmarks.serving_bounds import Shape
+from benchmarks.model_flops import Shape
 
 
 def counted_flops(model, input_ids, past=None, logits_to_keep=1):
