@@ -46,6 +46,19 @@ def read_all(poll, request_id: str) -> tuple[list[int], int]:
                 return tokens, outputs
 
 
+@pytest.fixture(autouse=True)
+def no_feed_loop_left():
+    """Every feed's loop thread ends with the test: one left polling a fake that answers at
+    once would spin, holding the GIL, for the rest of the test session."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 5.0
+    left = [t for t in threading.enumerate() if t not in before and t.name == "output-feed"]
+    for thread in left:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert [t.name for t in left if t.is_alive()] == []
+
+
 @pytest.fixture
 def worker(tiny_llama):
     options = dict(model=tiny_llama, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256)
@@ -159,8 +172,9 @@ def test_a_wake_that_hangs_does_not_hold_up_the_reader():
 
     def poll_many(ids, timeout):
         calls.append(list(ids))
-        frozen.wait(10.0)
-        return [], []
+        if not frozen.wait(10.0):
+            return [], []
+        return [], list(ids)  # back, and it knows neither request: their reads end
 
     feed = OutputFeed(poll_many, lambda: frozen.wait(10.0), wait_s=60.0)
     assert feed.poll("a", 0.0) == []
@@ -170,6 +184,9 @@ def test_a_wake_that_hangs_does_not_hold_up_the_reader():
     assert feed.poll("b", 0.05) == []
     assert time.monotonic() - start < 2.0
     frozen.set()
+    for rid in ("a", "b"):
+        with pytest.raises(KeyError, match=f"unknown request '{rid}'"):
+            feed.poll(rid, 5.0)
 
 
 def test_reset_drops_what_an_earlier_attempt_left_unread():
