@@ -38,9 +38,11 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_step.c")
 BLOCK_TYPES = (3, 8)  # GGML Q4_1, Q8_0: what decode_step.c multiplies
 # Most rows (tokens) a step runs fused with. The C step takes any number; its per-row attention
-# states grow with rows x windows of keys, and the largest prefill steps are as fast through
-# the unfused path's oneDNN products.
-MAX_ROWS = 256
+# states grow with rows x windows of keys (at 512 rows and 8k keys ~80 MB), and a prompt step
+# of ~1,000 tokens is about as fast through the unfused path's oneDNN products. 512: a
+# 256-token chunk beside other streams' decode rows stays fused (1.2x the per-operation path's
+# speed there: python -m benchmarks.fused_prompt_steps, docs/design/fused-decode.md).
+MAX_ROWS = 512
 # The parts decode_step.c times (its enum, in order), as profile labels.
 PARTS = (
     "norms, residuals, block sums",
