@@ -22,13 +22,9 @@ import json
 import statistics
 import time
 
-import torch
+from benchmarks.serving_bounds import MODEL_ALIAS, Steps
 
-from engine import LLM, SamplingParams
-
-MODEL_ALIAS = "smollm2-135m-instruct"
 WAYS = ("fused", "per-operation")
-VOCAB_DRAW = 10_000  # token ids drawn below this (any id works; the model is the same)
 
 
 def main() -> None:
@@ -44,40 +40,26 @@ def main() -> None:
     prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
     decode_rows = [int(d) for d in args.decode_rows.split(",")]
 
-    torch.set_num_threads(args.threads)
-    options = dict(
-        dtype="float32",
-        skip_tokenizer_init=True,
-        num_threads=args.threads,
+    steps = Steps(
+        args.model,
+        args.threads,
         chunk_size=max(prompt_lens),
         max_num_batched_tokens=max(prompt_lens) + max(decode_rows),
     )
-    engine = LLM(args.model, **options).engine
+    engine = steps.engine
     if engine.runner.fused is None:
         raise SystemExit(f"{args.model}: the fused step does not run here (needs GGUF blocks, CPU)")
-    g = torch.Generator().manual_seed(0)
-    count = 0
-
-    def add(n: int, max_tokens: int) -> None:
-        nonlocal count
-        count += 1
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        prompt = torch.randint(100, VOCAB_DRAW, (n,), generator=g).tolist()
-        engine.add_request(f"r{count}", prompt, params)
 
     def prompt_step(n: int, d: int, fused: bool) -> float:
         for _ in range(d):
-            add(args.context, 8)
-        sched = engine.scheduler
-        while sched.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in sched.running):
-            engine.step()  # every decode row's prompt prefilled
+            steps.add(steps.tokens(args.context), 8)
+        steps.prefill_all()  # the D requests decoding
         engine.runner.fused_max_rows = n + d if fused else n + d - 1
-        add(n, 2)
+        steps.add(steps.tokens(n), 2)
         start = time.perf_counter()
         engine.step()
         seconds = time.perf_counter() - start
-        while engine.has_unfinished():
-            engine.step()
+        steps.finish()
         return seconds
 
     times: dict[tuple[int, int, str], list[float]] = {}

@@ -61,9 +61,9 @@ def reference_rate(shape: Shape, threads: int, rows: int = 256, repeats: int = 2
 class Steps:
     """Times steps of one engine: prefills and decode steps of chosen rows and context."""
 
-    def __init__(self, model: str, threads: int, seed: int = 0) -> None:
+    def __init__(self, model: str, threads: int, seed: int = 0, **engine_options) -> None:
         options = dict(dtype="float32", skip_tokenizer_init=True, num_threads=threads)
-        self.engine = LLM(model, **options).engine
+        self.engine = LLM(model, **options, **engine_options).engine
         self.shape = Shape.of(read_hf_config(self.engine.model_dir))
         self.draw_below = min(VOCAB_DRAW, self.shape.vocab)
         self.g = torch.Generator().manual_seed(seed)
@@ -83,6 +83,12 @@ class Steps:
         while self.engine.has_unfinished():
             self.engine.step()
 
+    def prefill_all(self) -> None:
+        """Step until every request added so far has its prompt computed (decodes only left)."""
+        sched = self.engine.scheduler
+        while sched.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in sched.running):
+            self.engine.step()
+
     def prefill(self, prefix: list[int], new: int) -> tuple[float, dict[str, float]]:
         """Seconds to a request's first token (its prompt's steps), and the fused parts' share."""
         fused = self.engine.runner.fused
@@ -100,11 +106,7 @@ class Steps:
         """Median seconds of a decode step of `rows` requests, each prefix + `new` of its own."""
         for _ in range(rows):
             self.add(prefix + self.tokens(new), steps + 2)
-        while (
-            any(r.num_tokens - r.num_computed_tokens > 1 for r in self.engine.scheduler.running)
-            or self.engine.scheduler.waiting
-        ):
-            self.engine.step()  # every prompt prefilled
+        self.prefill_all()
         times = []
         for _ in range(steps):
             start = time.perf_counter()
