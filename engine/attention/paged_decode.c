@@ -6,7 +6,7 @@
  *             out[b, h G + g] = sum_t softmax(s[g])_t * V[h, blk(t), t % bs]
  * with blk(t) = block_tables[b, t / bs].
  *
- * One pass with an online softmax: keys come 32 at a time (AVX2; AVX-512: 8); per query head
+ * One pass with an online softmax: keys come 32 at a time; per query head
  * their scores update a running max m, the sum l of e^(s - m) and the unnormalized output
  * acc = sum e^(s - m) V (both rescaled by e^(m_old - m_new) when the max grows). Each key and
  * value row is read from memory once and used while it is in L1.
@@ -136,35 +136,6 @@ static inline void pd_next_rows(PdRows *r, int64_t n, const float **k, const flo
     }
 }
 
-/* Per query head g of a chunk: fold the 8 scores s[g] (lanes >= n[g] are ignored) into
- * run[g]; returns in p[g] the weights e^(s - m) of the chunk's keys (0 past n[g]) and in
- * rescale[g] the factor the accumulated output must be multiplied by first (1 when the max
- * did not grow). A query head with n[g] = 0 keeps its run, with weights 0 and rescale 1. */
-static inline void pd_online_softmax(const __m256 *s, int64_t group, const int64_t *n,
-                                     PdRunning *run, float p[][PD_CHUNK], float *rescale) {
-    for (int64_t g = 0; g < group; g++) {
-        if (n[g] == 0) { /* weights 0, rescale 1: the output update is an exact no-op */
-            rescale[g] = 1.0f;
-            _mm256_storeu_ps(p[g], _mm256_setzero_ps());
-            continue;
-        }
-        const __m256 valid = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7),
-                                           _mm256_set1_ps((float)n[g]), _CMP_LT_OQ);
-        const __m256 sg = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[g], valid);
-        const float m_new = fmaxf(run[g].m, pd_hmax(sg));
-        rescale[g] = 1.0f;
-        if (m_new > run[g].m) {
-            rescale[g] = run[g].m == -INFINITY ? 0.0f : expf(run[g].m - m_new);
-            run[g].l *= rescale[g];
-            run[g].m = m_new;
-        }
-        const __m256 pg = _mm256_and_ps(
-            exp_ps(_mm256_sub_ps(sg, _mm256_set1_ps(m_new))), valid);
-        run[g].l += hsum(pg);
-        _mm256_storeu_ps(p[g], pg);
-    }
-}
-
 /* The keys of chunk [t, t + n) each query vector g attends to: n, or with limits (its own
  * end of keys, a prompt's row attending up to itself) as many as lie before limits[g]; a
  * vector whose keys ended before t gets 0 and is left as it is, so its state is the one a
@@ -231,9 +202,12 @@ static inline void pd_next_span(PdRows *r, int64_t n, const float **k, const flo
     }
 }
 
-/* pd_online_softmax over a span: s[g] holds the span's 32 scores (4 vectors); lanes >= n[g]
- * are ignored, and a query vector with n[g] = 0 keeps its run (weights 0, rescale 1). The
- * span's weights are summed lane-wise over its 4 vectors, then across lanes. */
+/* Per query vector g of a span: fold its 32 scores s[g] (4 vectors; lanes >= n[g] are
+ * ignored) into run[g]; returns in p[g] the weights e^(s - m) of the span's keys (0 past n[g])
+ * and in rescale[g] the factor the accumulated output must be multiplied by first (1 when the
+ * max did not grow). A query vector with n[g] = 0 keeps its run, with weights 0 and rescale 1
+ * (the output update is then an exact no-op). The span's weights are summed lane-wise over
+ * its 4 vectors, then across lanes. */
 static inline void pd_online_softmax_span(__m256 (*s)[PD_SPAN / 8], int64_t group,
                                           const int64_t *n, PdRunning *run, float (*p)[PD_SPAN],
                                           float *rescale) {
@@ -345,9 +319,64 @@ static void pd_attend_avx2(const PdArgs *a, const float *qg, int64_t ng, const i
         pd_attend_avx2_body(a, qg, ng, limits, table, h, t0, t1, run, acc, a->head_dim);
 }
 
-/* ---- AVX-512 (D % 16 == 0): the same steps 16 lanes wide ------------------------------------ */
+/* ---- AVX-512 (D % 16 == 0): the same steps 16 lanes wide ------------------------------------
+ * The span loop of the AVX2 code, with scores and output updates 16 lanes wide: a score is 16
+ * lane sums over d in order, folded to 8 (lane i + lane i + 8), then hsum8; query vectors go
+ * three at a time through the scores (3 x 4 keys: 12 sums in registers share each load) and
+ * four at a time through the output update (4 x 64 lanes). As in the AVX2 code, a query
+ * vector's numbers do not depend on which others pass the keys with it. */
 PD_AVX512_TARGET static inline __m256 pd_fold512(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+}
+
+/* s[q] = scale * (qv[q] . k[j]) for the chunk's 8 keys j, q < NQ (<= 3). */
+PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_scores_avx512(
+    const float *qv, const int NQ, const float *const *k, const int64_t d, __m256 scale,
+    __m256 *s) {
+    __m256 half[3][PD_CHUNK];
+    for (int j0 = 0; j0 < PD_CHUNK; j0 += 4) {
+        __m512 sum[3][4];
+        for (int q = 0; q < NQ; q++)
+            for (int j = 0; j < 4; j++) sum[q][j] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i += 16) {
+            __m512 x[3];
+            for (int q = 0; q < NQ; q++) x[q] = _mm512_loadu_ps(qv + q * d + i);
+            for (int j = 0; j < 4; j++) {
+                const __m512 key = _mm512_loadu_ps(k[j0 + j] + i);
+                for (int q = 0; q < NQ; q++) sum[q][j] = _mm512_fmadd_ps(x[q], key, sum[q][j]);
+            }
+        }
+        for (int q = 0; q < NQ; q++)
+            for (int j = 0; j < 4; j++) half[q][j0 + j] = pd_fold512(sum[q][j]);
+    }
+    for (int q = 0; q < NQ; q++) s[q] = _mm256_mul_ps(hsum8(half[q]), scale);
+}
+
+/* o[q] = o[q] * rescale[q] + sum_j p[q, j] V[j] for q < NQ (<= 4) over the span's keys, 64
+ * lanes at a time (16 at a time for the last d % 64): per lane the multiply, then the fused
+ * multiply-adds in key order. */
+PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_values_span_avx512(
+    float *o, const int NQ, const float (*p)[PD_SPAN], const float *rescale,
+    const float *const *v, const int64_t d) {
+    for (int64_t i0 = 0; i0 < d; i0 += 64) {
+        const int lanes = d - i0 >= 64 ? 4 : (int)((d - i0) / 16);
+        __m512 sum[4][4];
+        for (int q = 0; q < NQ; q++) {
+            const __m512 r = _mm512_set1_ps(rescale[q]);
+            for (int w = 0; w < lanes; w++)
+                sum[q][w] = _mm512_mul_ps(_mm512_loadu_ps(o + q * d + i0 + 16 * w), r);
+        }
+        for (int j = 0; j < PD_SPAN; j++) {
+            __m512 val[4];
+            for (int w = 0; w < lanes; w++) val[w] = _mm512_loadu_ps(v[j] + i0 + 16 * w);
+            for (int q = 0; q < NQ; q++) {
+                const __m512 pj = _mm512_set1_ps(p[q][j]);
+                for (int w = 0; w < lanes; w++) sum[q][w] = _mm512_fmadd_ps(pj, val[w], sum[q][w]);
+            }
+        }
+        for (int q = 0; q < NQ; q++)
+            for (int w = 0; w < lanes; w++) _mm512_storeu_ps(o + q * d + i0 + 16 * w, sum[q][w]);
+    }
 }
 
 PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_attend_avx512_body(
@@ -355,65 +384,34 @@ PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_attend_avx
     int64_t h, int64_t t0, int64_t t1, PdRunning *run, float *acc, const int64_t d) {
     const __m256 scale = _mm256_set1_ps(a->scale);
     PdRows rows = pd_rows_from(a, table, h, t0, t1);
-    for (int64_t t = t0; t < t1; t += PD_CHUNK) {
-        const int64_t n = t1 - t < PD_CHUNK ? t1 - t : PD_CHUNK;
-        const float *k[PD_CHUNK], *v[PD_CHUNK];
-        pd_next_rows(&rows, n, k, v);
+    for (int64_t t = t0; t < t1; t += PD_SPAN) {
+        const int64_t n = t1 - t < PD_SPAN ? t1 - t : PD_SPAN;
+        const float *k[PD_SPAN], *v[PD_SPAN];
+        pd_next_span(&rows, n, k, v);
         int64_t nv[MAX_NG];
         pd_chunk_keys(limits, group, t, n, nv);
-        __m256 s[MAX_NG];
-        for (int64_t g = 0; g < group; g++) {
-            if (nv[g] == 0) continue;
-            const float *qv = qg + g * d;
-            __m512 dots[PD_CHUNK];
-            for (int j = 0; j < PD_CHUNK; j++) dots[j] = _mm512_setzero_ps();
-            for (int64_t i = 0; i < d; i += 16) {
-                const __m512 x = _mm512_loadu_ps(qv + i);
-                for (int j = 0; j < PD_CHUNK; j++)
-                    dots[j] = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[j] + i), dots[j]);
+        __m256 s[MAX_NG][PD_SPAN / 8];
+        for (int c = 0; c < PD_SPAN / 8; c++) {
+            if (8 * c >= n) { /* past the pass's keys: weights 0 whatever the scores */
+                for (int64_t g = 0; g < group; g++) s[g][c] = _mm256_setzero_ps();
+                continue;
             }
-            __m256 half[PD_CHUNK];
-            for (int j = 0; j < PD_CHUNK; j++) half[j] = pd_fold512(dots[j]);
-            s[g] = _mm256_mul_ps(hsum8(half), scale);
+            __m256 sc[MAX_NG];
+            int64_t g = 0;
+            for (; g + 3 <= group; g += 3)
+                pd_scores_avx512(qg + g * d, 3, k + 8 * c, d, scale, sc + g);
+            if (group - g == 2) pd_scores_avx512(qg + g * d, 2, k + 8 * c, d, scale, sc + g);
+            else if (group - g == 1) pd_scores_avx512(qg + g * d, 1, k + 8 * c, d, scale, sc + g);
+            for (g = 0; g < group; g++) s[g][c] = sc[g];
         }
-        float p[MAX_NG][PD_CHUNK], rescale[MAX_NG];
-        pd_online_softmax(s, group, nv, run, p, rescale);
-        for (int64_t g = 0; g < group; g++) {
-            if (nv[g] == 0) continue;
-            float *o = acc + g * d;
-            const __m512 r = _mm512_set1_ps(rescale[g]);
-            for (int64_t i0 = 0; i0 < d; i0 += 128) {
-                if (d - i0 >= 128) {
-                    __m512 sum[8];
-                    for (int i = 0; i < 8; i++)
-                        sum[i] = _mm512_mul_ps(_mm512_loadu_ps(o + i0 + 16 * i), r);
-                    for (int j = 0; j < PD_CHUNK; j++) {
-                        const __m512 pj = _mm512_set1_ps(p[g][j]);
-                        for (int i = 0; i < 8; i++)
-                            sum[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v[j] + i0 + 16 * i), sum[i]);
-                    }
-                    for (int i = 0; i < 8; i++) _mm512_storeu_ps(o + i0 + 16 * i, sum[i]);
-                } else if (d - i0 == 64) {  /* 4 vectors: SmolLM2's and Llama's D = 64 */
-                    __m512 sum[4];
-                    for (int i = 0; i < 4; i++)
-                        sum[i] = _mm512_mul_ps(_mm512_loadu_ps(o + i0 + 16 * i), r);
-                    for (int j = 0; j < PD_CHUNK; j++) {
-                        const __m512 pj = _mm512_set1_ps(p[g][j]);
-                        for (int i = 0; i < 4; i++)
-                            sum[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v[j] + i0 + 16 * i), sum[i]);
-                    }
-                    for (int i = 0; i < 4; i++) _mm512_storeu_ps(o + i0 + 16 * i, sum[i]);
-                } else {  /* the last lanes, 16 at a time */
-                    for (int64_t i = i0; i < d; i += 16) {
-                        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(o + i), r);
-                        for (int j = 0; j < PD_CHUNK; j++)
-                            sum = _mm512_fmadd_ps(_mm512_set1_ps(p[g][j]), _mm512_loadu_ps(v[j] + i),
-                                                  sum);
-                        _mm512_storeu_ps(o + i, sum);
-                    }
-                }
-            }
-        }
+        float p[MAX_NG][PD_SPAN], rescale[MAX_NG];
+        pd_online_softmax_span(s, group, nv, run, p, rescale);
+        int64_t g = 0;
+        for (; g + 4 <= group; g += 4)
+            pd_values_span_avx512(acc + g * d, 4, p + g, rescale + g, v, d);
+        if (group - g == 3) pd_values_span_avx512(acc + g * d, 3, p + g, rescale + g, v, d);
+        else if (group - g == 2) pd_values_span_avx512(acc + g * d, 2, p + g, rescale + g, v, d);
+        else if (group - g == 1) pd_values_span_avx512(acc + g * d, 1, p + g, rescale + g, v, d);
     }
 }
 

@@ -381,14 +381,15 @@ def test_a_prompt_chunk_beside_decodes_equals_the_unfused_step(quantized_llama):
         torch.testing.assert_close(ours, theirs, **close)
 
 
+@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
 @pytest.mark.parametrize("length,cut", [(24, 12), (150, 70)])
-def test_a_prompt_gives_the_same_numbers_however_it_is_chunked(quantized_llama, length, cut):
+def test_a_prompt_gives_the_same_numbers_however_it_is_chunked(quantized_llama, isa, length, cut):
     """A fresh prompt beside four decode rows in one step, and the same in two steps (the
     decode rows in the first; 150 tokens: several windows of keys and several groups of rows
     per window): bit for bit the same keys and values, the same hidden states and the same
     logits, since each row's numbers are what a step of more than EXACT_MAX_ROWS rows computes
     for it, whatever the other rows."""
-    runner = runner_for(str(quantized_llama), "avx2", False)
+    runner = runner_for(str(quantized_llama), isa, False)
     rows, prefix = make_rows(4, seed=71)
     prompt = fresh_prompt(rows, length, seed=72)
     whole = prefill(runner, rows, prefix)
