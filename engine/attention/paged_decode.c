@@ -273,51 +273,13 @@ static inline __attribute__((always_inline)) void pd_values_span_avx2(float *o, 
     }
 }
 
-static inline __attribute__((always_inline)) void pd_attend_avx2_body(
-    const PdArgs *a, const float *qg, int64_t group, const int64_t *limits, const int64_t *table,
-    int64_t h, int64_t t0, int64_t t1, PdRunning *run, float *acc, const int64_t d) {
-    const __m256 scale = _mm256_set1_ps(a->scale);
-    PdRows rows = pd_rows_from(a, table, h, t0, t1);
-    for (int64_t t = t0; t < t1; t += PD_SPAN) {
-        const int64_t n = t1 - t < PD_SPAN ? t1 - t : PD_SPAN;
-        const float *k[PD_SPAN], *v[PD_SPAN];
-        pd_next_span(&rows, n, k, v);
-        int64_t nv[MAX_NG];
-        pd_chunk_keys(limits, group, t, n, nv);
-        __m256 s[MAX_NG][PD_SPAN / 8];
-        for (int c = 0; c < PD_SPAN / 8; c++) {
-            if (8 * c >= n) { /* past the pass's keys: weights 0 whatever the scores */
-                for (int64_t g = 0; g < group; g++) s[g][c] = _mm256_setzero_ps();
-                continue;
-            }
-            __m256 sc[MAX_NG];
-            int64_t g = 0;
-            for (; g + 3 <= group; g += 3) pd_scores_avx2(qg + g * d, 3, k + 8 * c, d, scale, sc + g);
-            if (group - g == 2) pd_scores_avx2(qg + g * d, 2, k + 8 * c, d, scale, sc + g);
-            else if (group - g == 1) pd_scores_avx2(qg + g * d, 1, k + 8 * c, d, scale, sc + g);
-            for (g = 0; g < group; g++) s[g][c] = sc[g];
-        }
-        float p[MAX_NG][PD_SPAN], rescale[MAX_NG];
-        pd_online_softmax_span(s, group, nv, run, p, rescale);
-        int64_t g = 0;
-        for (; g + 2 <= group; g += 2)
-            pd_values_span_avx2(acc + g * d, 2, p + g, rescale + g, v, d);
-        if (g < group) pd_values_span_avx2(acc + g * d, 1, p + g, rescale + g, v, d);
-    }
-}
-
-/* Keys [t0, t1) of table's KV head h for the ng query vectors qg [ng, D] (ng <= MAX_NG), into
- * run [ng] and acc [ng, D]. */
-static void pd_attend_avx2(const PdArgs *a, const float *qg, int64_t ng, const int64_t *limits,
-                           const int64_t *table, int64_t h, int64_t t0, int64_t t1,
-                           PdRunning *run, float *acc) {
-    if (a->head_dim == 64)
-        pd_attend_avx2_body(a, qg, ng, limits, table, h, t0, t1, run, acc, 64);
-    else if (a->head_dim == 128)
-        pd_attend_avx2_body(a, qg, ng, limits, table, h, t0, t1, run, acc, 128);
-    else
-        pd_attend_avx2_body(a, qg, ng, limits, table, h, t0, t1, run, acc, a->head_dim);
-}
+#define PD_ATTEND pd_attend_avx2
+#define PD_SPAN_LOOP pd_attend_avx2_span_loop
+#define PD_ISA
+#define PD_SCORES pd_scores_avx2
+#define PD_VALUES pd_values_span_avx2
+#define PD_VALUES_TILE 2
+#include "paged_decode_span_loop.h"
 
 /* ---- AVX-512 (D % 16 == 0): the same steps 16 lanes wide ------------------------------------
  * The span loop of the AVX2 code, with scores and output updates 16 lanes wide: a score is 16
@@ -379,53 +341,13 @@ PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_values_spa
     }
 }
 
-PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_attend_avx512_body(
-    const PdArgs *a, const float *qg, int64_t group, const int64_t *limits, const int64_t *table,
-    int64_t h, int64_t t0, int64_t t1, PdRunning *run, float *acc, const int64_t d) {
-    const __m256 scale = _mm256_set1_ps(a->scale);
-    PdRows rows = pd_rows_from(a, table, h, t0, t1);
-    for (int64_t t = t0; t < t1; t += PD_SPAN) {
-        const int64_t n = t1 - t < PD_SPAN ? t1 - t : PD_SPAN;
-        const float *k[PD_SPAN], *v[PD_SPAN];
-        pd_next_span(&rows, n, k, v);
-        int64_t nv[MAX_NG];
-        pd_chunk_keys(limits, group, t, n, nv);
-        __m256 s[MAX_NG][PD_SPAN / 8];
-        for (int c = 0; c < PD_SPAN / 8; c++) {
-            if (8 * c >= n) { /* past the pass's keys: weights 0 whatever the scores */
-                for (int64_t g = 0; g < group; g++) s[g][c] = _mm256_setzero_ps();
-                continue;
-            }
-            __m256 sc[MAX_NG];
-            int64_t g = 0;
-            for (; g + 3 <= group; g += 3)
-                pd_scores_avx512(qg + g * d, 3, k + 8 * c, d, scale, sc + g);
-            if (group - g == 2) pd_scores_avx512(qg + g * d, 2, k + 8 * c, d, scale, sc + g);
-            else if (group - g == 1) pd_scores_avx512(qg + g * d, 1, k + 8 * c, d, scale, sc + g);
-            for (g = 0; g < group; g++) s[g][c] = sc[g];
-        }
-        float p[MAX_NG][PD_SPAN], rescale[MAX_NG];
-        pd_online_softmax_span(s, group, nv, run, p, rescale);
-        int64_t g = 0;
-        for (; g + 4 <= group; g += 4)
-            pd_values_span_avx512(acc + g * d, 4, p + g, rescale + g, v, d);
-        if (group - g == 3) pd_values_span_avx512(acc + g * d, 3, p + g, rescale + g, v, d);
-        else if (group - g == 2) pd_values_span_avx512(acc + g * d, 2, p + g, rescale + g, v, d);
-        else if (group - g == 1) pd_values_span_avx512(acc + g * d, 1, p + g, rescale + g, v, d);
-    }
-}
-
-PD_AVX512_TARGET static void pd_attend_avx512(const PdArgs *a, const float *qg, int64_t ng,
-                                              const int64_t *limits, const int64_t *table,
-                                              int64_t h, int64_t t0, int64_t t1, PdRunning *run,
-                                              float *acc) {
-    if (a->head_dim == 64)
-        pd_attend_avx512_body(a, qg, ng, limits, table, h, t0, t1, run, acc, 64);
-    else if (a->head_dim == 128)
-        pd_attend_avx512_body(a, qg, ng, limits, table, h, t0, t1, run, acc, 128);
-    else
-        pd_attend_avx512_body(a, qg, ng, limits, table, h, t0, t1, run, acc, a->head_dim);
-}
+#define PD_ATTEND pd_attend_avx512
+#define PD_SPAN_LOOP pd_attend_avx512_span_loop
+#define PD_ISA PD_AVX512_TARGET
+#define PD_SCORES pd_scores_avx512
+#define PD_VALUES pd_values_span_avx512
+#define PD_VALUES_TILE 4
+#include "paged_decode_span_loop.h"
 
 /* 1 where this CPU (and OS) runs AVX-512 F, VL and DQ, else 0. */
 int baton_paged_decode_has_avx512(void) {
