@@ -29,10 +29,15 @@ def load_kernel() -> ctypes.CDLL | None:
     # block tables, their width, lengths, sequences, query heads per KV head, block size,
     # shared keys out, group out
     groups = [ptr, i64, ptr, i64, i64, i64, ptr, ptr]
+    # query vectors, their count, limits, cache, 4 cache strides, table, KV head, t0, t1, head
+    # dim, block size, scale, path, m out, l out, acc out
+    one_pass = [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, i64, i64, i64, i64]
+    one_pass += [ctypes.c_float, ctypes.c_int, ptr, ptr, ptr]
     return load_kernel_library(
         SOURCE,
         baton_paged_decode=decode,
         baton_paged_decode_groups=groups,
+        baton_paged_decode_pass=one_pass,
         baton_paged_decode_isa=[*decode, ctypes.c_int],
         baton_paged_decode_has_avx512=[],
     )

@@ -32,7 +32,9 @@
  *
  * Two instruction sets in one library: AVX2 + FMA (the build flags), and AVX-512 F/VL/DQ
  * behind a target attribute, taken only when cpuid reports it (baton_paged_decode) or asked
- * for (baton_paged_decode_isa). The two sum in different orders (float32, same formula).
+ * for (baton_paged_decode_isa). The two sum in different orders (float32, same formula). The
+ * AVX-512 code has two paths with the same sums: register tiles of a few query vectors, and
+ * for passes of PD_LANES_MIN or more query vectors, 16 of them in the lanes of a vector.
  *
  * Cache addressing by element strides of the head-major view [2, KVH, num_blocks, bs, D]:
  * kv (K -> V), head, block, token; D is contiguous. D % 8 == 0 (AVX-512: D % 16 == 0, else
@@ -316,10 +318,10 @@ PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_scores_avx
 
 /* o[q] = o[q] * rescale[q] + sum_j p[q, j] V[j] for q < NQ (<= 4) over the span's keys, 64
  * lanes at a time (16 at a time for the last d % 64): per lane the multiply, then the fused
- * multiply-adds in key order. */
+ * multiply-adds in key order. p[q, j] is p[q * q_stride + j * key_stride]. */
 PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_values_span_avx512(
-    float *o, const int NQ, const float (*p)[PD_SPAN], const float *rescale,
-    const float *const *v, const int64_t d) {
+    float *o, const int NQ, const float *p, const int64_t q_stride, const int64_t key_stride,
+    const float *rescale, const float *const *v, const int64_t d) {
     for (int64_t i0 = 0; i0 < d; i0 += 64) {
         const int lanes = d - i0 >= 64 ? 4 : (int)((d - i0) / 16);
         __m512 sum[4][4];
@@ -332,7 +334,7 @@ PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_values_spa
             __m512 val[4];
             for (int w = 0; w < lanes; w++) val[w] = _mm512_loadu_ps(v[j] + i0 + 16 * w);
             for (int q = 0; q < NQ; q++) {
-                const __m512 pj = _mm512_set1_ps(p[q][j]);
+                const __m512 pj = _mm512_set1_ps(p[q * q_stride + j * key_stride]);
                 for (int w = 0; w < lanes; w++) sum[q][w] = _mm512_fmadd_ps(pj, val[w], sum[q][w]);
             }
         }
@@ -341,19 +343,245 @@ PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_values_spa
     }
 }
 
-#define PD_ATTEND pd_attend_avx512
+/* pd_values_span_avx512 on weights p[q][j] (the span loop's layout) */
+PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_values_span_rows_avx512(
+    float *o, const int NQ, const float (*p)[PD_SPAN], const float *rescale,
+    const float *const *v, const int64_t d) {
+    pd_values_span_avx512(o, NQ, &p[0][0], PD_SPAN, 1, rescale, v, d);
+}
+
+#define PD_ATTEND pd_attend_avx512_by_tiles
 #define PD_SPAN_LOOP pd_attend_avx512_span_loop
 #define PD_ISA PD_AVX512_TARGET
 #define PD_SCORES pd_scores_avx512
-#define PD_VALUES pd_values_span_avx512
+#define PD_VALUES pd_values_span_rows_avx512
 #define PD_VALUES_TILE 4
 #include "paged_decode_span_loop.h"
+
+/* ---- AVX-512, many query vectors: query vectors in lanes -------------------------------------
+ * A pass of PD_LANES_MIN or more query vectors (a prompt chunk's rows, a group of decode rows
+ * over a shared prefix) holds them transposed, 16 to a vector (qt[e][lane] = q[lane][e]), and
+ * computes a key's scores for 16 query vectors at once: each fused multiply-add broadcasts one
+ * of the key's elements against a row of qt, and no sum crosses lanes. The sums are those of
+ * pd_scores_avx512 term for term (the chain of lane l over elements l, l + 16, ..., the fold
+ * of lane l with lane l + 8, hsum8's pairs), the online softmax that of
+ * pd_online_softmax_span (the same max, expf, exp_ps polynomial and order of the weights'
+ * sums) and the output update that of pd_values_span_avx512: a query vector's numbers are bit
+ * for bit those of the tiled code, whichever path a pass takes. */
+#define PD_LANES_MIN 32
+
+/* exp_ps 16 lanes wide, the same operations lane by lane */
+PD_AVX512_TARGET static inline __m512 pd_exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* f[j] = p_i + p_(i+8) for NK keys k[j], 16 query vectors qt [d][16]: p_l the chain of fused
+ * multiply-adds over elements l, l + 16, ... (pd_scores_avx512's lane l, then its fold) */
+PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_fold_lanes(
+    const float *qt, const int NK, const float *const *k, const int64_t d, const int i,
+    __m512 *f) {
+    __m512 lo[4], hi[4];
+    for (int j = 0; j < NK; j++) lo[j] = hi[j] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < d; e += 16) {
+        const __m512 qa = _mm512_load_ps(qt + (e + i) * 16), qb = _mm512_load_ps(qt + (e + i + 8) * 16);
+        for (int j = 0; j < NK; j++) {
+            lo[j] = _mm512_fmadd_ps(qa, _mm512_set1_ps(k[j][e + i]), lo[j]);
+            hi[j] = _mm512_fmadd_ps(qb, _mm512_set1_ps(k[j][e + i + 8]), hi[j]);
+        }
+    }
+    for (int j = 0; j < NK; j++) f[j] = _mm512_add_ps(lo[j], hi[j]);
+}
+
+/* s[j] = scale * (q . k[j]) for NK (<= 4) keys and the 16 query vectors of qt, summed as
+ * hsum8 sums a key's folded lanes: ((f0 + f1) + (f2 + f3)) + ((f4 + f5) + (f6 + f7)). */
+PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_scores_lanes(
+    const float *qt, const int NK, const float *const *k, const int64_t d, __m512 scale,
+    __m512 *s) {
+    __m512 a[4], b[4], low[4], f[4];
+    pd_fold_lanes(qt, NK, k, d, 0, a);
+    pd_fold_lanes(qt, NK, k, d, 1, f);
+    for (int j = 0; j < NK; j++) a[j] = _mm512_add_ps(a[j], f[j]);
+    pd_fold_lanes(qt, NK, k, d, 2, b);
+    pd_fold_lanes(qt, NK, k, d, 3, f);
+    for (int j = 0; j < NK; j++) low[j] = _mm512_add_ps(a[j], _mm512_add_ps(b[j], f[j]));
+    pd_fold_lanes(qt, NK, k, d, 4, a);
+    pd_fold_lanes(qt, NK, k, d, 5, f);
+    for (int j = 0; j < NK; j++) a[j] = _mm512_add_ps(a[j], f[j]);
+    pd_fold_lanes(qt, NK, k, d, 6, b);
+    pd_fold_lanes(qt, NK, k, d, 7, f);
+    for (int j = 0; j < NK; j++)
+        s[j] = _mm512_mul_ps(_mm512_add_ps(low[j], _mm512_add_ps(a[j], _mm512_add_ps(b[j], f[j]))),
+                             scale);
+}
+
+/* The span loop with query vectors in lanes: keys [t0, t1) for the group query vectors qg
+ * [group, d] (group <= MAX_NG), into run and acc as pd_attend_avx512_by_tiles. */
+PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_attend_lanes_loop(
+    const PdArgs *a, const float *qg, int64_t group, const int64_t *limits, const int64_t *table,
+    int64_t h, int64_t t0, int64_t t1, PdRunning *run, float *acc, const int64_t d) {
+    const int64_t vectors = (group + 15) / 16;
+    /* qt [vectors][d][16], lanes past group 0 */
+    float qt[vectors * d * 16] __attribute__((aligned(64)));
+    for (int64_t c = 0; c < vectors; c++)
+        for (int64_t e = 0; e < d; e++)
+            for (int lane = 0; lane < 16; lane++) {
+                const int64_t g = 16 * c + lane;
+                qt[(c * d + e) * 16 + lane] = g < group ? qg[g * d + e] : 0.0f;
+            }
+    const __m512 scale = _mm512_set1_ps(a->scale);
+    PdRows rows = pd_rows_from(a, table, h, t0, t1);
+    for (int64_t t = t0; t < t1; t += PD_SPAN) {
+        const int64_t n = t1 - t < PD_SPAN ? t1 - t : PD_SPAN;
+        const float *k[PD_SPAN], *v[PD_SPAN];
+        pd_next_span(&rows, n, k, v);
+        int64_t nv[MAX_NG + 16];
+        pd_chunk_keys(limits, group, t, n, nv);
+        for (int64_t c = 0; c < vectors; c++) {
+            const int64_t g0 = 16 * c, lanes = group - g0 < 16 ? group - g0 : 16;
+            int32_t counts[16] __attribute__((aligned(64)));
+            for (int lane = 0; lane < 16; lane++) counts[lane] = lane < lanes ? (int32_t)nv[g0 + lane] : 0;
+            const __m512i count = _mm512_load_si512(counts);
+            /* scores of the span's keys (in fours; keys past n repeat the last and are masked) */
+            __m512 s[PD_SPAN];
+#pragma GCC unroll 1
+            for (int j = 0; j < n; j += 4) pd_scores_lanes(qt + c * d * 16, 4, k + j, d, scale, s + j);
+            __mmask16 valid[PD_SPAN];
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int j = 0; j < n; j++) {
+                valid[j] = _mm512_cmpgt_epi32_mask(count, _mm512_set1_epi32(j));
+                mx = _mm512_mask_max_ps(mx, valid[j], mx, s[j]);
+            }
+            /* per query vector, pd_online_softmax_span's update of its running max and sum */
+            float top[16] __attribute__((aligned(64))), m_new[16] __attribute__((aligned(64)));
+            float rescale[16];
+            _mm512_store_ps(top, mx);
+            for (int lane = 0; lane < 16; lane++) {
+                PdRunning *r = &run[g0 + lane];
+                rescale[lane] = 1.0f;
+                m_new[lane] = 0.0f;
+                if (lane >= lanes || counts[lane] == 0) continue;
+                m_new[lane] = fmaxf(r->m, top[lane]);
+                if (m_new[lane] > r->m) {
+                    rescale[lane] = r->m == -INFINITY ? 0.0f : expf(r->m - m_new[lane]);
+                    r->l *= rescale[lane];
+                    r->m = m_new[lane];
+                }
+            }
+            /* weights p [PD_SPAN][16] (0 where masked), and each lane's sum of them as
+             * pd_online_softmax_span adds its span's weights: per key lane i of 8, the keys
+             * i, i + 8, i + 16, i + 24 in order, then hsum's pairs */
+            float p[PD_SPAN * 16] __attribute__((aligned(64)));
+            const __m512 m = _mm512_load_ps(m_new);
+            for (int j = 0; j < PD_SPAN; j++) {
+                const __m512 pj = j < n ? _mm512_maskz_mov_ps(valid[j], pd_exp512(_mm512_sub_ps(s[j], m)))
+                                        : _mm512_setzero_ps();
+                _mm512_store_ps(p + j * 16, pj);
+            }
+            __m512 lane_sum[8];
+            for (int i = 0; i < 8; i++) {
+                __m512 total = _mm512_load_ps(p + i * 16);
+                for (int j = i + 8; j < PD_SPAN; j += 8)
+                    total = _mm512_add_ps(total, _mm512_load_ps(p + j * 16));
+                lane_sum[i] = total;
+            }
+            const __m512 sum = _mm512_add_ps(
+                _mm512_add_ps(_mm512_add_ps(lane_sum[0], lane_sum[4]), _mm512_add_ps(lane_sum[2], lane_sum[6])),
+                _mm512_add_ps(_mm512_add_ps(lane_sum[1], lane_sum[5]), _mm512_add_ps(lane_sum[3], lane_sum[7])));
+            float added[16] __attribute__((aligned(64)));
+            _mm512_store_ps(added, sum);
+            for (int lane = 0; lane < lanes; lane++)
+                if (counts[lane] > 0) run[g0 + lane].l += added[lane];
+            /* the outputs, four query vectors at a time */
+            float *o = acc + g0 * d;
+            int64_t q = 0;
+            for (; q + 4 <= lanes; q += 4)
+                pd_values_span_avx512(o + q * d, 4, p + q, 1, 16, rescale + q, v, d);
+            if (lanes - q == 3) pd_values_span_avx512(o + q * d, 3, p + q, 1, 16, rescale + q, v, d);
+            else if (lanes - q == 2) pd_values_span_avx512(o + q * d, 2, p + q, 1, 16, rescale + q, v, d);
+            else if (lanes - q == 1) pd_values_span_avx512(o + q * d, 1, p + q, 1, 16, rescale + q, v, d);
+        }
+    }
+}
+
+PD_AVX512_TARGET static void pd_attend_avx512_by_lanes(const PdArgs *a, const float *qg,
+                                                       int64_t ng, const int64_t *limits,
+                                                       const int64_t *table, int64_t h,
+                                                       int64_t t0, int64_t t1, PdRunning *run,
+                                                       float *acc) {
+    if (a->head_dim == 64)
+        pd_attend_lanes_loop(a, qg, ng, limits, table, h, t0, t1, run, acc, 64);
+    else
+        pd_attend_lanes_loop(a, qg, ng, limits, table, h, t0, t1, run, acc, a->head_dim);
+}
+
+/* Keys [t0, t1) of table's KV head h for the ng query vectors qg [ng, D] (ng <= MAX_NG), into
+ * run [ng] and acc [ng, D]: by lanes for PD_LANES_MIN or more query vectors, else by tiles. */
+PD_AVX512_TARGET static void pd_attend_avx512(const PdArgs *a, const float *qg, int64_t ng,
+                                              const int64_t *limits, const int64_t *table,
+                                              int64_t h, int64_t t0, int64_t t1, PdRunning *run,
+                                              float *acc) {
+    if (ng < PD_LANES_MIN)
+        pd_attend_avx512_by_tiles(a, qg, ng, limits, table, h, t0, t1, run, acc);
+    else
+        pd_attend_avx512_by_lanes(a, qg, ng, limits, table, h, t0, t1, run, acc);
+}
 
 /* 1 where this CPU (and OS) runs AVX-512 F, VL and DQ, else 0. */
 int baton_paged_decode_has_avx512(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512dq");
+}
+
+/* One pass (tests): keys [t0, t1) of a block table's KV head h for the ng query vectors qg
+ * [ng, D], each up to its own limit (limits [ng], or NULL: all), from a fresh state, by one
+ * path: 0 = AVX2, 1 = AVX-512 by tiles, 2 = AVX-512 by lanes. Writes each vector's running max
+ * m [ng], sum l [ng] and unnormalized output acc [ng, D]. Returns 0, -1 for shapes the path
+ * does not take, -3 for an AVX-512 path on a CPU without it. */
+int baton_paged_decode_pass(const float *qg, int64_t ng, const int64_t *limits,
+                            const float *cache, int64_t stride_kv, int64_t stride_head,
+                            int64_t stride_block, int64_t stride_token, const int64_t *table,
+                            int64_t h, int64_t t0, int64_t t1, int64_t head_dim,
+                            int64_t block_size, float scale, int path, float *m, float *l,
+                            float *acc) {
+    if (ng <= 0 || ng > MAX_NG || head_dim <= 0 || head_dim > PD_MAX_D || block_size <= 0 ||
+        t0 < 0 || t1 < t0 || head_dim % (path == 0 ? 8 : 16) != 0 || path < 0 || path > 2)
+        return -1;
+    if (path > 0 && !baton_paged_decode_has_avx512()) return -3;
+    const PdArgs a = {.cache = cache,
+                      .stride_kv = stride_kv,
+                      .stride_head = stride_head,
+                      .stride_block = stride_block,
+                      .stride_token = stride_token,
+                      .head_dim = head_dim,
+                      .block_size = block_size,
+                      .scale = scale};
+    PdRunning run[MAX_NG];
+    for (int64_t g = 0; g < ng; g++) run[g] = (PdRunning){-INFINITY, 0.0f};
+    memset(acc, 0, sizeof(float) * (size_t)(ng * head_dim));
+    if (path == 0)
+        pd_attend_avx2(&a, qg, ng, limits, table, h, t0, t1, run, acc);
+    else if (path == 1)
+        pd_attend_avx512_by_tiles(&a, qg, ng, limits, table, h, t0, t1, run, acc);
+    else
+        pd_attend_avx512_by_lanes(&a, qg, ng, limits, table, h, t0, t1, run, acc);
+    for (int64_t g = 0; g < ng; g++) m[g] = run[g].m, l[g] = run[g].l;
+    return 0;
 }
 
 /* A run of keys [k0, k1) of KV head h for nrows sequences, members[row0 .. row0 + nrows):
