@@ -29,8 +29,11 @@ typedef struct {
     const int8_t *xq;
     const float *xd, *xs;
     int avx512, int8_isa;
-    int by_panels; /* float32 products of a step of more than EXACT_MAX_ROWS rows */
-    float *panels; /* this thread's 2 PANEL_N * max K floats for them (gguf_gemm.c) */
+    int by_panels; /* float32 products of a step of more than EXACT_MAX_ROWS rows (AVX2) */
+    int by_lanes;  /* float32 products of a step of LANES_MIN_ROWS rows or more on AVX-512 */
+    float *panels; /* this thread's scratch for either: PANELS_FLOATS_PER_K or
+                    * LANES_SCRATCH_PER_K floats per element of the largest K */
+    float *xt;     /* by lanes: the input rows packed (gemm_lanes.c), shared by the team */
 } ds_input;
 
 /* Products of more rows than this (float32) go through gguf_gemm.c's panels: each weight
@@ -38,10 +41,24 @@ typedef struct {
  * element is computed with the one-row kernels' arithmetic, so a step of up to EXACT_MAX_ROWS
  * rows gives each row the numbers it has alone; above it each row has the panel arithmetic's
  * numbers, also the same whatever the other rows. Measured on a 2-core AVX2 EPYC, SmolLM2's
- * gate/up product: 8 rows 0.84x the one-row tiles, 16 rows 1.5x, 64 rows 1.7x. Which
- * arithmetic a step takes is set by its row count, for every product of the step (the logits
- * of a few of its rows too). */
+ * gate/up product: 8 rows 0.84x the one-row tiles, 16 rows 1.5x, 64 rows 1.7x.
+ * On AVX-512 (the caller's avx512), steps of LANES_MIN_ROWS rows or more multiply by lanes
+ * instead (gemm_lanes.c: input rows in the lanes, one running sum per element), again the same
+ * numbers for a row whatever the other rows. Measured on a 2-core Zen 4 EPYC (2 threads,
+ * SmolLM2's shapes): in a 256-token prompt step the products took 264-268 ms by lanes against
+ * 357-375 ms by panels (the same build with -DLANES_MIN_ROWS=100000, runs alternating); alone
+ * (python -m benchmarks.product_paths) lanes are 1.02-1.27x the panels at 32-256 rows and
+ * 1.06-1.17x at 16, and lose below 16 rows, where most of a vector is empty.
+ * Which arithmetic a step takes is set by its row count (and the ISA), for every product of
+ * the step (the logits of a few of its rows too). */
 #define EXACT_MAX_ROWS 8
+#ifndef LANES_MIN_ROWS /* -DLANES_MIN_ROWS=... at build time overrides it (A/B runs) */
+#define LANES_MIN_ROWS 16
+#endif
+/* The per-thread panel scratch of the panels, in floats per element of K: two PANEL_N-row
+ * panels (gate and up). The lanes' is LANES_SCRATCH_PER_K (gemm_lanes.c). */
+#define PANELS_FLOATS_PER_K (2 * PANEL_N)
+_Static_assert(LANES_NT <= LANES_SCRATCH_PER_K, "a lanes tile's rows fit the lanes' scratch");
 
 /* Work sharing: guided chunks (half of what is left per grab, down to 32 matrix rows / 32
  * SwiGLU outputs): a thread the OS has descheduled leaves its share to the others instead of
@@ -76,7 +93,8 @@ static void block_sums(const float *x, int64_t K, float *xsum) {
  * step uses them (per block of 32, so all rows in one call). */
 static void prepare_input(ds_input *in, const float *x, int64_t R, int64_t K, float *xsum,
                           int8_t *xq, float *xd, float *xs) {
-    if (!in->by_panels) block_sums(x, R * K, xsum); /* panels need none */
+    if (in->by_lanes && R > LANES_FEW_MAX) lanes_pack_for(x, R, K, in->xt); /* ends in a barrier */
+    else if (!in->by_panels) block_sums(x, R * K, xsum); /* panels need none */
     if (in->int8_isa) baton_quantize_row_q8(x, R * K, xq, xd, xs);
     in->x = x;
     in->xsum = xsum;
@@ -190,6 +208,14 @@ static void matrix_rows(const ds_matrix *w, const ds_input *in, int64_t n0, int 
  * input rows (call from every thread; ends with a barrier). */
 static void matrix_for(const ds_matrix *w, const ds_input *in, int64_t R, float *y) {
     const int64_t pairs = (w->n + 1) / 2, N = w->n;
+    if (in->by_lanes && R <= LANES_FEW_MAX) {
+        lanes_few_product_for(in->x, R, w->k, w->blocks, N, w->type, w->bias, in->panels, y);
+        return;
+    }
+    if (in->by_lanes) {
+        lanes_product_for(in->xt, R, w->k, w->blocks, N, w->type, w->bias, in->panels, y);
+        return;
+    }
     if (in->by_panels) {
         panel_product_for(in->x, R, w->k, w->blocks, N, w->type, w->bias, in->panels, y);
         return;
@@ -222,8 +248,8 @@ static void swiglu_panels_for(const ds_matrix *w, const ds_input *in, int64_t R,
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t i0 = c * PANEL_N;
             const int count = inter - i0 < PANEL_N ? (int)(inter - i0) : PANEL_N;
-            panel_rebuild(w->blocks, w->type, K, i0, count, gate_panel);
-            panel_rebuild(w->blocks, w->type, K, inter + i0, count, up_panel);
+            rebuild_rows(w->blocks, w->type, K, i0, count, PANEL_N, gate_panel);
+            rebuild_rows(w->blocks, w->type, K, inter + i0, count, PANEL_N, up_panel);
             const float *gate_bias = w->bias == NULL ? NULL : w->bias + i0;
             const float *up_bias = w->bias == NULL ? NULL : w->bias + inter + i0;
             /* [mb, PANEL_N] each, 8 lanes (two rows) at a time: lanes past count or mb are
@@ -248,11 +274,48 @@ static void swiglu_panels_for(const ds_matrix *w, const ds_input *in, int64_t R,
     }
 }
 
+/* swiglu_for by lanes (AVX-512, float32): LANES_NT / 2 gate rows and the up rows of the same
+ * outputs rebuilt into one panel, each tile of input rows times it (gemm_lanes.c's arithmetic),
+ * then silu(gate) * up per output (silu_mul, 8 rows at a time). */
+AVX512_TARGET static void swiglu_lanes_for(const ds_matrix *w, const ds_input *in, int64_t R,
+                                           int64_t inter, float *act) {
+    const int64_t K = w->k, half = LANES_NT / 2, chunks = (inter + half - 1) / half;
+    OMP_FOR(schedule(guided, 4))
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t i0 = c * half;
+        const int count = inter - i0 < half ? (int)(inter - i0) : (int)half;
+        rebuild_rows(w->blocks, w->type, K, i0, count, half, in->panels);
+        rebuild_rows(w->blocks, w->type, K, inter + i0, count, half, in->panels + half * K);
+        for (int64_t g = 0; g < lanes_groups(R); g += LANES_MV) {
+            /* sums [LANES_NT, LANES_MV * 16]: gate outputs i0 + j in rows j < half, up in the
+             * rows after; lanes past `rows` (and with one group, past 16) are not read */
+            float sums[LANES_NT * LANES_MV * LANES];
+            const int64_t rows = lanes_tiles(in->xt, R, K, g, in->panels, sums);
+            for (int j = 0; j < count; j++) {
+                float *gate = sums + j * LANES_MV * LANES, *up = gate + half * LANES_MV * LANES;
+                if (w->bias != NULL)
+                    for (int64_t i = 0; i < rows; i++) {
+                        gate[i] = gate[i] + w->bias[i0 + j];
+                        up[i] = up[i] + w->bias[inter + i0 + j];
+                    }
+                for (int64_t i = 0; i < rows; i += 8)
+                    _mm256_storeu_ps(gate + i,
+                                     silu_mul(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+                for (int64_t i = 0; i < rows; i++) act[(g * LANES + i) * inter + i0 + j] = gate[i];
+            }
+        }
+    }
+}
+
 /* act [R, I] = silu(gate) * up, the gate/up rows (gate rows, then up rows of W [2 I, E]) shared
  * out 8 outputs at a time, each times all R input rows (every thread; ends with a barrier).
  * silu(g) = g / (1 + e^-g): exp_ps on 8 outputs, expf on a shorter last chunk. */
 static void swiglu_for(const ds_matrix *w, const ds_input *in, int64_t R, int64_t inter,
                        float *act) {
+    if (in->by_lanes) {
+        swiglu_lanes_for(w, in, R, inter, act);
+        return;
+    }
     if (in->by_panels) {
         swiglu_panels_for(w, in, R, inter, act);
         return;

@@ -291,6 +291,9 @@ static int rows_disjoint(const int64_t *tables, int64_t width, const int64_t *se
  * panels'), for callers that compare steps. */
 int baton_decode_exact_max_rows(void) { return EXACT_MAX_ROWS; }
 
+/* Rows from which a step's float32 products on AVX-512 multiply by lanes (up to it: panels). */
+int baton_decode_lanes_min_rows(void) { return LANES_MIN_ROWS; }
+
 /* Runs the decoder stack for R rows, row r one token tokens[r] at position seq_lens[r] - 1 of
  * its sequence, whose keys live in the blocks of its block table (tables [R, width], at least
  * ceil(seq_lens[r] / block_size) entries used). Consecutive rows with the same table are one
@@ -337,11 +340,14 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
     /* Every part starts on a cache line (SCRATCH_ALIGN floats): the products' 32-byte loads of
      * x rows and panels then never straddle two lines, whatever address malloc returns. */
     const int64_t window_size = lines(2 * MAX_NG * D + 2 * MAX_NG);
+    const int by_lanes = !m->int8_isa && m->avx512 && R >= LANES_MIN_ROWS;
     const int64_t own_size = 2 * lines(R * E) + lines(D) + 3 * lines(R * (max_k / QK)) +
-                             window_size + lines(R * max_k / 4) + lines(2 * PANEL_N * max_k);
+                             window_size + lines(R * max_k / 4) +
+                             lines((by_lanes ? LANES_SCRATCH_PER_K : PANELS_FLOATS_PER_K) * max_k);
+    const int64_t xt_size = by_lanes ? lines(lanes_groups(R) * LANES * max_k) : 0;
     const int threads = omp_get_max_threads();
     const int64_t shared_size = lines(R * qkv_n) + 2 * lines(R * q_size) + lines(R * E) +
-                                lines(R * I) + lines(num_states * state_floats);
+                                lines(R * I) + lines(num_states * state_floats) + xt_size;
     float *shared = aligned_alloc(
         sizeof(float) * SCRATCH_ALIGN,
         sizeof(float) * (size_t)(shared_size + threads * own_size));
@@ -352,7 +358,8 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
     float *qkv = shared, *attn = qkv + lines(R * qkv_n), *tmp = attn + lines(R * q_size),
           *act = tmp + lines(R * E);
     /* roped queries [R, H, D]; window states [R, H, max_windows, 2 + D] */
-    float *roped = act + lines(R * I), *states = roped + lines(R * q_size);
+    float *roped = act + lines(R * I), *states = roped + lines(R * q_size),
+          *xt = states + lines(num_states * state_floats);
     float *own_all = shared + shared_size;
 #pragma omp parallel num_threads(threads)
     {
@@ -366,8 +373,10 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
         int8_t *xq = (int8_t *)(window_q + window_size); /* R * max_k bytes */
         ds_input in = {.avx512 = m->avx512,
                        .int8_isa = m->int8_isa,
-                       .by_panels = !m->int8_isa && R > EXACT_MAX_ROWS,
-                       .panels = window_q + window_size + lines(R * max_k / 4)};
+                       .by_panels = !m->int8_isa && R > EXACT_MAX_ROWS && !by_lanes,
+                       .by_lanes = by_lanes,
+                       .panels = window_q + window_size + lines(R * max_k / 4),
+                       .xt = xt};
         const int timed = timings != NULL && omp_get_thread_num() == 0;
         double t_prev = timed ? omp_get_wtime() : 0.0;
 #define MARK(part)                                                                                 \

@@ -121,7 +121,12 @@ def load_kernel() -> ctypes.CDLL | None:
     # model, rows, tokens, tables, table width, lengths, logit rows, their count, hidden,
     # logits, timings
     rows = [ctypes.POINTER(Model), i64, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr]
-    return load_kernel_library(SOURCE, baton_decode_rows=rows, baton_decode_exact_max_rows=[])
+    return load_kernel_library(
+        SOURCE,
+        baton_decode_rows=rows,
+        baton_decode_exact_max_rows=[],
+        baton_decode_lanes_min_rows=[],
+    )
 
 
 def _matrix(layer: object) -> Matrix | None:

@@ -171,12 +171,12 @@ int baton_gguf_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
 #define PANEL_TM 3  /* input rows per tile: 3 x 4 sums + 3 x loads + 1 w load = 16 registers */
 #define PANEL_MB 96 /* input rows per block (a multiple of PANEL_TM) */
 
-/* Rows [n0, n0 + count) of W (count <= PANEL_N) rebuilt into panel [PANEL_N, K]; the rows past
+/* Rows [n0, n0 + count) of W (count <= rows) rebuilt into panel [rows, K]; the rows past
  * count repeat the last one (their sums are computed and dropped). */
-static inline void panel_rebuild(const uint8_t *w, int32_t type, int64_t K, int64_t n0, int count,
-                                 float *panel) {
+static inline void rebuild_rows(const uint8_t *w, int32_t type, int64_t K, int64_t n0, int count,
+                                int rows, float *panel) {
     const int64_t block_bytes = type == 3 ? 20 : 34, nb = K / QK;
-    for (int r = 0; r < PANEL_N; r++) {
+    for (int r = 0; r < rows; r++) {
         const uint8_t *row = w + (n0 + (r < count ? r : count - 1)) * nb * block_bytes;
         float *out = panel + r * K;
         for (int64_t b = 0; b < nb; b++) {
@@ -234,7 +234,7 @@ static void panel_product_for(const float *x, int64_t M, int64_t K, const uint8_
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * PANEL_N;
             const int count = N - n0 < PANEL_N ? (int)(N - n0) : PANEL_N;
-            panel_rebuild(w, type, K, n0, count, panel);
+            rebuild_rows(w, type, K, n0, count, PANEL_N, panel);
             panel_rows(x + m0 * K, mb, K, panel, count, bias == NULL ? NULL : bias + n0,
                        y + m0 * N + n0, N);
         }
@@ -359,6 +359,8 @@ int baton_gguf_gemv_avx512(const float *x, int64_t K, const uint8_t *w, int64_t 
     gemv_avx512(x, K, w, N, type, xsum, y);
     return 0;
 }
+
+#include "gemm_lanes.c"
 
 /* ==== int8 activations (opt-in: EngineOptions.int8_activations) =============================
  * llama.cpp's arithmetic for a decode step: the activation rows are quantized to int8 per block

@@ -50,6 +50,8 @@ def load_kernel() -> ctypes.CDLL | None:
         baton_gguf_gemm=[ptr, i64, i64, ptr, i64, i32, ptr, ptr],
         baton_gguf_dequantize=[ptr, i64, i64, i32, ptr],
         baton_gguf_gemv_avx512=[ptr, i64, ptr, i64, i32, ptr, ptr],
+        baton_gguf_gemm_panel=[ptr, i64, i64, ptr, i64, i32, ptr],
+        baton_gguf_gemm_lanes=[ptr, i64, i64, ptr, i64, i32, ptr],
         baton_cpu_has_avx512=[],
         baton_cpu_int8_isas=[],
         baton_quantize_row_q8=[ptr, i64, ptr, ptr, ptr],

@@ -229,6 +229,7 @@ def test_library_key_covers_included_files(tmp_path):
         "decode_step.c",
         "decode_matrix.c",
         "gguf_gemm.c",
+        "gemm_lanes.c",
         "paged_decode.c",
         "paged_decode_span_loop.h",
         "rms_norm.c",

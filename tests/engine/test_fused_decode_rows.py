@@ -225,23 +225,29 @@ def test_int8_rows_equal_the_unfused_int8_path(quantized_llama, isa, count):
     "isa,int8", [(isa, False) for isa in RUNNABLE_ISAS] + [(isa, True) for isa in INT8_ISAS]
 )
 @pytest.mark.parametrize("prefix_len", [PREFIX, LONG_PREFIX])
-def test_each_row_is_what_it_is_alone(quantized_llama, isa, int8, prefix_len):
-    """17 rows in one step against each row alone (R = 1) over a copy of the same cache:
+@pytest.mark.parametrize("count", [12, 17])
+def test_each_row_is_what_it_is_alone(quantized_llama, isa, int8, prefix_len, count):
+    """`count` rows in one step against each row alone (R = 1) over a copy of the same cache:
     hidden state, logits and cache equal bit for bit, whatever tile and thread a row meets,
     and whether its shared prefix's window runs for its group or for it alone. Float32 steps
-    of more than EXACT_MAX_ROWS rows multiply by panels: there each row is compared with the
-    same row in a step of other rows (rows 0-8, then 8-16: both above the bound)."""
+    of more than EXACT_MAX_ROWS rows multiply by panels (on AVX-512 from LANES_MIN_ROWS rows by
+    lanes): there each row is compared with the same row in a step of fewer other rows whose
+    products are of the same kind (the first rows, then the last)."""
     runner = runner_for(str(quantized_llama), isa, int8)
-    rows, prefix = make_rows(17, seed=30, prefix_len=prefix_len)
+    rows, prefix = make_rows(count, seed=30, prefix_len=prefix_len)
     together = prefill(runner, rows, prefix)
     apart = copy_of(together, runner)
     both = [
         FusedDecoder.build(runner.model, kv, runner.backend, runner.config)
         for kv in (together, apart)
     ]
-    some = [0, 2, 3, 9, 16]  # logits of only these rows: the others' are not computed
-    panels = not int8 and len(rows) > exact_max_rows()
-    splits = [range(0, 9), range(8, 17)] if panels else [range(r, r + 1) for r in range(17)]
+    some = [r for r in (0, 2, 3, 9, 16) if r < count]  # only these rows' logits are computed
+    size = same_products_min_rows(isa, int8, count)
+    if size == 1:
+        splits = [range(r, r + 1) for r in range(count)]
+    else:
+        assert size < count
+        splits = [range(0, size), range(count - size, count)]
     for step in range(STEPS):
         tokens, tables, lens = decode_inputs(rows, step)
         hidden, logits = both[0].step_rows(tokens, tables, lens, some)
@@ -266,6 +272,18 @@ def exact_max_rows() -> int:
     lib = fused_decode.load_kernel()
     assert lib is not None
     return lib.baton_decode_exact_max_rows()
+
+
+def same_products_min_rows(isa: str, int8: bool, count: int) -> int:
+    """The fewest rows of a step whose products have the arithmetic of a step of `count` rows
+    (decode_matrix.c): int8, or float32 up to EXACT_MAX_ROWS rows, the one-row kernels' (1);
+    above, the panels' (EXACT_MAX_ROWS + 1), on AVX-512 from LANES_MIN_ROWS rows the lanes'."""
+    lib = fused_decode.load_kernel()
+    assert lib is not None
+    exact, lanes = lib.baton_decode_exact_max_rows(), lib.baton_decode_lanes_min_rows()
+    if int8 or count <= exact:
+        return 1
+    return lanes if isa == "avx512" and count >= lanes else exact + 1
 
 
 def test_rows_that_cannot_share_a_step_are_refused(quantized_llama):
@@ -382,13 +400,14 @@ def test_a_prompt_chunk_beside_decodes_equals_the_unfused_step(quantized_llama):
 
 
 @pytest.mark.parametrize("isa", RUNNABLE_ISAS)
-@pytest.mark.parametrize("length,cut", [(24, 12), (150, 70)])
+@pytest.mark.parametrize("length,cut", [(32, 12), (150, 70)])
 def test_a_prompt_gives_the_same_numbers_however_it_is_chunked(quantized_llama, isa, length, cut):
     """A fresh prompt beside four decode rows in one step, and the same in two steps (the
     decode rows in the first; 150 tokens: several windows of keys and several groups of rows
     per window): bit for bit the same keys and values, the same hidden states and the same
     logits, since each row's numbers are what a step of more than EXACT_MAX_ROWS rows computes
-    for it, whatever the other rows."""
+    for it (by panels, or by lanes on AVX-512: each of the three steps takes the same kind),
+    whatever the other rows."""
     runner = runner_for(str(quantized_llama), isa, False)
     rows, prefix = make_rows(4, seed=71)
     prompt = fresh_prompt(rows, length, seed=72)
@@ -410,7 +429,8 @@ def test_a_prompt_gives_the_same_numbers_however_it_is_chunked(quantized_llama, 
         [rest - 1],
         [rest],
     )
-    assert cut + len(rows) > exact_max_rows() and rest > exact_max_rows()
+    size = same_products_min_rows(isa, False, length + len(rows))
+    assert size > 1 and cut + len(rows) >= size and rest >= size
     assert torch.equal(first_hidden[: len(rows)], hidden[: len(rows)])
     assert torch.equal(first_logits[: len(rows)], logits[: len(rows)])
     assert torch.equal(first_hidden[len(rows) :], hidden[len(rows) : len(rows) + cut])
