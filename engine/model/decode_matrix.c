@@ -74,7 +74,9 @@ _Static_assert(LANES_NT <= LANES_SCRATCH_PER_K, "a lanes tile's rows fit the lan
 #endif
 _Static_assert(TILE_M == I8_TILE_M, "one tile height for the float32 and the int8 tiles");
 #define PRAGMA(x) _Pragma(#x)
-#define OMP_FOR(sched) PRAGMA(omp for sched)
+/* A work-share of the step: `omp for` without its barrier; each is followed by team_barrier()
+ * (team_barrier.h: waits without sleeping). */
+#define OMP_FOR(sched) PRAGMA(omp for sched nowait)
 
 static inline int64_t block_bytes_of(int32_t type) { return type == 3 ? 20 : type == 8 ? 34 : 0; }
 
@@ -227,6 +229,7 @@ static void matrix_for(const ds_matrix *w, const ds_input *in, int64_t R, float 
             matrix_rows(w, in, n0, N - n0 < 2 ? 1 : 2, m0,
                         R - m0 < TILE_M ? (int)(R - m0) : TILE_M, y + m0 * N + n0, N);
     }
+    team_barrier();
 }
 
 /* silu(g) * u = g / (1 + e^-g) * u on 8 lanes. */
@@ -272,6 +275,7 @@ static void swiglu_panels_for(const ds_matrix *w, const ds_input *in, int64_t R,
                        sizeof(float) * (size_t)count);
         }
     }
+    team_barrier();
 }
 
 /* swiglu_for by lanes (AVX-512, float32): LANES_NT / 2 gate rows and the up rows of the same
@@ -305,6 +309,7 @@ AVX512_TARGET static void swiglu_lanes_for(const ds_matrix *w, const ds_input *i
             }
         }
     }
+    team_barrier();
 }
 
 /* act [R, I] = silu(gate) * up, the gate/up rows (gate rows, then up rows of W [2 I, E]) shared
@@ -346,4 +351,5 @@ static void swiglu_for(const ds_matrix *w, const ds_input *in, int64_t R, int64_
             }
         }
     }
+    team_barrier();
 }

@@ -9,9 +9,9 @@
  * attention (RoPE and the cache write per row and KV head; windows of keys, each read once for
  * the query heads of its KV head, and for every row of a shared prompt head; the windows'
  * merge per head) are shared out with `omp for` (one barrier each, seven per layer whatever
- * R); the small vector ops (RMSNorm, residual adds, block sums
- * and int8 blocks of the activations) are computed by every thread on its own private copy of
- * the R rows, so they need no barrier.
+ * R: team_barrier.h's, which waits without sleeping); the small vector ops (RMSNorm, residual
+ * adds, block sums and int8 blocks of the activations) are computed by every thread on its own
+ * private copy of the R rows, so they need no barrier.
  *
  * The arithmetic is the unfused path's, operation for operation, so greedy tokens stay those of
  * transformers; and each row's is the same whatever R (a row's numbers never depend on which
@@ -361,8 +361,10 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
     float *roped = act + lines(R * I), *states = roped + lines(R * q_size),
           *xt = states + lines(num_states * state_floats);
     float *own_all = shared + shared_size;
+    team_barrier_t barrier = {0, 0};
 #pragma omp parallel num_threads(threads)
     {
+        team_enter(&barrier);
         const int64_t nb = R * (max_k / QK);
         float *x = own_all + omp_get_thread_num() * own_size, *xn = x + lines(R * E),
               *k = xn + lines(R * E), *xsum = k + lines(D), *xd = xsum + lines(nb),
@@ -411,6 +413,7 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
                 memcpy(k_dst, k, sizeof(float) * (size_t)D);
                 memcpy(k_dst + m->stride_kv, v, sizeof(float) * (size_t)D);
             }
+            team_barrier();
             /* every window of keys (after the barrier: this step's keys are in the cache) */
             const PdArgs pa = {.cache = L->kv_cache,
                                .stride_kv = m->stride_kv,
@@ -457,6 +460,7 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
                         memcpy(st + 2, window_acc + v * D, sizeof(float) * (size_t)D);
                     }
             }
+            team_barrier();
             /* each head's windows merged in key order */
             OMP_FOR(HEADS_SCHEDULE)
             for (int64_t task = 0; task < R * H; task++) {
@@ -470,6 +474,7 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
                 const float inv = 1.0f / run.l;
                 for (int64_t e = 0; e < D; e++) attn[task * D + e] = window_acc[e] * inv;
             }
+            team_barrier();
             MARK(T_ATTENTION);
             prepare_input(&in, attn, R, q_size, xsum, xq, xd, xs);
             MARK(T_NORM);
@@ -503,6 +508,7 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
             MARK(T_NORM);
         }
 #undef MARK
+        team_leave();
     }
     free(shared);
     free_plan(&plan);

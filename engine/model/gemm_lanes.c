@@ -73,8 +73,9 @@ AVX512_TARGET static void lanes_pack_group(const float *x, int64_t M, int64_t K,
 
 /* xt = x [M, K] packed (every thread of the team; ends with a barrier). */
 AVX512_TARGET static void lanes_pack_for(const float *x, int64_t M, int64_t K, float *xt) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t g = 0; g < lanes_groups(M); g++) lanes_pack_group(x, M, K, g, xt);
+    team_barrier();
 }
 
 /* sums [LANES_NT, LANES_MV * 16]: sums[j][16 v + l] = panel row j . input row 16 v + l of the
@@ -110,12 +111,12 @@ AVX512_TARGET static int64_t lanes_tiles(const float *xt, int64_t M, int64_t K, 
 
 /* y [M, N] (+ bias [N] or NULL) = x W^T by lanes, xt holding x packed (lanes_pack_for); tiles
  * of LANES_NT weight rows shared out among the threads. panel: LANES_NT * K floats of this
- * thread's own. Call from inside a parallel region (omp for semantics; ends with a barrier). */
+ * thread's own. Call from inside a parallel region (every thread; ends with team_barrier). */
 AVX512_TARGET static void lanes_product_for(const float *xt, int64_t M, int64_t K,
                                             const uint8_t *w, int64_t N, int32_t type,
                                             const float *bias, float *panel, float *y) {
     const int64_t tiles = (N + LANES_NT - 1) / LANES_NT;
-#pragma omp for schedule(guided, 4)
+#pragma omp for schedule(guided, 4) nowait
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t n0 = t * LANES_NT;
         const int count = N - n0 < LANES_NT ? (int)(N - n0) : LANES_NT;
@@ -132,6 +133,7 @@ AVX512_TARGET static void lanes_product_for(const float *xt, int64_t M, int64_t 
             }
         }
     }
+    team_barrier();
 }
 
 /* ---- few rows: the weight rows in the lanes -------------------------------------------------
@@ -148,13 +150,13 @@ AVX512_TARGET static void lanes_product_for(const float *xt, int64_t M, int64_t 
 
 /* y [M, N] (+ bias) = x [M, K] W^T for M <= LANES_FEW_MAX, x row-major; tiles of
  * 16 LANES_FEW_NV weight rows shared out among the threads. scratch: LANES_SCRATCH_PER_K * K
- * floats of this thread's own (64-byte aligned). Every thread (omp for; ends with a barrier). */
+ * floats of this thread's own (64-byte aligned). Every thread (ends with team_barrier). */
 AVX512_TARGET static void lanes_few_product_for(const float *x, int64_t M, int64_t K,
                                                 const uint8_t *w, int64_t N, int32_t type,
                                                 const float *bias, float *scratch, float *y) {
     const int64_t width = 16 * LANES_FEW_NV, tiles = (N + width - 1) / width;
     float *rows = scratch, *wt = scratch + width * K;
-#pragma omp for schedule(guided, 4)
+#pragma omp for schedule(guided, 4) nowait
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t n0 = t * width;
         const int count = N - n0 < width ? (int)(N - n0) : (int)width;
@@ -176,6 +178,7 @@ AVX512_TARGET static void lanes_few_product_for(const float *x, int64_t M, int64
                 y[i * N + n0 + j] = bias == NULL ? sums[j] : sums[j] + bias[n0 + j];
         }
     }
+    team_barrier();
 }
 
 /* y[M, N] = x[M, K] W^T by lanes (lanes_product_for): the entry point for tests and

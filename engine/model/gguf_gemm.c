@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "../simd_math.h"
+#include "team_barrier.h"
 
 #define QK 32
 #define TILE_M 4 /* rows of x sharing one unpacked block */
@@ -223,14 +224,14 @@ static void panel_rows(const float *x, int64_t M, int64_t K, const float *panel,
 
 /* y[M, N] = x[M, K] W^T (+ bias [N] or NULL) by panels (the arithmetic above), panels shared
  * out among the threads. panel: PANEL_N * K floats of this thread's own. Call from inside a
- * parallel region with `omp for` semantics: every thread of the team calls it; it ends with a
- * barrier. */
+ * parallel region with `omp for` semantics: every thread of the team calls it; it ends with
+ * team_barrier(). */
 static void panel_product_for(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                               int32_t type, const float *bias, float *panel, float *y) {
     const int64_t groups = (N + PANEL_N - 1) / PANEL_N;
     for (int64_t m0 = 0; m0 < M; m0 += PANEL_MB) {
         const int64_t mb = M - m0 < PANEL_MB ? M - m0 : PANEL_MB;
-#pragma omp for schedule(guided, 4)
+#pragma omp for schedule(guided, 4) nowait
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * PANEL_N;
             const int count = N - n0 < PANEL_N ? (int)(N - n0) : PANEL_N;
@@ -239,6 +240,7 @@ static void panel_product_for(const float *x, int64_t M, int64_t K, const uint8_
                        y + m0 * N + n0, N);
         }
     }
+    team_barrier(); /* the blocks' work-shares write disjoint outputs: one barrier at the end */
 }
 
 /* y[M, N] = x[M, K] W^T by panels (panel_product_for): products of many rows. Returns 0, -1

@@ -234,6 +234,7 @@ def test_library_key_covers_included_files(tmp_path):
         "paged_decode_span_loop.h",
         "rms_norm.c",
         "simd_math.h",
+        "team_barrier.h",
     }
     (tmp_path / "part.c").write_text("int part(void) { return 1; }\n")
     main = tmp_path / "main.c"
