@@ -18,23 +18,20 @@ import time
 from collections.abc import Callable
 
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from engine.model.gguf_kernel import load_kernel
 
-Q4_1 = 3
+Q4_1 = int(GGMLQuantizationType.Q4_1)
 # (name, K, N): SmolLM2-135M's layer products (qkv, gate/up, down); o is qkv's K with N = K
 SHAPES = (("qkv", 576, 960), ("gate/up", 576, 3072), ("down", 1536, 576))
 
 
 def q4_1_blocks(n: int, k: int, g: torch.Generator) -> torch.Tensor:
-    """Random Q4_1 blocks [n, k / 32 * 20]: f16 scale d > 0, f16 minimum m < 0, random nibbles."""
-    nb = k // 32
-    blocks = torch.randint(0, 256, (n, nb, 20), dtype=torch.uint8, generator=g)
-    d = (torch.rand(n, nb, generator=g) * 0.01 + 0.001).half()
-    m = (-torch.rand(n, nb, generator=g) * 0.05).half()
-    blocks[:, :, 0:2] = d.view(torch.uint8).view(n, nb, 2)
-    blocks[:, :, 2:4] = m.view(torch.uint8).view(n, nb, 2)
-    return blocks.reshape(n, nb * 20).contiguous()
+    """Random normal weights [n, k] as Q4_1 blocks [n, k / 32 * 20] (gguf's quantizer)."""
+    weights = torch.randn(n, k, generator=g).numpy()
+    return torch.from_numpy(quantize(weights, GGMLQuantizationType.Q4_1))
 
 
 def seconds(run: Callable[[], None], flops: float) -> float:
