@@ -31,8 +31,8 @@ typedef struct {
     int avx512, int8_isa;
     int by_panels; /* float32 products of a step of more than EXACT_MAX_ROWS rows (AVX2) */
     int by_lanes;  /* float32 products of a step of LANES_MIN_ROWS rows or more on AVX-512 */
-    float *panels; /* this thread's scratch for either: PANELS_FLOATS_PER_K or
-                    * LANES_SCRATCH_PER_K floats per element of the largest K */
+    float *panels; /* this thread's scratch for either: PANELS_FLOATS_PER_K floats per element
+                    * of the largest K, or lanes_scratch_floats (few rows: only the head's K) */
     float *xt;     /* by lanes: the input rows packed (gemm_lanes.c), shared by the team */
 } ds_input;
 
@@ -56,9 +56,8 @@ typedef struct {
 #define LANES_MIN_ROWS 16
 #endif
 /* The per-thread panel scratch of the panels, in floats per element of K: two PANEL_N-row
- * panels (gate and up). The lanes' is LANES_SCRATCH_PER_K (gemm_lanes.c). */
+ * panels (gate and up). The lanes' is lanes_scratch_floats (gemm_lanes.c). */
 #define PANELS_FLOATS_PER_K (2 * PANEL_N)
-_Static_assert(LANES_NT <= LANES_SCRATCH_PER_K, "a lanes tile's rows fit the lanes' scratch");
 
 /* Work sharing: guided chunks (half of what is left per grab, down to 32 matrix rows / 32
  * SwiGLU outputs): a thread the OS has descheduled leaves its share to the others instead of
@@ -95,7 +94,7 @@ static void block_sums(const float *x, int64_t K, float *xsum) {
  * step uses them (per block of 32, so all rows in one call). */
 static void prepare_input(ds_input *in, const float *x, int64_t R, int64_t K, float *xsum,
                           int8_t *xq, float *xd, float *xs) {
-    if (in->by_lanes && R > LANES_FEW_MAX) lanes_pack_for(x, R, K, in->xt); /* ends in a barrier */
+    if (in->by_lanes && !lanes_few_rows(R)) lanes_pack_for(x, R, K, in->xt); /* ends in a barrier */
     else if (!in->by_panels) block_sums(x, R * K, xsum); /* panels need none */
     if (in->int8_isa) baton_quantize_row_q8(x, R * K, xq, xd, xs);
     in->x = x;
@@ -210,7 +209,7 @@ static void matrix_rows(const ds_matrix *w, const ds_input *in, int64_t n0, int 
  * input rows (call from every thread; ends with a barrier). */
 static void matrix_for(const ds_matrix *w, const ds_input *in, int64_t R, float *y) {
     const int64_t pairs = (w->n + 1) / 2, N = w->n;
-    if (in->by_lanes && R <= LANES_FEW_MAX) {
+    if (in->by_lanes && lanes_few_rows(R)) {
         lanes_few_product_for(in->x, R, w->k, w->blocks, N, w->type, w->bias, in->panels, y);
         return;
     }

@@ -343,7 +343,8 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
     const int by_lanes = !m->int8_isa && m->avx512 && R >= LANES_MIN_ROWS;
     const int64_t own_size = 2 * lines(R * E) + lines(D) + 3 * lines(R * (max_k / QK)) +
                              window_size + lines(R * max_k / 4) +
-                             lines((by_lanes ? LANES_SCRATCH_PER_K : PANELS_FLOATS_PER_K) * max_k);
+                             lines(by_lanes ? lanes_scratch_floats(max_k, E) /* few: the head */
+                                            : PANELS_FLOATS_PER_K * max_k);
     const int64_t xt_size = by_lanes ? lines(lanes_groups(R) * LANES * max_k) : 0;
     const int threads = omp_get_max_threads();
     const int64_t shared_size = lines(R * qkv_n) + 2 * lines(R * q_size) + lines(R * E) +

@@ -144,9 +144,20 @@ AVX512_TARGET static void lanes_product_for(const float *xt, int64_t M, int64_t 
  * numbers as the lanes above. */
 #define LANES_FEW_MAX 4
 #define LANES_FEW_NV 4 /* vectors of 16 weight rows per tile: 4 chains for one input row */
-/* The per-thread scratch of the lanes products, in floats per element of K: a tile's rebuilt
- * weight rows and, for the few rows, their transposed copy. */
+/* The few rows' per-thread scratch, in floats per element of K: a tile's rebuilt weight rows
+ * and their transposed copy. */
 #define LANES_SCRATCH_PER_K (2 * 16 * LANES_FEW_NV)
+
+/* Whether a product of `rows` input rows puts its weight rows in the lanes (the few rows). */
+static inline int lanes_few_rows(int64_t rows) { return rows <= LANES_FEW_MAX; }
+
+/* Floats of one thread's scratch for the lanes products of a step whose largest K is max_k and
+ * whose few-row products (only the output head: a prompt's last rows) have K = few_k: a tile of
+ * LANES_NT rebuilt weight rows of the largest K, or the few rows' tile. */
+static inline int64_t lanes_scratch_floats(int64_t max_k, int64_t few_k) {
+    const int64_t tile = LANES_NT * max_k, few = LANES_SCRATCH_PER_K * few_k;
+    return tile > few ? tile : few;
+}
 
 /* y [M, N] (+ bias) = x [M, K] W^T for M <= LANES_FEW_MAX, x row-major; tiles of
  * 16 LANES_FEW_NV weight rows shared out among the threads. scratch: LANES_SCRATCH_PER_K * K
@@ -189,14 +200,14 @@ int baton_gguf_gemm_lanes(const float *x, int64_t M, int64_t K, const uint8_t *w
     if ((type != 3 && type != 8) || K % QK != 0 || K <= 0 || M < 1) return -1;
     if (!baton_cpu_has_avx512()) return -2;
     const int threads = omp_get_max_threads();
-    const int64_t own = LANES_SCRATCH_PER_K * K;
-    const size_t xt_floats = M <= LANES_FEW_MAX ? 0 : (size_t)(lanes_groups(M) * LANES * K);
+    const int64_t own = lanes_scratch_floats(K, K);
+    const size_t xt_floats = lanes_few_rows(M) ? 0 : (size_t)(lanes_groups(M) * LANES * K);
     float *scratch = aligned_alloc(64, sizeof(float) * (xt_floats + (size_t)(threads * own)));
     if (scratch == NULL) return -3;
 #pragma omp parallel num_threads(threads)
     {
         float *mine = scratch + xt_floats + omp_get_thread_num() * own;
-        if (M <= LANES_FEW_MAX) {
+        if (lanes_few_rows(M)) {
             lanes_few_product_for(x, M, K, w, N, type, NULL, mine, y);
         } else {
             lanes_pack_for(x, M, K, scratch);
