@@ -51,8 +51,19 @@ def smollm2_gguf() -> Path:
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _run(cmd: list[str]) -> str:
+def _run(cmd: list[str], no_repack: list[str] | None = None, notes: set | None = None) -> str:
+    """The command's stdout. `no_repack`: its switch that turns llama.cpp's weight repacking
+    (its AMX kernels where the CPU has AMX) off, used for a second run where the first died of a
+    signal (on some AMX machines they crash on prompts); `notes` gets why."""
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode < 0 and no_repack:
+        if notes is not None:
+            notes.add(
+                f"{Path(cmd[0]).name} crashed ({done.returncode}) with weight repacking: "
+                f"measured with {' '.join(no_repack)}"
+            )
+        cmd = [*cmd, *no_repack]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-2000:]}")
     return done.stdout
@@ -65,6 +76,7 @@ class LlamaCppRunner:
 
     def __init__(self, bin_dir: Path, gguf: Path, threads: int) -> None:
         self.bin_dir, self.gguf, self.threads = bin_dir, str(gguf), str(threads)
+        self.notes: set[str] = set()  # settings beyond the defaults, and why
 
     def _bench(self, prompt: int, gen: int) -> float:
         """tokens/s of llama-bench's pp<prompt> (gen 0) or tg<gen> (prompt 0) test."""
@@ -73,7 +85,9 @@ class LlamaCppRunner:
                 str(self.bin_dir / "llama-bench"),
                 *("-m", self.gguf, "-t", self.threads, "-p", str(prompt), "-n", str(gen)),
                 *("-r", "1", "-o", "json"),
-            ]
+            ],
+            ["--repack", "0"],
+            self.notes,
         )
         (result,) = json.loads(out)
         return float(result["avg_ts"])
@@ -93,7 +107,9 @@ class LlamaCppRunner:
                 *("-m", self.gguf, "-t", self.threads, "-c", str(ctx), "-b", "2048"),
                 *("-npp", str(BATCH_PROMPT), "-ntg", str(BATCH_NEW), "-npl", str(BATCH)),
                 *("--output-format", "jsonl"),
-            ]
+            ],
+            ["--no-repack"],
+            self.notes,
         )
         rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         if len(rows) != 1:
@@ -379,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     print("ratio > 1: Baton is faster (for the whole run: llama.cpp's seconds / Baton's)")
     print("Baton int8: int8_activations on, decode only (more than 8 rows a step stay float32)")
+    for note in sorted(sides["llama.cpp"].notes):
+        print(f"llama.cpp: {note}")
     if args.json:
         out = {"baton": ours, "baton int8": ours8, "llama.cpp": theirs}
         Path(args.json).write_text(json.dumps(out, indent=2))

@@ -123,6 +123,7 @@ class Server:
     process: subprocess.Popen
     log_path: Path
     started_s: float = field(default=0.0)
+    settings: str = ""  # settings beyond the documented ones, and why (printed with the table)
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM to the server's process group (it and every child), SIGKILL after
@@ -186,6 +187,28 @@ def start(kind: str, parallel: int = 4, log_dir: Path | None = None, log=print) 
         raise ValueError(f"unknown peer {kind!r}: llamacpp or vllm")
     log_dir = log_dir or Path.home() / ".cache" / "baton" / "peer-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _start(kind, command, env, port, log_dir, log)
+    except PeerCrashed as crash:
+        if kind != "llamacpp":
+            raise
+        # llama.cpp's repacked weights (its AMX kernels on CPUs that have AMX) crash on some
+        # machines as soon as a prompt is computed: its documented switch turns them off
+        log(f"llamacpp crashed at start ({crash.returncode}); again with --no-repack")
+        server = _start(kind, [*command, "--no-repack"], env, free_port(), log_dir, log)
+        server.settings = "--no-repack: with weight repacking it crashed at start"
+        return server
+
+
+class PeerCrashed(RuntimeError):
+    """A peer's process died of a signal before it answered."""
+
+    def __init__(self, message: str, returncode: int) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
+def _start(kind: str, command: list[str], env: dict, port: int, log_dir: Path, log) -> Server:
     log_path = log_dir / f"{kind}-{port}.log"
     log(f"starting {kind} on 127.0.0.1:{port} (log: {log_path})")
     with open(log_path, "wb") as out:
@@ -208,9 +231,9 @@ def wait_ready(server: Server, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            raise RuntimeError(
-                f"{server.kind} exited with {server.process.returncode}:\n{tail(server.log_path)}"
-            )
+            code = server.process.returncode
+            message = f"{server.kind} exited with {code}:\n{tail(server.log_path)}"
+            raise PeerCrashed(message, code) if code < 0 else RuntimeError(message)
         try:
             if httpx.get(f"{server.url}/v1/models", timeout=5.0, trust_env=False).is_success:
                 return

@@ -72,6 +72,12 @@ def engine_option(text: str) -> tuple[str, object]:
         return key, value
 
 
+def note_settings(server: peers.Server, label: str, results: dict) -> None:
+    """A peer started with settings beyond its documented ones: printed under the tables."""
+    if server.settings:
+        results.setdefault("_settings", {})[label] = server.settings
+
+
 def run_server(kind, plan, tokens, config, streams, args, results, log) -> None:
     """Every (workload, stream count) of `plan` on one kind of server, into results
     {workload: {streams: {label: summary}}}; a server that cannot start is logged."""
@@ -95,9 +101,11 @@ def run_server(kind, plan, tokens, config, streams, args, results, log) -> None:
         elif kind == "llamacpp":
             for n in streams:  # its slots are fixed at start: one start per stream count
                 with peers.start("llamacpp", parallel=n, log=log) as server:
+                    note_settings(server, label, results)
                     measure(server.url, [n])
         else:
             with peers.start(kind, log=log) as server:
+                note_settings(server, label, results)
                 measure(server.url, streams)
     except (RuntimeError, FileNotFoundError, OSError) as exc:
         log(f"{label}: not run: {exc}")
@@ -155,11 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     for kind in kinds:
         run_server(kind, plan, tokens, config, streams, args, results, log)
     not_run = results.pop("_not_run", {})
+    settings = results.pop("_settings", {})
     for name, by_streams in results.items():
         title = f"{name} (seed {args.seed}, {requests} requests a run, {args.output_len} tokens)"
         print(side_by_side_table(dict(sorted(by_streams.items())), title) + "\n")
     for label, reason in not_run.items():
         print(f"{label}: not run: {reason.splitlines()[0]}")
+    for label, why in settings.items():
+        print(f"{label}: {why}")
     if args.out:
         path = Path(args.out) / "peers.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -169,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             for n, by_label in by_streams.items()
             for label, summary in by_label.items()
         ]
-        path.write_text(json.dumps({"runs": runs, "not_run": not_run}, indent=1) + "\n")
+        record = {"runs": runs, "not_run": not_run, "settings": settings}
+        path.write_text(json.dumps(record, indent=1) + "\n")
         print(f"results: {path}")
     failed = any(s["failed"] for b in results.values() for x in b.values() for s in x.values())
     return 1 if failed or not_run else 0

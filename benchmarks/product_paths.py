@@ -1,7 +1,8 @@
 """The fused step's products of many rows, on SmolLM2's shapes: gguf_gemm.c's panels (any
 x86-64 CPU; float32 register tiles of 3 rows x 4 weight rows, 8 lanes over k) against
-gemm_lanes.c's lanes (AVX-512: 16 input rows in the lanes, weights broadcast), and PyTorch's
-float32 product of the dequantized weights as a reference, all on the same random Q4_1 blocks
+gemm_lanes.c's lanes (AVX-512: 16 input rows in the lanes, weights broadcast), gemm_amx.c's
+AMX tiles where the CPU has them (two more columns: amx and amx / lanes), and PyTorch's float32
+product of the dequantized weights as a reference, all on the same random Q4_1 blocks
 and threads. Prints GFLOP/s per shape and row count (the best of --rounds, the paths
 alternating) and lanes / panels.
 
@@ -56,11 +57,14 @@ def paths(lib, blocks: torch.Tensor, weight: torch.Tensor, x: torch.Tensor) -> d
 
         return run
 
-    return {
+    runs = {
         "panels": kernel(lib.baton_gguf_gemm_panel),
         "lanes": kernel(lib.baton_gguf_gemm_lanes),
         "torch": lambda: torch.mm(x, weight.t(), out=y),
     }
+    if lib.baton_cpu_has_amx():
+        runs["amx"] = kernel(lib.baton_gguf_gemm_amx)
+    return runs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,8 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     print(f"{args.threads} threads, GFLOP/s, best of {args.rounds} rounds")
+    amx = bool(lib.baton_cpu_has_amx())
     print(
         f"{'product':>8} {'rows':>5} {'panels':>7} {'lanes':>7} {'torch':>7} {'lanes/panels':>13}"
+        + (f" {'amx':>7} {'amx/lanes':>10}" if amx else "")
     )
     for name, k, n in SHAPES:
         blocks = q4_1_blocks(n, k, g)
@@ -91,10 +97,13 @@ def main(argv: list[str] | None = None) -> None:
                     best[path] = min(best[path], seconds(run, flops))
             rate = {path: flops / s / 1e9 for path, s in best.items()}
             ratio = best["panels"] / best["lanes"]
-            print(
+            line = (
                 f"{name:>8} {m:>5} {rate['panels']:>7.0f} {rate['lanes']:>7.0f} "
                 f"{rate['torch']:>7.0f} {ratio:>12.2f}x"
             )
+            if amx:
+                line += f" {rate['amx']:>7.0f} {best['lanes'] / best['amx']:>9.2f}x"
+            print(line)
 
 
 if __name__ == "__main__":

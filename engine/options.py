@@ -16,7 +16,7 @@ from engine.errors import InvalidRequestError
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # engine/config.py maps them to torch dtypes
 # gguf_isa values; engine/model/gguf_kernel.py maps each but auto to its kernels
-GGUF_ISA_NAMES = ("auto", "avx2", "avxvnni", "avx512", "avx512vnni")
+GGUF_ISA_NAMES = ("auto", "avx2", "avxvnni", "avx512", "avx512vnni", "amx")
 KV_TIER_NAMES = ("none", "host", "disk")  # "none" and engine/kv_tier's TIERS
 RULES = ("ge", "gt", "le", "min_length", "choices")  # metadata keys that validate a value
 _COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
@@ -178,10 +178,11 @@ class EngineOptions:
     gguf_isa: str = option(
         "auto",
         "instruction set of the GGUF block kernels (A/B runs): auto picks by cpuid (AVX-512 "
-        "for float32 Q4_1 rows of one-row products and of fused decode steps, the fastest int8 "
-        "kernel); avx2 forces AVX2 everywhere; avx512 and avx512vnni force AVX-512 (float32) "
-        "and AVX-512 VNNI (int8); avxvnni forces AVX-VNNI (int8) and AVX2 (float32); one this "
-        "CPU lacks is an error at start",
+        "for float32 Q4_1 rows of one-row products and of fused decode steps, AMX tiles for "
+        "the fused step's products of 32 rows or more, the fastest int8 kernel); avx2 forces "
+        "AVX2 everywhere; avx512 and avx512vnni force AVX-512 (float32, no AMX) and AVX-512 "
+        "VNNI (int8); amx forces AVX-512 with AMX; avxvnni forces AVX-VNNI (int8) and AVX2 "
+        "(float32); one this CPU lacks is an error at start",
         choices=GGUF_ISA_NAMES,
     )
     itl_target_ms: float | None = option(

@@ -64,7 +64,8 @@ typedef struct {
     int64_t block_size, stride_kv, stride_head, stride_block, stride_token; /* in elements */
     int64_t max_positions, vocab;
     float eps, scale;
-    int32_t avx512; /* 1: Q4_1 rows with the AVX-512 kernel (gguf_kernel.gemv_isa's choice) */
+    int32_t avx512; /* 1: Q4_1 rows with the AVX-512 kernel (gguf_kernel.gemv_isa's choice);
+                     * 2: that, and the products of many rows on AMX (gemm_amx.c) */
     const ds_layer *layers;  /* [num_layers] */
     const float *final_norm; /* [E] */
     const float *embed;      /* [vocab, E] */
@@ -238,6 +239,7 @@ static int check_model(const ds_model *m) {
     if (E <= 0 || E % 8 || D % 8 || KVH <= 0 || H % KVH || H / KVH > MAX_G || m->block_size <= 0)
         return -1;
     if (m->avx512 && !baton_cpu_has_avx512()) return -1;
+    if (m->avx512 == 2 && !baton_cpu_has_amx()) return -1;
     if (m->int8_isa && (m->int8_isa < BATON_I8_AVX2 || m->int8_isa > BATON_I8_AVX512VNNI ||
                         !(baton_cpu_int8_isas() & (1 << m->int8_isa))))
         return -1;
@@ -293,6 +295,7 @@ int baton_decode_exact_max_rows(void) { return EXACT_MAX_ROWS; }
 
 /* Rows from which a step's float32 products on AVX-512 multiply by lanes (up to it: panels). */
 int baton_decode_lanes_min_rows(void) { return LANES_MIN_ROWS; }
+int baton_decode_amx_min_rows(void) { return AMX_MIN_ROWS; }
 
 /* Runs the decoder stack for R rows, row r one token tokens[r] at position seq_lens[r] - 1 of
  * its sequence, whose keys live in the blocks of its block table (tables [R, width], at least
@@ -341,11 +344,20 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
      * x rows and panels then never straddle two lines, whatever address malloc returns. */
     const int64_t window_size = lines(2 * MAX_NG * D + 2 * MAX_NG);
     const int by_lanes = !m->int8_isa && m->avx512 && R >= LANES_MIN_ROWS;
-    const int64_t own_size = 2 * lines(R * E) + lines(D) + 3 * lines(R * (max_k / QK)) +
-                             window_size + lines(R * max_k / 4) +
-                             lines(by_lanes ? lanes_scratch_floats(max_k, E) /* few: the head */
-                                            : PANELS_FLOATS_PER_K * max_k);
-    const int64_t xt_size = by_lanes ? lines(lanes_groups(R) * LANES * max_k) : 0;
+    const int by_amx = by_lanes && m->avx512 == 2 && R >= AMX_MIN_ROWS;
+    const int64_t lanes_own = lanes_scratch_floats(max_k, E); /* few: only the head */
+    const int64_t amx_own = amx_scratch_floats(max_k);
+    const int64_t own_size =
+        2 * lines(R * E) + lines(D) + 3 * lines(R * (max_k / QK)) + window_size +
+        lines(R * max_k / 4) +
+        lines(by_amx     ? (lanes_own > amx_own ? lanes_own : amx_own)
+              : by_lanes ? lanes_own
+                         : PANELS_FLOATS_PER_K * max_k);
+    /* by lanes: the packed rows; by AMX: the rows' three bfloat16 parts, then their block sums */
+    const int64_t amx_rows = amx_groups(R) * AMX_ROWS;
+    const int64_t xt_size = by_amx     ? lines(3 * amx_rows * max_k / 2) + lines(amx_rows * (max_k / QK))
+                            : by_lanes ? lines(lanes_groups(R) * LANES * max_k)
+                                       : 0;
     const int threads = omp_get_max_threads();
     const int64_t shared_size = lines(R * qkv_n) + 2 * lines(R * q_size) + lines(R * E) +
                                 lines(R * I) + lines(num_states * state_floats) + xt_size;
@@ -379,7 +391,10 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
                        .by_panels = !m->int8_isa && R > EXACT_MAX_ROWS && !by_lanes,
                        .by_lanes = by_lanes,
                        .panels = window_q + window_size + lines(R * max_k / 4),
-                       .xt = xt};
+                       .xt = xt,
+                       .by_amx = by_amx,
+                       .xb = (uint16_t *)xt,
+                       .xb_sum = xt + lines(3 * amx_rows * max_k / 2)};
         const int timed = timings != NULL && omp_get_thread_num() == 0;
         double t_prev = timed ? omp_get_wtime() : 0.0;
 #define MARK(part)                                                                                 \

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention.kv_layout import head_major
-from engine.model.gguf_kernel import INT8_ISA_IDS
+from engine.model.gguf_kernel import INT8_ISA_IDS, amx_products
 from engine.model.gguf_linear import GGUFBlockLinear
 from engine.native import load_kernel_library
 
@@ -126,6 +126,8 @@ def load_kernel() -> ctypes.CDLL | None:
         baton_decode_rows=rows,
         baton_decode_exact_max_rows=[],
         baton_decode_lanes_min_rows=[],
+        baton_decode_amx_min_rows=[],
+        baton_cpu_has_amx=[],
     )
 
 
@@ -158,6 +160,13 @@ def _block_layers(model: LlamaForCausalLM) -> list[GGUFBlockLinear]:
     if isinstance(model.lm_head, GGUFBlockLinear):
         matrices.append(model.lm_head)
     return matrices
+
+
+def has_amx() -> bool:
+    """Whether the fused step can multiply on AMX tiles here (its library built, the CPU and OS
+    with AMX): what gguf_isa amx asks for."""
+    lib = load_kernel()
+    return lib is not None and bool(lib.baton_cpu_has_amx())
 
 
 class FusedDecoder:
@@ -210,6 +219,7 @@ class FusedDecoder:
         # row is computed as a one-row unfused product computes it
         isa = _block_layers(model)[0].isa
         int8 = bool(getattr(config, "int8_activations", False))
+        amx = amx_products(lib, getattr(config, "gguf_isa", "auto"))  # products of many rows
         c_model = Model(
             a.num_layers,
             a.hidden_size,
@@ -223,7 +233,7 @@ class FusedDecoder:
             a.vocab_size,
             a.rms_norm_eps,
             a.head_dim**-0.5,  # LlamaAttention.scale
-            int(not int8 and isa == "avx512"),
+            0 if int8 or isa != "avx512" else 2 if amx else 1,
             layers,
             model.norm.weight.data_ptr(),
             model.embed_tokens.weight.data_ptr(),
@@ -235,7 +245,7 @@ class FusedDecoder:
             "decode steps of up to %d rows run fused in C (%s%s; fused_decode=False turns it off)",
             MAX_ROWS,
             isa,
-            ", int8 activations" if int8 else "",
+            ", int8 activations" if int8 else ", AMX for 32 rows or more" if amx else "",
         )
         return cls(lib, c_model, layers, keep, list(kv_caches))
 

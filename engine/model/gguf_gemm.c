@@ -363,6 +363,7 @@ int baton_gguf_gemv_avx512(const float *x, int64_t K, const uint8_t *w, int64_t 
 }
 
 #include "gemm_lanes.c"
+#include "gemm_amx.c"
 
 /* ==== int8 activations (opt-in: EngineOptions.int8_activations) =============================
  * llama.cpp's arithmetic for a decode step: the activation rows are quantized to int8 per block

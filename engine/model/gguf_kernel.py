@@ -11,6 +11,10 @@ int8 activations (opt-in, gguf_matmul_int8): x is quantized to int8 per 32 value
 block's dot product is an integer sum (llama.cpp's arithmetic, see gguf_gemm.c). Three
 instruction sets: AVX2 (maddubs), AVX-VNNI (ymm vpdpbusd), AVX-512 VNNI (zmm vpdpbusd); the
 best the CPU has unless gguf_isa forces one (int8_isa).
+
+The fused decode step's products of many rows (32 or more: prompt chunks, wide decode steps)
+run on AMX tiles where the CPU has them (amx_products; gemm_amx.c: bfloat16 tile products kept
+float32-accurate by splitting each input into three bfloat16 parts), else by lanes on AVX-512.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ ISA_CHOICES = {
     "avxvnni": ("avx2", "avxvnni"),
     "avx512": ("avx512", "avx512vnni"),
     "avx512vnni": ("avx512", "avx512vnni"),
+    "amx": ("avx512", "avx512vnni"),  # and the fused step's products of many rows on AMX
 }
 INT8_ISA_IDS = {"avx2": 1, "avxvnni": 2, "avx512vnni": 3}  # BATON_I8_* in gguf_gemm.c
 
@@ -52,7 +57,9 @@ def load_kernel() -> ctypes.CDLL | None:
         baton_gguf_gemv_avx512=[ptr, i64, ptr, i64, i32, ptr, ptr],
         baton_gguf_gemm_panel=[ptr, i64, i64, ptr, i64, i32, ptr],
         baton_gguf_gemm_lanes=[ptr, i64, i64, ptr, i64, i32, ptr],
+        baton_gguf_gemm_amx=[ptr, i64, i64, ptr, i64, i32, ptr],
         baton_cpu_has_avx512=[],
+        baton_cpu_has_amx=[],
         baton_cpu_int8_isas=[],
         baton_quantize_row_q8=[ptr, i64, ptr, ptr, ptr],
         baton_gguf_gemm_q8=[ptr, ptr, ptr, i64, i64, ptr, i64, i32, i32, ptr],
@@ -102,6 +109,21 @@ def gemv_isa(lib: ctypes.CDLL, choice: str = "auto") -> str:
     if forced == "avx512" and not has_avx512:
         raise InvalidRequestError(f"gguf_isa={choice} but this CPU lacks AVX-512 F/BW/VL")
     return "avx2" if forced == "avx2" or not has_avx512 else "avx512"
+
+
+def amx_products(lib: ctypes.CDLL, choice: str = "auto") -> bool:
+    """Whether the fused step multiplies many rows (32 or more) on AMX tiles (gemm_amx.c) for
+    the gguf_isa option `choice`: auto where this CPU and OS have AMX with bfloat16 products,
+    amx forces it (InvalidRequestError where they lack it), any other value turns it off."""
+    forced = _forced_isa(choice)
+    if forced and forced != "amx":
+        return False
+    has_amx = bool(lib.baton_cpu_has_amx())
+    if forced == "amx" and not has_amx:
+        raise InvalidRequestError(
+            "gguf_isa=amx but this CPU or OS lacks AMX tiles with bfloat16 products"
+        )
+    return has_amx
 
 
 @functools.cache

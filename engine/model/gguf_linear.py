@@ -27,6 +27,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.model.gguf_kernel import (
+    amx_products,
     check_blocks,
     gemv_isa,
     gguf_matmul,
@@ -121,6 +122,7 @@ def attach_gguf_blocks(
     if lib is None:
         return 0
     isa = int8_isa(lib, gguf_isa) if int8_activations else gemv_isa(lib, gguf_isa)
+    amx_products(lib, gguf_isa)  # gguf_isa=amx where this CPU lacks AMX: the error at start
     parts: dict[str, dict[int | None, tuple[torch.Tensor, int]]] = {}
     for name, (blocks, block_type) in read_blocks(blocks_file).items():
         where = target(model, name)

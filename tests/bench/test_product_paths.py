@@ -15,8 +15,17 @@ pytestmark = pytest.mark.skipif(
 def test_prints_every_path_for_every_shape_and_row_count(capsys):
     product_paths.main(["--rows", "9,33", "--rounds", "1", "--threads", "1"])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].split() == ["product", "rows", "panels", "lanes", "torch", "lanes/panels"]
-    rows = [line.split() for line in lines[2:]]
+    amx = ["amx", "amx/lanes"] if lib.baton_cpu_has_amx() else []
+    head = ["product", "rows", "panels", "lanes", "torch", "lanes/panels"]
+    assert lines[1].split() == head + amx
+    rows = [line.split()[:6] for line in lines[2:]]
+    if amx:  # the AMX rate, and amx / lanes within the rounding of the printed rates
+        for line in lines[2:]:
+            fields = line.split()
+            lanes, amx_rate, amx_ratio = float(fields[3]), float(fields[6]), float(fields[7][:-1])
+            assert amx_rate > 0
+            low, high = (amx_rate - 0.5) / (lanes + 0.5), (amx_rate + 0.5) / (lanes - 0.5)
+            assert low - 0.005 <= amx_ratio <= high + 0.005
     assert [(r[0], r[1]) for r in rows] == [
         (name, rows) for name, _, _ in product_paths.SHAPES for rows in ("9", "33")
     ]

@@ -230,6 +230,7 @@ def test_library_key_covers_included_files(tmp_path):
         "decode_matrix.c",
         "gguf_gemm.c",
         "gemm_lanes.c",
+        "gemm_amx.c",
         "paged_decode.c",
         "paged_decode_span_loop.h",
         "rms_norm.c",

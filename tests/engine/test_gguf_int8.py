@@ -158,7 +158,7 @@ def test_isa_choice_and_forcing():
         else:
             with pytest.raises(InvalidRequestError, match=f"lacks {want}"):
                 int8_isa(lib, forced)
-    with pytest.raises(InvalidRequestError, match="choose auto, avx2, avxvnni, avx512, avx512vnni"):
+    with pytest.raises(InvalidRequestError, match="choose auto, avx2, .*, amx"):
         int8_isa(lib, "sse9")
 
 

@@ -13,7 +13,13 @@ from gguf.quants import dequantize, quantize
 from engine import LLM
 from engine.errors import InvalidRequestError
 from engine.model import gguf_kernel, gguf_linear
-from engine.model.gguf_kernel import ISA_CHOICES, gemv_isa, gguf_matmul, load_kernel
+from engine.model.gguf_kernel import (
+    ISA_CHOICES,
+    amx_products,
+    gemv_isa,
+    gguf_matmul,
+    load_kernel,
+)
 from engine.model.gguf_linear import GGUFBlockLinear
 from engine.options import GGUF_ISA_NAMES
 
@@ -69,7 +75,9 @@ def test_detection_matches_cpuinfo_and_the_option_forces_avx2():
     assert gemv_isa(lib) == gemv_isa(lib, "auto") == ("avx512" if HAS_AVX512 else "avx2")
     assert gemv_isa(lib, "avx2") == "avx2"
     assert gemv_isa(lib, "avxvnni") == "avx2"  # an int8 choice: float32 rows stay AVX2
-    with pytest.raises(InvalidRequestError, match="choose auto, avx2, avxvnni, avx512, avx512vnni"):
+    with pytest.raises(
+        InvalidRequestError, match="choose auto, avx2, avxvnni, avx512, avx512vnni, amx"
+    ):
         gemv_isa(lib, "sse9")
     if HAS_AVX512:
         assert gemv_isa(lib, "avx512") == gemv_isa(lib, "avx512vnni") == "avx512"
@@ -137,3 +145,16 @@ def test_bad_k_is_refused_by_the_avx512_entry():
     args = (x.data_ptr(), 48, w.data_ptr(), 1, Q4_1, xsum.data_ptr(), out.data_ptr())
     assert lib.baton_gguf_gemv_avx512(*args) == -1  # K = 48 is not a multiple of 32
     assert gguf_kernel.Q4_1 == Q4_1
+
+
+def test_amx_where_the_cpu_has_it_and_the_option_forces_it_or_turns_it_off():
+    has_amx = bool(lib.baton_cpu_has_amx())
+    if not HAS_AVX512 or not {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_flags():
+        assert not has_amx
+    assert amx_products(lib) == amx_products(lib, "auto") == has_amx
+    assert not amx_products(lib, "avx512") and not amx_products(lib, "avx2")
+    if has_amx:
+        assert amx_products(lib, "amx") and gemv_isa(lib, "amx") == "avx512"
+    else:
+        with pytest.raises(InvalidRequestError, match="gguf_isa=amx but this CPU or OS lacks"):
+            amx_products(lib, "amx")

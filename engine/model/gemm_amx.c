@@ -1,0 +1,233 @@
+/* y [M, N] = x [M, K] W^T for many rows of x on Intel AMX (tiles of bfloat16 products), W in
+ * GGUF Q4_1 or Q8_0 blocks, with float32 accuracy. Included by gguf_gemm.c after gemm_lanes.c
+ * (it uses transpose16, quants16_q4_1 / quants16_q8_0 and team_barrier).
+ *
+ * Why the products stay float32-accurate in bfloat16 tiles:
+ *   - a block's quants are small integers (Q4_1: 0 .. 15, Q8_0: -128 .. 127), exact in bfloat16;
+ *   - each float32 x is split into three bfloat16 parts, x = h + m + l exactly (h = x rounded to
+ *     bfloat16, m = the rest rounded, l = what is left: 8 + 8 + 8 bits of significand);
+ *   - a tile product multiplies bfloat16 pairs exactly and adds in float32.
+ * So per block of 32 the tile computes c = sum_k x_k q_k with float32 additions only (l, then
+ * m, then h parts, each TDPBF16PS adding its pair products into c in the hardware's order), and
+ * per output element the sum over blocks is, block by block in order,
+ *   s = d_b c_b + s,   then for Q4_1   s = m_b xsum_b + s   (fused multiply-adds, from s = 0),
+ * then + bias. The same whichever tile, thread or other rows compute it: a row's result does
+ * not depend on the other rows of the product. The numbers differ from the lanes' chain
+ * (gemm_lanes.c) by float32 rounding only. Inputs below float32's normal range (|x| < 2^-126)
+ * are read as zero by the bfloat16 conversions.
+ *
+ * Layout: x is split once per product input into xb [3][G * 16][K] bfloat16 (G = ceil(M / 16),
+ * rows past M zero) and xsum [G * 16][K / 32] (each block's sum of x). For 16 weight rows at a
+ * time a thread packs their quants into B tiles, [K / 32][16 pairs of k][16 rows][2] bfloat16
+ * (AMX's pair-interleaved layout: one 1 KB tile per block), and d, m per block; then for every
+ * group of 16 input rows: three A tiles and the B tile per block into one C tile, stored and
+ * scaled into 16 float32 vectors of sums (lanes: the 16 weight rows). */
+
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 16 /* rows of a tile: input rows of a group, weight rows of a pack */
+#define AMX_TARGET                                                                                 \
+    __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512f,avx512bw,avx512vl,avx512dq,"     \
+                          "avx2,fma,f16c")))
+/* The tile intrinsics are asm statements that name no memory: a compiler barrier keeps plain
+ * stores before a tile load of them, and loads of a stored tile after the store. */
+#define AMX_MEMORY_BARRIER() __asm__ volatile("" ::: "memory")
+#define AMX_ARCH_REQ_XCOMP_PERM 0x1023 /* arch_prctl: ask for a state component */
+#define AMX_XFEATURE_XTILEDATA 18
+
+/* Per-thread scratch of the AMX products in floats for a largest K of max_k: two packs of 16
+ * weight rows (B tiles + d, m per block: 9 floats per element of K each) and a C tile. */
+static inline int64_t amx_scratch_floats(int64_t max_k) { return 2 * 9 * max_k + 256; }
+
+static inline int64_t amx_groups(int64_t M) { return (M + AMX_ROWS - 1) / AMX_ROWS; }
+
+/* 1 where this CPU has AMX tiles with bfloat16 products and AVX-512 BF16, the OS keeps tile
+ * state (XCR0 bits 17, 18) and granted this process the tile data (arch_prctl), else 0. */
+int baton_cpu_has_amx(void) {
+    static int has = -1;
+    if (has >= 0) return has;
+    unsigned a, b, c, d;
+    int ok = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 24)) && (d & (1u << 22));
+    ok = ok && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5)); /* AVX512_BF16 */
+    ok = ok && __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 27));        /* OSXSAVE */
+    if (ok) {
+        unsigned lo, hi;
+        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        ok = (lo & (3u << 17)) == (3u << 17);
+    }
+    ok = ok && baton_cpu_has_avx512();
+    ok = ok && syscall(SYS_arch_prctl, AMX_ARCH_REQ_XCOMP_PERM, AMX_XFEATURE_XTILEDATA) == 0;
+    has = ok;
+    return has;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_tile_config;
+
+/* Tiles 0 (C), 1 (B), 2-4 (the A parts): 16 rows of 64 bytes each. Per thread. */
+AMX_TARGET static void amx_configure(void) {
+    amx_tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        config.rows[t] = AMX_ROWS;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* float32 -> bfloat16 bits in float32 lanes (the bfloat16 value as float32). */
+AMX_TARGET static inline __m512 amx_widen(__m256bh v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)v), 16));
+}
+
+/* Row i of x [K] into the three parts (part p at xb + p * plane) and its block sums. */
+AMX_TARGET static void amx_split_row(const float *x, int64_t K, uint16_t *xb, int64_t plane,
+                                     float *xsum) {
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+        const __m512 v = _mm512_loadu_ps(x + k0);
+        const __m256bh h = _mm512_cvtneps_pbh(v);
+        const __m512 r1 = _mm512_sub_ps(v, amx_widen(h));
+        const __m256bh m = _mm512_cvtneps_pbh(r1);
+        const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(r1, amx_widen(m)));
+        _mm256_storeu_si256((__m256i *)(xb + k0), (__m256i)h);
+        _mm256_storeu_si256((__m256i *)(xb + plane + k0), (__m256i)m);
+        _mm256_storeu_si256((__m256i *)(xb + 2 * plane + k0), (__m256i)l);
+    }
+    for (int64_t b = 0; b < K / QK; b++)
+        xsum[b] = _mm512_reduce_add_ps(
+            _mm512_add_ps(_mm512_loadu_ps(x + b * QK), _mm512_loadu_ps(x + b * QK + 16)));
+}
+
+/* xb, xsum from x [M, K] (rows up to amx_groups(M) * 16, past M zero): every thread of the
+ * team; ends with a barrier. */
+AMX_TARGET static void amx_split_for(const float *x, int64_t M, int64_t K, uint16_t *xb,
+                                     float *xsum) {
+    const int64_t rows = amx_groups(M) * AMX_ROWS, plane = rows * K, nb = K / QK;
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < rows; i++) {
+        if (i < M) {
+            amx_split_row(x + i * K, K, xb + i * K, plane, xsum + i * nb);
+        } else {
+            for (int p = 0; p < 3; p++) memset(xb + p * plane + i * K, 0, sizeof(uint16_t) * K);
+            memset(xsum + i * nb, 0, sizeof(float) * nb);
+        }
+    }
+    team_barrier();
+}
+
+/* Weight rows n0 .. n0 + count - 1 (count <= 16; the rest zero) packed: bt [K / 32][512]
+ * bfloat16 (one B tile per block), dm [K / 32][32] (d of the 16 rows, then their m). */
+AMX_TARGET static void amx_pack_weights(const uint8_t *w, int32_t type, int64_t K, int64_t n0,
+                                        int count, uint16_t *bt, float *dm) {
+    const int64_t nb = K / QK, bb = type == 3 ? 20 : 34, row_bytes = nb * bb;
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 r[16]; /* r[j]: the 32 quants of weight row j as 16 pairs of bfloat16 */
+        float *d = dm + b * 32, *m = d + 16;
+        for (int j = 0; j < 16; j++) {
+            if (j >= count) {
+                r[j] = _mm512_setzero_ps();
+                d[j] = m[j] = 0.0f;
+                continue;
+            }
+            const uint8_t *blk = w + (n0 + j) * row_bytes + b * bb;
+            __m512 q_lo, q_hi; /* quants 0-15, 16-31 */
+            if (type == 3) quants16_q4_1(blk + 4, &q_lo, &q_hi);
+            else quants16_q8_0(blk + 2, &q_lo, &q_hi);
+            r[j] = _mm512_castsi512_ps((__m512i)_mm512_cvtne2ps_pbh(q_hi, q_lo));
+            d[j] = f16_to_f32(blk);
+            m[j] = type == 3 ? f16_to_f32(blk + 2) : 0.0f;
+        }
+        transpose16(r); /* r[p]: pair p (quants 2p, 2p + 1) of the 16 rows */
+        for (int p = 0; p < 16; p++) _mm512_storeu_ps((float *)(bt + b * 512 + p * 32), r[p]);
+    }
+}
+
+/* acc[i][j] = sum of input row 16 g + i times packed weight row j (no bias), over all K. */
+AMX_TARGET static inline void amx_group(const uint16_t *xb, int64_t plane, const float *xsum,
+                                        int64_t K, int64_t g, int32_t type, const uint16_t *bt,
+                                        const float *dm, float *c, __m512 acc[16]) {
+    const int64_t nb = K / QK, stride = 2 * K; /* bytes between rows of x's parts */
+    const uint16_t *a = xb + g * AMX_ROWS * K;
+    const float *s = xsum + g * AMX_ROWS * nb;
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    AMX_MEMORY_BARRIER(); /* the packs and parts are written */
+    for (int64_t b = 0; b < nb; b++) {
+        _tile_zero(0);
+        _tile_loadd(1, bt + b * 512, 64);
+        _tile_loadd(2, a + 2 * plane + b * QK, stride); /* l */
+        _tile_loadd(3, a + plane + b * QK, stride);     /* m */
+        _tile_loadd(4, a + b * QK, stride);             /* h */
+        _tile_dpbf16ps(0, 2, 1);
+        _tile_dpbf16ps(0, 3, 1);
+        _tile_dpbf16ps(0, 4, 1);
+        _tile_stored(0, c, 64);
+        AMX_MEMORY_BARRIER();
+        const __m512 d = _mm512_loadu_ps(dm + b * 32), m = _mm512_loadu_ps(dm + b * 32 + 16);
+        for (int i = 0; i < 16; i++) {
+            acc[i] = _mm512_fmadd_ps(d, _mm512_load_ps(c + 16 * i), acc[i]);
+            if (type == 3) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(s[i * nb + b]), acc[i]);
+        }
+    }
+}
+
+/* y [M, N] (+ bias) = x W^T from xb, xsum (amx_split_for); packs of 16 weight rows shared out
+ * among the threads. scratch: amx_scratch_floats(K) floats of this thread's own (64-byte
+ * aligned). Every thread (ends with team_barrier). */
+AMX_TARGET static void amx_product_for(const uint16_t *xb, const float *xsum, int64_t M,
+                                       int64_t K, const uint8_t *w, int64_t N, int32_t type,
+                                       const float *bias, float *scratch, float *y) {
+    const int64_t packs = (N + AMX_ROWS - 1) / AMX_ROWS, plane = amx_groups(M) * AMX_ROWS * K;
+    uint16_t *bt = (uint16_t *)scratch;
+    float *dm = scratch + 8 * K, *c = scratch + 2 * 9 * K;
+    amx_configure();
+#pragma omp for schedule(guided, 2) nowait
+    for (int64_t t = 0; t < packs; t++) {
+        const int64_t n0 = t * AMX_ROWS;
+        const int count = N - n0 < AMX_ROWS ? (int)(N - n0) : AMX_ROWS;
+        const __mmask16 valid = (__mmask16)((1u << count) - 1);
+        const __m512 add = bias == NULL ? _mm512_setzero_ps()
+                                        : _mm512_maskz_loadu_ps(valid, bias + n0);
+        amx_pack_weights(w, type, K, n0, count, bt, dm);
+        for (int64_t g = 0; g < amx_groups(M); g++) {
+            __m512 acc[16];
+            amx_group(xb, plane, xsum, K, g, type, bt, dm, c, acc);
+            for (int i = 0; i < 16 && g * AMX_ROWS + i < M; i++) {
+                const __m512 v = bias == NULL ? acc[i] : _mm512_add_ps(acc[i], add);
+                _mm512_mask_storeu_ps(y + (g * AMX_ROWS + i) * N + n0, valid, v);
+            }
+        }
+    }
+    _tile_release();
+    team_barrier();
+}
+
+/* y[M, N] = x[M, K] W^T on AMX: the entry point for tests and benchmarks. Returns 0, -1 for an
+ * unknown block type or K not a multiple of 32, -2 where this CPU (or OS) lacks AMX, -3 when
+ * scratch memory failed. */
+int baton_gguf_gemm_amx(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                        int32_t type, float *y) {
+    if ((type != 3 && type != 8) || K % QK != 0 || K <= 0 || M < 1) return -1;
+    if (!baton_cpu_has_amx()) return -2;
+    const int threads = omp_get_max_threads();
+    const int64_t rows = amx_groups(M) * AMX_ROWS, own = amx_scratch_floats(K);
+    const int64_t xb_floats = (3 * rows * K / 2 + 15) / 16 * 16, xsum_floats = rows * (K / QK);
+    const size_t floats = (size_t)(xb_floats + (xsum_floats + 15) / 16 * 16 + threads * own);
+    float *scratch = aligned_alloc(64, sizeof(float) * floats);
+    if (scratch == NULL) return -3;
+    uint16_t *xb = (uint16_t *)scratch;
+    float *xsum = scratch + xb_floats;
+#pragma omp parallel num_threads(threads)
+    {
+        float *mine = xsum + (xsum_floats + 15) / 16 * 16 + omp_get_thread_num() * own;
+        amx_split_for(x, M, K, xb, xsum);
+        amx_product_for(xb, xsum, M, K, w, N, type, NULL, mine, y);
+    }
+    free(scratch);
+    return 0;
+}
