@@ -60,9 +60,10 @@ typedef struct {
 #endif
 /* Where the CPU has AMX (and the caller asks for it: the model's avx512 = 2), steps of
  * AMX_MIN_ROWS rows or more take AMX tiles for every product (gemm_amx.c), the head of a few
- * rows too. Measured on a 2-vCPU Intel Xeon VM with AMX (SmolLM2, 2 threads, whole decode steps
- * against the lanes, runs alternating): 16 rows 1.06x slower (each 16 weight rows packed for
- * one group of input rows), 32 rows 1.04x faster, 64 rows 1.14x, a 256-token prompt 1.34x. */
+ * rows too. Measured on a 2-vCPU Intel Xeon VM with AMX (SmolLM2, 2 threads, whole steps, two
+ * engines with gguf_isa auto and avx512 alternating, best of 3): decode steps of 16 rows 43.2
+ * vs 42.3 ms by lanes (the weight packs serve one group of input rows), 32 rows 65.3 vs 69.3,
+ * 64 rows 111 vs 129, a 256-token prompt 166 vs 248 ms. */
 #ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 32
 #endif
@@ -328,38 +329,51 @@ AVX512_TARGET static void swiglu_lanes_for(const ds_matrix *w, const ds_input *i
     team_barrier();
 }
 
-/* swiglu_for on AMX (gemm_amx.c's arithmetic): 16 gate rows and the up rows of the same outputs
- * packed, for each group of 16 input rows both sums, + bias, then silu(gate) * up (silu_mul, 8
- * outputs at a time). */
+/* swiglu_for on AMX (gemm_amx.c's arithmetic): passes of up to 32 outputs, their gate rows and
+ * up rows packed (16 rows a pack, gate packs then up packs), for each group of 16 input rows
+ * all the sums, + bias, then silu(gate) * up (silu_mul, 8 outputs at a time). */
 AMX_TARGET static void swiglu_amx_for(const ds_matrix *w, const ds_input *in, int64_t R,
                                       int64_t inter, float *act) {
-    const int64_t K = w->k, chunks = (inter + AMX_ROWS - 1) / AMX_ROWS;
+    const int64_t K = w->k, width = AMX_PACKS / 2 * AMX_ROWS, passes = (inter + width - 1) / width;
     const int64_t plane = amx_groups(R) * AMX_ROWS * K;
-    float *scratch = in->panels; /* amx_scratch_floats(K): two packs, then a C tile */
-    uint16_t *bt_gate = (uint16_t *)scratch, *bt_up = (uint16_t *)(scratch + 9 * K);
-    float *dm_gate = scratch + 8 * K, *dm_up = scratch + 17 * K, *c = scratch + 18 * K;
+    float *scratch = in->panels; /* amx_scratch_floats(K) */
+    uint16_t *bt[AMX_PACKS];
+    float *dm[AMX_PACKS];
+    for (int j = 0; j < AMX_PACKS; j++) {
+        bt[j] = (uint16_t *)(scratch + 9 * K * j);
+        dm[j] = scratch + 9 * K * j + 8 * K;
+    }
+    float *c = scratch + 9 * K * AMX_PACKS, *sums = c + 256 * AMX_PACKS;
     amx_configure();
-    OMP_FOR(schedule(guided, 2))
-    for (int64_t t = 0; t < chunks; t++) {
-        const int64_t i0 = t * AMX_ROWS;
-        const int count = inter - i0 < AMX_ROWS ? (int)(inter - i0) : AMX_ROWS;
-        amx_pack_weights(w->blocks, w->type, K, i0, count, bt_gate, dm_gate);
-        amx_pack_weights(w->blocks, w->type, K, inter + i0, count, bt_up, dm_up);
-        __m512 bias_gate = _mm512_setzero_ps(), bias_up = _mm512_setzero_ps();
-        if (w->bias != NULL) {
-            const __mmask16 valid = (__mmask16)((1u << count) - 1);
-            bias_gate = _mm512_maskz_loadu_ps(valid, w->bias + i0);
-            bias_up = _mm512_maskz_loadu_ps(valid, w->bias + inter + i0);
+    OMP_FOR(schedule(static))
+    for (int64_t t = 0; t < passes; t++) {
+        const int64_t i0 = t * width;
+        const int count = inter - i0 < width ? (int)(inter - i0) : (int)width;
+        const int half = (count + AMX_ROWS - 1) / AMX_ROWS; /* gate packs; as many up packs */
+        for (int j = 0; j < half; j++) {
+            const int64_t o = i0 + j * AMX_ROWS;
+            const int rows = inter - o < AMX_ROWS ? (int)(inter - o) : AMX_ROWS;
+            amx_pack_weights(w->blocks, w->type, K, o, rows, bt[j], dm[j]);
+            amx_pack_weights(w->blocks, w->type, K, inter + o, rows, bt[half + j], dm[half + j]);
         }
         for (int64_t g = 0; g < amx_groups(R); g++) {
-            __m512 gate[AMX_ROWS], up[AMX_ROWS];
-            amx_group(in->xb, plane, in->xb_sum, K, g, w->type, bt_gate, dm_gate, c, gate);
-            amx_group(in->xb, plane, in->xb_sum, K, g, w->type, bt_up, dm_up, c, up);
+            amx_group(in->xb, plane, in->xb_sum, K, g, w->type, 2 * half, bt, dm, c, sums);
             for (int i = 0; i < AMX_ROWS && g * AMX_ROWS + i < R; i++) {
-                float gs[AMX_ROWS], us[AMX_ROWS];
-                _mm512_storeu_ps(gs, w->bias == NULL ? gate[i] : _mm512_add_ps(gate[i], bias_gate));
-                _mm512_storeu_ps(us, w->bias == NULL ? up[i] : _mm512_add_ps(up[i], bias_up));
-                for (int e = 0; e < AMX_ROWS; e += 8)
+                float gs[AMX_PACKS / 2 * AMX_ROWS], us[AMX_PACKS / 2 * AMX_ROWS];
+                for (int j = 0; j < half; j++) {
+                    __m512 gate = _mm512_load_ps(sums + 256 * j + 16 * i);
+                    __m512 up = _mm512_load_ps(sums + 256 * (half + j) + 16 * i);
+                    if (w->bias != NULL) {
+                        const int64_t o = i0 + j * AMX_ROWS;
+                        const int rows = inter - o < AMX_ROWS ? (int)(inter - o) : AMX_ROWS;
+                        const __mmask16 valid = (__mmask16)((1u << rows) - 1);
+                        gate = _mm512_add_ps(gate, _mm512_maskz_loadu_ps(valid, w->bias + o));
+                        up = _mm512_add_ps(up, _mm512_maskz_loadu_ps(valid, w->bias + inter + o));
+                    }
+                    _mm512_storeu_ps(gs + 16 * j, gate);
+                    _mm512_storeu_ps(us + 16 * j, up);
+                }
+                for (int e = 0; e < 16 * half; e += 8)
                     _mm256_storeu_ps(gs + e,
                                      silu_mul(_mm256_loadu_ps(gs + e), _mm256_loadu_ps(us + e)));
                 memcpy(act + (g * AMX_ROWS + i) * inter + i0, gs, sizeof(float) * (size_t)count);

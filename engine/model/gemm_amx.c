@@ -37,9 +37,13 @@
 #define AMX_ARCH_REQ_XCOMP_PERM 0x1023 /* arch_prctl: ask for a state component */
 #define AMX_XFEATURE_XTILEDATA 18
 
-/* Per-thread scratch of the AMX products in floats for a largest K of max_k: two packs of 16
- * weight rows (B tiles + d, m per block: 9 floats per element of K each) and a C tile. */
-static inline int64_t amx_scratch_floats(int64_t max_k) { return 2 * 9 * max_k + 256; }
+#define AMX_PACKS 4 /* packs of 16 weight rows per pass: C tiles 0, 5, 6, 7 */
+/* Per-thread scratch of the AMX products in floats for a largest K of max_k: AMX_PACKS packs of
+ * 16 weight rows (B tiles + d, m per block: 9 floats per element of K each), their stored C
+ * tiles and their sums (256 floats a pack each). */
+static inline int64_t amx_scratch_floats(int64_t max_k) {
+    return AMX_PACKS * (9 * max_k + 2 * 256);
+}
 
 static inline int64_t amx_groups(int64_t M) { return (M + AMX_ROWS - 1) / AMX_ROWS; }
 
@@ -69,12 +73,12 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) amx_tile_config;
 
-/* Tiles 0 (C), 1 (B), 2-4 (the A parts): 16 rows of 64 bytes each. Per thread. */
+/* Tiles 0, 5, 6, 7 (C), 1 (B), 2-4 (the A parts): 16 rows of 64 bytes each. Per thread. */
 AMX_TARGET static void amx_configure(void) {
     amx_tile_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
-    for (int t = 0; t < 5; t++) {
+    for (int t = 0; t < 8; t++) {
         config.rows[t] = AMX_ROWS;
         config.colsb[t] = 64;
     }
@@ -148,58 +152,106 @@ AMX_TARGET static void amx_pack_weights(const uint8_t *w, int32_t type, int64_t 
     }
 }
 
-/* acc[i][j] = sum of input row 16 g + i times packed weight row j (no bias), over all K. */
-AMX_TARGET static inline void amx_group(const uint16_t *xb, int64_t plane, const float *xsum,
-                                        int64_t K, int64_t g, int32_t type, const uint16_t *bt,
-                                        const float *dm, float *c, __m512 acc[16]) {
+/* Pack j's block b: C tile ct = the resident l, m, h part tiles (2, 3, 4) times its B tile
+ * (loaded into tile 1), stored at c. (A macro: tile numbers are immediates.) */
+#define AMX_PACK_BLOCK(ct, bt, b, c)                                                               \
+    do {                                                                                           \
+        _tile_zero(ct);                                                                            \
+        _tile_loadd(1, (bt) + (b) * 512, 64);                                                      \
+        _tile_dpbf16ps(ct, 2, 1);                                                                  \
+        _tile_dpbf16ps(ct, 3, 1);                                                                  \
+        _tile_dpbf16ps(ct, 4, 1);                                                                  \
+        _tile_stored(ct, c, 64);                                                                   \
+    } while (0)
+
+/* sums [packs][16 input rows][16 weight rows] = input rows 16 g .. 16 g + 15 times each of
+ * `packs` (<= AMX_PACKS) packed sets of 16 weight rows (bt[j], dm[j]), over all K (no bias).
+ * Per block the three part tiles are loaded once for all packs (a tile load costs about three
+ * tile products here), each pack's C tile stored to c [packs][256] and scaled into the sums. */
+AMX_TARGET static void amx_group(const uint16_t *xb, int64_t plane, const float *xsum, int64_t K,
+                                 int64_t g, int32_t type, int packs, uint16_t *const bt[],
+                                 float *const dm[], float *c, float *sums) {
     const int64_t nb = K / QK, stride = 2 * K; /* bytes between rows of x's parts */
     const uint16_t *a = xb + g * AMX_ROWS * K;
     const float *s = xsum + g * AMX_ROWS * nb;
-    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-    AMX_MEMORY_BARRIER(); /* the packs and parts are written */
+    memset(sums, 0, sizeof(float) * 256 * (size_t)packs);
     for (int64_t b = 0; b < nb; b++) {
-        _tile_zero(0);
-        _tile_loadd(1, bt + b * 512, 64);
+        AMX_MEMORY_BARRIER(); /* the packs, parts and sums are written */
         _tile_loadd(2, a + 2 * plane + b * QK, stride); /* l */
         _tile_loadd(3, a + plane + b * QK, stride);     /* m */
         _tile_loadd(4, a + b * QK, stride);             /* h */
-        _tile_dpbf16ps(0, 2, 1);
-        _tile_dpbf16ps(0, 3, 1);
-        _tile_dpbf16ps(0, 4, 1);
-        _tile_stored(0, c, 64);
+        AMX_PACK_BLOCK(0, bt[0], b, c);
+        if (packs > 1) AMX_PACK_BLOCK(5, bt[1], b, c + 256);
+        if (packs > 2) AMX_PACK_BLOCK(6, bt[2], b, c + 512);
+        if (packs > 3) AMX_PACK_BLOCK(7, bt[3], b, c + 768);
         AMX_MEMORY_BARRIER();
-        const __m512 d = _mm512_loadu_ps(dm + b * 32), m = _mm512_loadu_ps(dm + b * 32 + 16);
-        for (int i = 0; i < 16; i++) {
-            acc[i] = _mm512_fmadd_ps(d, _mm512_load_ps(c + 16 * i), acc[i]);
-            if (type == 3) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(s[i * nb + b]), acc[i]);
+        for (int j = 0; j < packs; j++) {
+            const __m512 d = _mm512_loadu_ps(dm[j] + b * 32), m = _mm512_loadu_ps(dm[j] + b * 32 + 16);
+            float *sj = sums + 256 * j;
+            const float *cj = c + 256 * j;
+            for (int i = 0; i < 16; i++) {
+                __m512 v = _mm512_fmadd_ps(d, _mm512_load_ps(cj + 16 * i), _mm512_load_ps(sj + 16 * i));
+                if (type == 3) v = _mm512_fmadd_ps(m, _mm512_set1_ps(s[i * nb + b]), v);
+                _mm512_store_ps(sj + 16 * i, v);
+            }
         }
     }
 }
 
-/* y [M, N] (+ bias) = x W^T from xb, xsum (amx_split_for); packs of 16 weight rows shared out
- * among the threads. scratch: amx_scratch_floats(K) floats of this thread's own (64-byte
- * aligned). Every thread (ends with team_barrier). */
+/* Packs per pass over the input groups for `total` packs shared among `threads`: the most (up
+ * to AMX_PACKS) whose passes spread evenly, fewest packs on the busiest thread first. */
+static inline int amx_packs_per_pass(int64_t total, int threads) {
+    int best = 1;
+    int64_t best_load = total;
+    for (int p = AMX_PACKS; p >= 1; p--) {
+        const int64_t passes = (total + p - 1) / p, load = (passes + threads - 1) / threads * p;
+        if (load < best_load) {
+            best = p;
+            best_load = load;
+        }
+    }
+    return best;
+}
+
+/* y [M, N] (+ bias) = x W^T from xb, xsum (amx_split_for); passes of up to AMX_PACKS packs of
+ * 16 weight rows shared out among the threads. scratch: amx_scratch_floats(K) floats of this
+ * thread's own (64-byte aligned). Every thread (ends with team_barrier). */
 AMX_TARGET static void amx_product_for(const uint16_t *xb, const float *xsum, int64_t M,
                                        int64_t K, const uint8_t *w, int64_t N, int32_t type,
                                        const float *bias, float *scratch, float *y) {
     const int64_t packs = (N + AMX_ROWS - 1) / AMX_ROWS, plane = amx_groups(M) * AMX_ROWS * K;
-    uint16_t *bt = (uint16_t *)scratch;
-    float *dm = scratch + 8 * K, *c = scratch + 2 * 9 * K;
+    const int per = amx_packs_per_pass(packs, omp_get_num_threads());
+    const int64_t passes = (packs + per - 1) / per;
+    uint16_t *bt[AMX_PACKS];
+    float *dm[AMX_PACKS];
+    for (int j = 0; j < AMX_PACKS; j++) {
+        bt[j] = (uint16_t *)(scratch + 9 * K * j);
+        dm[j] = scratch + 9 * K * j + 8 * K;
+    }
+    float *c = scratch + 9 * K * AMX_PACKS, *sums = c + 256 * AMX_PACKS;
     amx_configure();
-#pragma omp for schedule(guided, 2) nowait
-    for (int64_t t = 0; t < packs; t++) {
-        const int64_t n0 = t * AMX_ROWS;
-        const int count = N - n0 < AMX_ROWS ? (int)(N - n0) : AMX_ROWS;
-        const __mmask16 valid = (__mmask16)((1u << count) - 1);
-        const __m512 add = bias == NULL ? _mm512_setzero_ps()
-                                        : _mm512_maskz_loadu_ps(valid, bias + n0);
-        amx_pack_weights(w, type, K, n0, count, bt, dm);
+#pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < passes; t++) {
+        const int64_t first = t * per;
+        const int count = packs - first < per ? (int)(packs - first) : per;
+        for (int j = 0; j < count; j++) {
+            const int64_t n0 = (first + j) * AMX_ROWS;
+            amx_pack_weights(w, type, K, n0, N - n0 < AMX_ROWS ? (int)(N - n0) : AMX_ROWS, bt[j],
+                             dm[j]);
+        }
         for (int64_t g = 0; g < amx_groups(M); g++) {
-            __m512 acc[16];
-            amx_group(xb, plane, xsum, K, g, type, bt, dm, c, acc);
-            for (int i = 0; i < 16 && g * AMX_ROWS + i < M; i++) {
-                const __m512 v = bias == NULL ? acc[i] : _mm512_add_ps(acc[i], add);
-                _mm512_mask_storeu_ps(y + (g * AMX_ROWS + i) * N + n0, valid, v);
+            amx_group(xb, plane, xsum, K, g, type, count, bt, dm, c, sums);
+            for (int j = 0; j < count; j++) {
+                const int64_t n0 = (first + j) * AMX_ROWS;
+                const int rows = N - n0 < AMX_ROWS ? (int)(N - n0) : AMX_ROWS;
+                const __mmask16 valid = (__mmask16)((1u << rows) - 1);
+                const __m512 add = bias == NULL ? _mm512_setzero_ps()
+                                                : _mm512_maskz_loadu_ps(valid, bias + n0);
+                for (int i = 0; i < 16 && g * AMX_ROWS + i < M; i++) {
+                    __m512 v = _mm512_load_ps(sums + 256 * j + 16 * i);
+                    if (bias != NULL) v = _mm512_add_ps(v, add);
+                    _mm512_mask_storeu_ps(y + (g * AMX_ROWS + i) * N + n0, valid, v);
+                }
             }
         }
     }
