@@ -51,16 +51,18 @@ def smollm2_gguf() -> Path:
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _run(cmd: list[str], no_repack: list[str] | None = None, notes: set | None = None) -> str:
+def _run(
+    cmd: list[str], no_repack: list[str] | None = None, notes: set | None = None, what: str = ""
+) -> str:
     """The command's stdout. `no_repack`: its switch that turns llama.cpp's weight repacking
     (its AMX kernels where the CPU has AMX) off, used for a second run where the first died of a
-    signal (on some AMX machines they crash on prompts); `notes` gets why."""
+    signal (on some AMX machines they crash on prompts); `notes` gets why, for `what`."""
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode < 0 and no_repack:
         if notes is not None:
             notes.add(
-                f"{Path(cmd[0]).name} crashed ({done.returncode}) with weight repacking: "
-                f"measured with {' '.join(no_repack)}"
+                f"{what}: {Path(cmd[0]).name} crashed ({done.returncode}) with weight "
+                f"repacking, measured with {' '.join(no_repack)}"
             )
         cmd = [*cmd, *no_repack]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -88,6 +90,7 @@ class LlamaCppRunner:
             ],
             ["--repack", "0"],
             self.notes,
+            f"pp{prompt}" if prompt else f"tg{gen}",
         )
         (result,) = json.loads(out)
         return float(result["avg_ts"])
@@ -110,6 +113,7 @@ class LlamaCppRunner:
             ],
             ["--no-repack"],
             self.notes,
+            f"{BATCH} sequences",
         )
         rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         if len(rows) != 1:

@@ -195,7 +195,9 @@ def start(kind: str, parallel: int = 4, log_dir: Path | None = None, log=print) 
         # llama.cpp's repacked weights (its AMX kernels on CPUs that have AMX) crash on some
         # machines as soon as a prompt is computed: its documented switch turns them off
         log(f"llamacpp crashed at start ({crash.returncode}); again with --no-repack")
-        server = _start(kind, [*command, "--no-repack"], env, free_port(), log_dir, log)
+        port = free_port()
+        command = [*llamacpp_command(llama_server_binary(), port, parallel), "--no-repack"]
+        server = _start(kind, command, env, port, log_dir, log)
         server.settings = "--no-repack: with weight repacking it crashed at start"
         return server
 

@@ -60,10 +60,10 @@ typedef struct {
 #endif
 /* Where the CPU has AMX (and the caller asks for it: the model's avx512 = 2), steps of
  * AMX_MIN_ROWS rows or more take AMX tiles for every product (gemm_amx.c), the head of a few
- * rows too. Measured on a 2-vCPU Intel Xeon VM with AMX (SmolLM2, 2 threads, whole steps, two
- * engines with gguf_isa auto and avx512 alternating, best of 3): decode steps of 16 rows 43.2
- * vs 42.3 ms by lanes (the weight packs serve one group of input rows), 32 rows 65.3 vs 69.3,
- * 64 rows 111 vs 129, a 256-token prompt 166 vs 248 ms. */
+ * rows too. Measured on a 2-vCPU Intel Xeon VM with AMX (python -m benchmarks.isa_steps:
+ * SmolLM2, 2 threads, whole steps, gguf_isa auto against avx512): decode steps of 16 rows level
+ * with the lanes (the weight packs serve one group of input rows), 32 rows 0.94x their time,
+ * 64 rows 0.84x, a 256-token prompt 0.68x. */
 #ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 32
 #endif
