@@ -19,9 +19,10 @@
  * Layout: x is split once per product input into xb [3][G * 16][K] bfloat16 (G = ceil(M / 16),
  * rows past M zero) and xsum [G * 16][K / 32] (each block's sum of x). For 16 weight rows at a
  * time a thread packs their quants into B tiles, [K / 32][16 pairs of k][16 rows][2] bfloat16
- * (AMX's pair-interleaved layout: one 1 KB tile per block), and d, m per block; then for every
- * group of 16 input rows: three A tiles and the B tile per block into one C tile, stored and
- * scaled into 16 float32 vectors of sums (lanes: the 16 weight rows). */
+ * (AMX's pair-interleaved layout: one 1 KB tile per block), and d, m per block; a pass takes
+ * up to AMX_PACKS packs and, for every group of 16 input rows and every block, loads the three
+ * A tiles once, multiplies each pack's B tile into its own C tile, stores the C tiles and
+ * scales them into the pack's sums [16 input rows][16 weight rows]. */
 
 #include <cpuid.h>
 #include <sys/syscall.h>
