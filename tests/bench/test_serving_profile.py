@@ -62,7 +62,10 @@ def test_profile_serving_both_shapes(tiny_llama, tmp_path, capsys):
         for worker in run["engines"]:
             names = {t["name"] for t in run["threads"][worker]["threads"]}
             assert "engine-loop" in names, names
-        assert run["threads"]["router"]["cpu_s"] > 0
+        assert run["threads"]["router"]["cpu_s"] >= 0
+    # the kernel counts CPU time in clock ticks (10 ms): a run this short can leave the router
+    # under one tick, but not every run of the profile
+    assert sum(run["threads"]["router"]["cpu_s"] for run in runs) > 0
     for shape in ("aggregated", "disaggregated"):
         two = written["ratios"][shape]["2"]
         assert two["base_streams"] == 1 and len(two["rounds"]["tok_s"]) == 2
