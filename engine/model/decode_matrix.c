@@ -336,14 +336,9 @@ AMX_TARGET static void swiglu_amx_for(const ds_matrix *w, const ds_input *in, in
                                       int64_t inter, float *act) {
     const int64_t K = w->k, width = AMX_PACKS / 2 * AMX_ROWS, passes = (inter + width - 1) / width;
     const int64_t plane = amx_groups(R) * AMX_ROWS * K;
-    float *scratch = in->panels; /* amx_scratch_floats(K) */
-    uint16_t *bt[AMX_PACKS];
-    float *dm[AMX_PACKS];
-    for (int j = 0; j < AMX_PACKS; j++) {
-        bt[j] = (uint16_t *)(scratch + 9 * K * j);
-        dm[j] = scratch + 9 * K * j + 8 * K;
-    }
-    float *c = scratch + 9 * K * AMX_PACKS, *sums = c + 256 * AMX_PACKS;
+    amx_scratch_parts parts = amx_scratch_at(in->panels, K); /* amx_scratch_floats(K) */
+    uint16_t **bt = parts.bt;
+    float **dm = parts.dm, *c = parts.c, *sums = parts.sums;
     amx_configure();
     OMP_FOR(schedule(static))
     for (int64_t t = 0; t < passes; t++) {

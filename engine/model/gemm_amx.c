@@ -153,6 +153,25 @@ AMX_TARGET static void amx_pack_weights(const uint8_t *w, int32_t type, int64_t 
     }
 }
 
+/* A thread's scratch (amx_scratch_floats(K) floats) cut into its parts: per pack its B tiles
+ * (8 K floats) and d, m (K floats), then the packs' stored C tiles and their sums. */
+typedef struct {
+    uint16_t *bt[AMX_PACKS];
+    float *dm[AMX_PACKS];
+    float *c, *sums;
+} amx_scratch_parts;
+
+static inline amx_scratch_parts amx_scratch_at(float *scratch, int64_t K) {
+    amx_scratch_parts parts;
+    for (int j = 0; j < AMX_PACKS; j++) {
+        parts.bt[j] = (uint16_t *)(scratch + 9 * K * j);
+        parts.dm[j] = scratch + 9 * K * j + 8 * K;
+    }
+    parts.c = scratch + 9 * K * AMX_PACKS;
+    parts.sums = parts.c + 256 * AMX_PACKS;
+    return parts;
+}
+
 /* Pack j's block b: C tile ct = the resident l, m, h part tiles (2, 3, 4) times its B tile
  * (loaded into tile 1), stored at c. (A macro: tile numbers are immediates.) */
 #define AMX_PACK_BLOCK(ct, bt, b, c)                                                               \
@@ -223,13 +242,9 @@ AMX_TARGET static void amx_product_for(const uint16_t *xb, const float *xsum, in
     const int64_t packs = (N + AMX_ROWS - 1) / AMX_ROWS, plane = amx_groups(M) * AMX_ROWS * K;
     const int per = amx_packs_per_pass(packs, omp_get_num_threads());
     const int64_t passes = (packs + per - 1) / per;
-    uint16_t *bt[AMX_PACKS];
-    float *dm[AMX_PACKS];
-    for (int j = 0; j < AMX_PACKS; j++) {
-        bt[j] = (uint16_t *)(scratch + 9 * K * j);
-        dm[j] = scratch + 9 * K * j + 8 * K;
-    }
-    float *c = scratch + 9 * K * AMX_PACKS, *sums = c + 256 * AMX_PACKS;
+    amx_scratch_parts parts = amx_scratch_at(scratch, K);
+    uint16_t **bt = parts.bt;
+    float **dm = parts.dm, *c = parts.c, *sums = parts.sums;
     amx_configure();
 #pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < passes; t++) {
