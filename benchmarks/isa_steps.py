@@ -22,6 +22,10 @@ from benchmarks.serving_bounds import MODEL_ALIAS, Steps
 from engine.model.fused_decode import PARTS
 
 DECODE_STEPS = 16
+# each fused part's name in the printed lines
+PART_LABELS = dict(
+    zip(PARTS, ("norms", "qkv", "attention", "o", "gate/up", "down", "logits"), strict=True)
+)
 
 
 def decode_step(steps: Steps, rows: int, context: int) -> tuple[float, list[float]]:
@@ -65,14 +69,14 @@ def main(argv: list[str] | None = None) -> None:
             for name, run in zip(names, runs, strict=True):
                 if (isa, name) not in best or run[0] < best[isa, name][0]:
                     best[isa, name] = run
-    short = [part.split()[0].rstrip(",") for part in PARTS]
     print(f"{args.model}, {args.threads} threads, best of {args.rounds} rounds (ms)")
     for name in names:
         base = best[isas[0], name][0]
         for isa in isas:
             seconds, parts = best[isa, name]
             ratio = "" if isa == isas[0] else f"  time {isa} / {isas[0]}: {seconds / base:.2f}x"
-            detail = ", ".join(f"{s} {1e3 * v:.1f}" for s, v in zip(short, parts, strict=False))
+            labelled = zip(PART_LABELS.values(), parts, strict=True)
+            detail = ", ".join(f"{label} {1e3 * v:.1f}" for label, v in labelled)
             print(f"{name:>18}  {isa:>8} {1e3 * seconds:8.1f}{ratio}  ({detail})")
 
 

@@ -6,7 +6,8 @@
  * whatever R and whichever tile it falls in (the tiles only share the unpacked weights and the
  * x loads): so a row's result never depends on the other rows of the step.
  *   - float32, AVX2: baton_gguf_gemm's arithmetic per (weight row, activation row);
- *   - float32, AVX-512 (Q4_1 only, where the caller asks for it): gemv_avx512's arithmetic;
+ *   - float32, AVX-512 (where the caller asks for it; Q4_1 rows, and Q8_0 rows too where it
+ *     also asks for AMX: gguf_kernel.q8_0_rows_avx512): gemv_avx512's arithmetic;
  *   - int8 activations: gguf_gemm.c's ymm integer-dot tiles of the chosen ISA (the AVX-512 VNNI
  *     choice takes the 256-bit VNNI tile, as the one-row fused step always has);
  * a bias is added after the row sum (torch's y.add_(bias)).
@@ -129,14 +130,14 @@ static void rows_avx2(const ds_matrix *w, const float *x, const float *xsum, int
         row_rows_avx2(w->blocks + (n0 + r) * row_bytes, w->type, w->k, x, xsum, tm, y + r, ys);
 }
 
-/* float32, AVX-512, Q4_1: gemv_avx512's loop (two weight rows; a lone last row is computed
- * twice, the copy dropped), for TM input rows. */
+/* float32, AVX-512: gemv_avx512's loop for Q4_1 or Q8_0 (two weight rows; a lone last row is
+ * computed twice, the copy dropped), for TM input rows. */
 AVX512_TARGET static inline __attribute__((always_inline)) void
-tile_avx512_q4_1(const ds_matrix *w, const float *x, const float *xsum, int64_t n0, int count,
-                 const int TM, float *y, int64_t ys) {
-    const int64_t nb = w->k / QK, K = w->k;
-    const uint8_t *row[2] = {w->blocks + n0 * nb * 20,
-                             w->blocks + (n0 + (count > 1 ? 1 : 0)) * nb * 20};
+tile_avx512(const ds_matrix *w, const float *x, const float *xsum, int64_t n0, int count,
+            const int32_t TYPE, const int TM, float *y, int64_t ys) {
+    const int64_t nb = w->k / QK, K = w->k, bb = TYPE == 3 ? 20 : 34;
+    const uint8_t *row[2] = {w->blocks + n0 * nb * bb,
+                             w->blocks + (n0 + (count > 1 ? 1 : 0)) * nb * bb};
     __m512 acc[2][TILE_M];
     float offset[2][TILE_M];
     for (int r = 0; r < 2; r++)
@@ -146,14 +147,19 @@ tile_avx512_q4_1(const ds_matrix *w, const float *x, const float *xsum, int64_t 
         }
     for (int64_t b = 0; b < nb; b++) {
         for (int r = 0; r < 2; r++) {
-            const uint8_t *blk = row[r] + b * 20;
+            const uint8_t *blk = row[r] + b * bb;
             __m512 q_lo, q_hi;
-            quants16_q4_1(blk + 4, &q_lo, &q_hi);
-            const float m = f16_to_f32(blk + 2);
+            float m = 0.0f;
+            if (TYPE == 3) {
+                quants16_q4_1(blk + 4, &q_lo, &q_hi);
+                m = f16_to_f32(blk + 2);
+            } else {
+                quants16_q8_0(blk + 2, &q_lo, &q_hi);
+            }
             const __m512 d = _mm512_set1_ps(f16_to_f32(blk));
             for (int i = 0; i < TM; i++) {
                 const float *xb = x + i * K + b * QK;
-                offset[r][i] += m * xsum[i * nb + b];
+                if (TYPE == 3) offset[r][i] += m * xsum[i * nb + b];
                 const __m512 p = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), q_hi,
                                                  _mm512_mul_ps(_mm512_loadu_ps(xb), q_lo));
                 acc[r][i] = _mm512_fmadd_ps(d, p, acc[r][i]);
@@ -164,15 +170,22 @@ tile_avx512_q4_1(const ds_matrix *w, const float *x, const float *xsum, int64_t 
         for (int i = 0; i < TM; i++) y[i * ys + r] = _mm512_reduce_add_ps(acc[r][i]) + offset[r][i];
 }
 
-/* tile_avx512_q4_1 with tm (1 .. TILE_M) made a constant. */
-AVX512_TARGET static void rows_avx512_q4_1(const ds_matrix *w, const float *x, const float *xsum,
-                                           int64_t n0, int count, int tm, float *y, int64_t ys) {
-    switch (tm) {
-    case 1: tile_avx512_q4_1(w, x, xsum, n0, count, 1, y, ys); break;
-    case 2: tile_avx512_q4_1(w, x, xsum, n0, count, 2, y, ys); break;
-    case 3: tile_avx512_q4_1(w, x, xsum, n0, count, 3, y, ys); break;
-    default: tile_avx512_q4_1(w, x, xsum, n0, count, 4, y, ys); break;
+/* tile_avx512 with the block type and tm (1 .. TILE_M) made constants. */
+AVX512_TARGET static void rows_avx512(const ds_matrix *w, const float *x, const float *xsum,
+                                      int64_t n0, int count, int tm, float *y, int64_t ys) {
+#define TILE_TM(TYPE)                                                                              \
+    switch (tm) {                                                                                  \
+    case 1: tile_avx512(w, x, xsum, n0, count, TYPE, 1, y, ys); break;                            \
+    case 2: tile_avx512(w, x, xsum, n0, count, TYPE, 2, y, ys); break;                            \
+    case 3: tile_avx512(w, x, xsum, n0, count, TYPE, 3, y, ys); break;                            \
+    default: tile_avx512(w, x, xsum, n0, count, TYPE, 4, y, ys); break;                           \
     }
+    if (w->type == 3) {
+        TILE_TM(3)
+    } else {
+        TILE_TM(8)
+    }
+#undef TILE_TM
 }
 
 /* int8: gguf_gemm.c's tile of each ISA, W starting at the first weight row, y[i * ys + r]. */
@@ -211,7 +224,8 @@ static void matrix_rows(const ds_matrix *w, const ds_input *in, int64_t n0, int 
                         int tm, float *y, int64_t ys) {
     const float *x = in->x + m0 * w->k, *xsum = in->xsum + m0 * (w->k / QK);
     if (in->int8_isa) i8_rows(w, in, n0, count, m0, tm, y, ys);
-    else if (in->avx512 && w->type == 3) rows_avx512_q4_1(w, x, xsum, n0, count, tm, y, ys);
+    else if (in->avx512 && (w->type == 3 || in->avx512 == 2))
+        rows_avx512(w, x, xsum, n0, count, tm, y, ys);
     else rows_avx2(w, x, xsum, n0, count, tm, y, ys);
     if (w->bias != NULL)
         for (int i = 0; i < tm; i++)

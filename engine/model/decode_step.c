@@ -18,8 +18,9 @@
  * rows share its step):
  *   - RMSNorm: baton_rms_norm (rms_norm.c), called as is;
  *   - matrix rows: see decode_matrix.c (gguf_gemm.c's one-row arithmetic per output element:
- *     AVX-512 for Q4_1 where the caller asks for it, AVX2 otherwise; with more than one row the
- *     unfused path takes AVX2 up to 8 rows and dense float32 above, another summation order);
+ *     AVX-512 for Q4_1 (and Q8_0 with AMX) where the caller asks for it, AVX2 otherwise; with
+ *     more than one row the unfused path takes AVX2 up to 8 rows and dense float32 above,
+ *     another summation order);
  *   - RoPE: x' = x c - y s, y' = x s + y c on rotation pairs, products rounded before the add
  *     (torch's complex multiply, checked bit for bit by the tests);
  *   - attention: paged_decode.c's one-pass online softmax per window of ATTEND_WINDOW keys,
@@ -65,7 +66,8 @@ typedef struct {
     int64_t max_positions, vocab;
     float eps, scale;
     int32_t avx512; /* 1: Q4_1 rows with the AVX-512 kernel (gguf_kernel.gemv_isa's choice);
-                     * 2: that, and the products of many rows on AMX (gemm_amx.c) */
+                     * 2: that, Q8_0 rows too (gguf_kernel.q8_0_rows_avx512), and the
+                     * products of many rows on AMX (gemm_amx.c) */
     const ds_layer *layers;  /* [num_layers] */
     const float *final_norm; /* [E] */
     const float *embed;      /* [vocab, E] */
@@ -518,7 +520,7 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
                     memcpy(xn + i * E, xn + logit_rows[i] * E, sizeof(float) * (size_t)E);
             prepare_input(&in, xn, num_logit_rows, E, xsum, xq, xd, xs);
             MARK(T_NORM);
-            matrix_for(&m->head, &in, num_logit_rows, logits); /* Q8_0: AVX2 (or int8) rows */
+            matrix_for(&m->head, &in, num_logit_rows, logits);
             MARK(T_HEAD);
         } else {
             MARK(T_NORM);

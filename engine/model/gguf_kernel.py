@@ -32,9 +32,10 @@ from engine.weights.gguf_convert import KEPT_BLOCK_TYPES
 
 SOURCE = Path(__file__).with_name("gguf_gemm.c")
 QK = 32  # weights per block
-Q4_1 = 3  # GGML type id. Only Q4_1 rows take the AVX-512 kernel: measured on this project's
-# EPYC (2 threads, SmolLM2 shapes) it is 1.2-1.3x faster than AVX2 for Q4_1, but 2x slower for
-# the 49,152-row Q8_0 output projection, which AVX2 already reads at ~26 GB/s.
+Q4_1 = 3  # GGML type id. Q4_1 rows take the AVX-512 kernel wherever it is chosen:
+# measured on this project's EPYC (2 threads, SmolLM2 shapes) it is 1.2-1.3x faster than AVX2
+# for Q4_1, but 2x slower for the 49,152-row Q8_0 output projection, which AVX2 already reads
+# at ~26 GB/s there. Q8_0 rows take it only where AMX is on too (q8_0_rows_avx512).
 # gguf_isa values other than "auto" (EngineOptions) -> (float32 single-row kernel, int8 kernel).
 # "avx2" forces AVX2 for both.
 ISA_CHOICES = {
@@ -126,6 +127,16 @@ def amx_products(lib: ctypes.CDLL, choice: str = "auto") -> bool:
     return has_amx
 
 
+def q8_0_rows_avx512(lib: ctypes.CDLL, choice: str = "auto") -> bool:
+    """Whether single rows of Q8_0 weights (SmolLM2's output projection) take the AVX-512
+    kernel as Q4_1 rows do, for the gguf_isa option `choice`: where the products of many rows
+    run on AMX (amx_products). AMX marks Intel's server cores, whose 512-bit units are full
+    width: on a 2-core Xeon VM the one-row fused decode step took 11.1 vs 12.5 ms with it
+    (the 49,152 x 576 product ~1.0 vs ~1.4 ms alone), while Zen 4 splits 512-bit operations in
+    two and its AVX2 kernel was the faster (above)."""
+    return amx_products(lib, choice)
+
+
 @functools.cache
 def _auto_isas(lib: ctypes.CDLL) -> tuple[str, str]:
     """(gemv_isa, int8_isa) with gguf_isa auto, once per library."""
@@ -152,10 +163,12 @@ def gguf_matmul(
     blocks: torch.Tensor,
     block_type: int,
     isa: str | None = None,
+    q8_0_avx512: bool = False,
 ) -> torch.Tensor:
     """x [M, K] float32 @ W^T where W [N, K] is held in blocks [N, K / 32 * bytes]. isa
-    ("avx2" / "avx512") picks the single-row kernel; None: gemv_isa's choice. The AVX-512
-    one falls back to AVX2 where the CPU lacks it."""
+    ("avx2" / "avx512") picks the single-row kernel; None: gemv_isa's choice. AVX-512 takes
+    Q4_1 rows, and Q8_0 rows where q8_0_avx512 (q8_0_rows_avx512's answer); it falls back to
+    AVX2 where the CPU lacks it."""
     m, k = x.shape
     n = blocks.shape[0]
     x = x.contiguous()
@@ -163,7 +176,7 @@ def gguf_matmul(
     xsum = torch.empty(m * (k // QK), dtype=torch.float32)  # scratch: one sum per x block
     if isa is None:
         isa = _auto_isas(lib)[0]
-    if m == 1 and isa == "avx512" and block_type == Q4_1:
+    if m == 1 and isa == "avx512" and (block_type == Q4_1 or q8_0_avx512):
         rc = lib.baton_gguf_gemv_avx512(
             x.data_ptr(), k, blocks.data_ptr(), n, block_type, xsum.data_ptr(), y.data_ptr()
         )

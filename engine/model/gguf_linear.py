@@ -27,13 +27,13 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.model.gguf_kernel import (
-    amx_products,
     check_blocks,
     gemv_isa,
     gguf_matmul,
     gguf_matmul_int8,
     int8_isa,
     load_kernel,
+    q8_0_rows_avx512,
 )
 
 if TYPE_CHECKING:
@@ -58,9 +58,11 @@ class GGUFBlockLinear(nn.Module):
         lib: ctypes.CDLL,
         int8_activations: bool = False,
         isa: str | None = None,
+        q8_0_avx512: bool | None = None,
     ) -> None:
         """isa: the instruction set of its kernel (gguf_kernel.gemv_isa's or, with
-        int8_activations, int8_isa's answer); None: theirs for gguf_isa auto."""
+        int8_activations, int8_isa's answer); q8_0_avx512: whether one row of Q8_0 weights takes
+        the AVX-512 kernel too (q8_0_rows_avx512's answer); None: theirs for gguf_isa auto."""
         super().__init__()
         check_blocks(blocks, blocks.shape[0], in_features, block_type)
         self.dense = dense  # PackedLinear or nn.Linear holding the same float32 weight
@@ -70,6 +72,7 @@ class GGUFBlockLinear(nn.Module):
         self._lib = lib
         self.int8_activations = int8_activations
         self.isa = isa or (int8_isa(lib) if int8_activations else gemv_isa(lib))
+        self.q8_0_avx512 = q8_0_rows_avx512(lib) if q8_0_avx512 is None else q8_0_avx512
 
     @property
     def weight(self) -> torch.Tensor:
@@ -80,8 +83,12 @@ class GGUFBlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= QUANT_MAX_ROWS and x.dtype == torch.float32:
-            matmul = gguf_matmul_int8 if self.int8_activations else gguf_matmul
-            y = matmul(self._lib, x, self.blocks, self.block_type, self.isa)
+            if self.int8_activations:
+                y = gguf_matmul_int8(self._lib, x, self.blocks, self.block_type, self.isa)
+            else:
+                y = gguf_matmul(
+                    self._lib, x, self.blocks, self.block_type, self.isa, self.q8_0_avx512
+                )
             return y if self.bias is None else y.add_(self.bias)
         return self.dense(x)
 
@@ -122,7 +129,7 @@ def attach_gguf_blocks(
     if lib is None:
         return 0
     isa = int8_isa(lib, gguf_isa) if int8_activations else gemv_isa(lib, gguf_isa)
-    amx_products(lib, gguf_isa)  # gguf_isa=amx where this CPU lacks AMX: the error at start
+    q8_0_avx512 = q8_0_rows_avx512(lib, gguf_isa)  # gguf_isa=amx without AMX: the error here
     parts: dict[str, dict[int | None, tuple[torch.Tensor, int]]] = {}
     for name, (blocks, block_type) in read_blocks(blocks_file).items():
         where = target(model, name)
@@ -158,6 +165,7 @@ def attach_gguf_blocks(
             lib,
             int8_activations,
             isa,
+            q8_0_avx512,
         )
         parent_name, _, attr = owner_name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, wrapped_layer)

@@ -24,7 +24,8 @@ def test_prints_each_measurement_for_each_isa(quantized_llama, capsys):
             "time " not in base
             and float(re.search(r"time avx2 / auto: ([\d.]+)x", other).group(1)) > 0
         )
-        short = [part.split()[0].rstrip(",") for part in PARTS]
+        short = [isa_steps.PART_LABELS[part] for part in PARTS]
+        assert short[2:4] == ["attention", "o"]  # rope + attention; the product after it
         for line in (base, other):  # every fused part by its short name, in order
             detail = line[line.index("(") + 1 : -1]
             assert [item.rsplit(" ", 1)[0] for item in detail.split(", ")] == short

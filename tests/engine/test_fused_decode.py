@@ -20,13 +20,16 @@ from engine.model.gguf_kernel import int8_isas
 from engine.model.gguf_kernel import load_kernel as load_gguf_kernel
 from engine.native import library_path, source_files
 from tests.engine.test_gguf_blocks import VOCAB
-from tests.engine.test_gguf_isa import RUNNABLE_ISAS
+from tests.engine.test_gguf_isa import RUNNABLE_ISAS as KERNEL_ISAS
 from tests.helpers import hf_greedy, random_prompts
 
 lib = fused_decode.load_kernel()
 pytestmark = pytest.mark.skipif(lib is None, reason="no x86-64 AVX2/FMA/F16C CPU or C compiler")
 
 OPTS = dict(skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
+# the kernels of each instruction set this CPU runs; amx: AVX-512 with AMX for many rows and
+# for single rows of Q8_0 weights (the tied output projection here)
+RUNNABLE_ISAS = KERNEL_ISAS + (["amx"] if fused_decode.has_amx() else [])
 
 
 @pytest.fixture(scope="module")

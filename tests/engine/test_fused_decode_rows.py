@@ -20,19 +20,17 @@ from engine.model.fused_decode import MAX_ROWS, FusedDecoder
 from tests.engine.test_fused_decode import (
     INT8_ISAS,
     OPTS,
+    RUNNABLE_ISAS,
     spy_steps,
     threads,  # noqa: F401 - the fixture, by name
 )
 from tests.engine.test_gguf_blocks import VOCAB
-from tests.engine.test_gguf_isa import RUNNABLE_ISAS as KERNEL_ISAS
 from tests.helpers import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(
     fused_decode.load_kernel() is None, reason="no x86-64 AVX2/FMA/F16C CPU or C compiler"
 )
 
-# the kernels of each instruction set this CPU runs; amx: AVX-512 with AMX for many rows
-RUNNABLE_ISAS = KERNEL_ISAS + (["amx"] if fused_decode.has_amx() else [])
 BLOCK, NUM_BLOCKS, STEPS = 4, 160, 5
 PREFIX = 8  # tokens (two full blocks) that every third row shares, blocks and all
 # a shared prefix past the fused step's first window of keys (128): that window runs once for

@@ -19,6 +19,7 @@ from engine.model.gguf_kernel import (
     gemv_isa,
     gguf_matmul,
     load_kernel,
+    q8_0_rows_avx512,
 )
 from engine.model.gguf_linear import GGUFBlockLinear
 from engine.options import GGUF_ISA_NAMES
@@ -93,6 +94,7 @@ def test_the_engine_option_reaches_every_block_layer(quantized_llama, isa):
     model = llm.engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, GGUFBlockLinear)]  # lm_head too
     assert len(layers) == 1 + 4 * len(model.layers) and {m.isa for m in layers} == {isa}
+    assert {m.q8_0_avx512 for m in layers} == {q8_0_rows_avx512(lib, isa)} == {False}
 
 
 def test_an_isa_the_cpu_lacks_is_refused_at_start(quantized_llama, monkeypatch):
@@ -158,3 +160,29 @@ def test_amx_where_the_cpu_has_it_and_the_option_forces_it_or_turns_it_off():
     else:
         with pytest.raises(InvalidRequestError, match="gguf_isa=amx but this CPU or OS lacks"):
             amx_products(lib, "amx")
+
+
+def test_q8_0_rows_take_the_avx512_kernel_where_amx_is_on(quantized_llama):
+    """Q8_0 rows (the output projection) take the one-row AVX-512 kernel only beside AMX: the
+    layers get that choice, and a layer's product is then that kernel's, bit for bit, else the
+    AVX2 kernel's (the two sum in different orders, so the test tells them apart)."""
+    assert q8_0_rows_avx512(lib) == amx_products(lib)
+    assert not q8_0_rows_avx512(lib, "avx512") and not q8_0_rows_avx512(lib, "avx2")
+    head = LLM(str(quantized_llama), skip_tokenizer_init=True, num_kv_blocks=16)
+    head = head.engine.runner.model.lm_head
+    assert isinstance(head, GGUFBlockLinear) and head.block_type == Q8_0
+    assert head.q8_0_avx512 == amx_products(lib)
+    if not HAS_AVX512:
+        pytest.skip("no AVX-512 here")
+    n, k = 129, 576
+    blocks, weight = quantized(n, k, Q8_0, seed=6)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(6))
+    xsum, by_avx512, by_avx2 = torch.empty(k // 32), torch.empty(1, n), torch.empty(1, n)
+    ptrs = (x.data_ptr(), k, blocks.data_ptr(), n, Q8_0, xsum.data_ptr())
+    assert lib.baton_gguf_gemv_avx512(*ptrs, by_avx512.data_ptr()) == 0
+    assert lib.baton_gguf_gemm(x.data_ptr(), 1, *ptrs[1:], by_avx2.data_ptr()) == 0
+    assert not torch.equal(by_avx512, by_avx2)
+    assert torch.equal(gguf_matmul(lib, x, blocks, Q8_0, "avx512", q8_0_avx512=True), by_avx512)
+    assert torch.equal(gguf_matmul(lib, x, blocks, Q8_0, "avx512"), by_avx2)
+    ref = (x.double() @ weight.double().T).float()
+    torch.testing.assert_close(by_avx512, ref, rtol=1e-5, atol=1e-4)
