@@ -130,55 +130,18 @@ static void rows_avx2(const ds_matrix *w, const float *x, const float *xsum, int
         row_rows_avx2(w->blocks + (n0 + r) * row_bytes, w->type, w->k, x, xsum, tm, y + r, ys);
 }
 
-/* float32, AVX-512: gemv_avx512's loop for Q4_1 or Q8_0 (two weight rows; a lone last row is
- * computed twice, the copy dropped), for TM input rows. */
-AVX512_TARGET static inline __attribute__((always_inline)) void
-tile_avx512(const ds_matrix *w, const float *x, const float *xsum, int64_t n0, int count,
-            const int32_t TYPE, const int TM, float *y, int64_t ys) {
-    const int64_t nb = w->k / QK, K = w->k, bb = TYPE == 3 ? 20 : 34;
-    const uint8_t *row[2] = {w->blocks + n0 * nb * bb,
-                             w->blocks + (n0 + (count > 1 ? 1 : 0)) * nb * bb};
-    __m512 acc[2][TILE_M];
-    float offset[2][TILE_M];
-    for (int r = 0; r < 2; r++)
-        for (int i = 0; i < TM; i++) {
-            acc[r][i] = _mm512_setzero_ps();
-            offset[r][i] = 0.0f;
-        }
-    for (int64_t b = 0; b < nb; b++) {
-        for (int r = 0; r < 2; r++) {
-            const uint8_t *blk = row[r] + b * bb;
-            __m512 q_lo, q_hi;
-            float m = 0.0f;
-            if (TYPE == 3) {
-                quants16_q4_1(blk + 4, &q_lo, &q_hi);
-                m = f16_to_f32(blk + 2);
-            } else {
-                quants16_q8_0(blk + 2, &q_lo, &q_hi);
-            }
-            const __m512 d = _mm512_set1_ps(f16_to_f32(blk));
-            for (int i = 0; i < TM; i++) {
-                const float *xb = x + i * K + b * QK;
-                if (TYPE == 3) offset[r][i] += m * xsum[i * nb + b];
-                const __m512 p = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), q_hi,
-                                                 _mm512_mul_ps(_mm512_loadu_ps(xb), q_lo));
-                acc[r][i] = _mm512_fmadd_ps(d, p, acc[r][i]);
-            }
-        }
-    }
-    for (int r = 0; r < count; r++)
-        for (int i = 0; i < TM; i++) y[i * ys + r] = _mm512_reduce_add_ps(acc[r][i]) + offset[r][i];
-}
-
-/* tile_avx512 with the block type and tm (1 .. TILE_M) made constants. */
+/* float32, AVX-512: gguf_gemm.c's tile_avx512 (gemv_avx512's arithmetic) for Q4_1 or Q8_0,
+ * with the block type and tm (1 .. TILE_M) made constants. */
 AVX512_TARGET static void rows_avx512(const ds_matrix *w, const float *x, const float *xsum,
                                       int64_t n0, int count, int tm, float *y, int64_t ys) {
+    const int64_t row_bytes = w->k / QK * block_bytes_of(w->type);
+    const uint8_t *rows = w->blocks + n0 * row_bytes;
 #define TILE_TM(TYPE)                                                                              \
     switch (tm) {                                                                                  \
-    case 1: tile_avx512(w, x, xsum, n0, count, TYPE, 1, y, ys); break;                            \
-    case 2: tile_avx512(w, x, xsum, n0, count, TYPE, 2, y, ys); break;                            \
-    case 3: tile_avx512(w, x, xsum, n0, count, TYPE, 3, y, ys); break;                            \
-    default: tile_avx512(w, x, xsum, n0, count, TYPE, 4, y, ys); break;                           \
+    case 1: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, xsum, 1, y, ys); break;            \
+    case 2: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, xsum, 2, y, ys); break;            \
+    case 3: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, xsum, 3, y, ys); break;            \
+    default: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, xsum, 4, y, ys); break;           \
     }
     if (w->type == 3) {
         TILE_TM(3)

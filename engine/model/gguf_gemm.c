@@ -285,8 +285,9 @@ int baton_cpu_has_avx512(void) {
  * kernels; the caller (gguf_kernel.py) calls it only when /proc/cpuinfo lists those flags, and
  * baton_gguf_gemv_avx512 itself refuses (-2) on a CPU without them, so it never faults. One
  * block is two vectors of 16: the same products x_j q_j, d and m as baton_gguf_gemm, summed
- * 16 lanes wide instead of 8 (float32 arithmetic, another summation order). GEMV_ROWS output
- * rows per iteration share the x loads and give the core independent accumulation chains. */
+ * 16 lanes wide instead of 8 (float32 arithmetic, another summation order). Two output rows
+ * per iteration share the x loads and give the core independent accumulation chains (4, 8 were
+ * no faster). */
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
 AVX512_TARGET static inline void quants16_q4_1(const uint8_t *qs, __m512 *q_lo, __m512 *q_hi) {
@@ -301,44 +302,79 @@ AVX512_TARGET static inline void quants16_q8_0(const uint8_t *qs, __m512 *q_lo, 
     *q_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
 }
 
-#ifndef GEMV_ROWS
-#define GEMV_ROWS 2 /* output rows per iteration: independent accumulation chains (4, 8: no faster) */
-#endif
+/* A Q4_1 block pair's scales, (d0, m0, d1, m1): blocks b0 and b1 (of two weight rows) in one
+ * f16 conversion. */
+AVX512_TARGET static inline __m128 scales_pair_q4_1(const uint8_t *b0, const uint8_t *b1) {
+    int32_t dm0, dm1;
+    memcpy(&dm0, b0, 4);
+    memcpy(&dm1, b1, 4);
+    return _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(dm0), dm1, 1));
+}
 
+/* y[i * ys + r] = (weight row r) . (input row i) for r < count (<= 2), i < TM (<= TILE_M): the
+ * AVX-512 arithmetic of every float32 product of one to a few rows (gemv_avx512, the fused
+ * step's few-row products), per output element. Weight row r starts at w + r * row_bytes; a
+ * lone row (count 1) is computed twice, the copy dropped. Per block, as row_tile_avx2 factors
+ * it: p = x_lo q_lo + x_hi q_hi (16 lanes), acc = d p + acc; y = the lanes' sum + offset, where
+ * for Q4_1 offset = offset + m * sum(x) block by block, the two weight rows' in one 128-bit
+ * multiply and add (lanes 1 and 3 of (d0, m0, d1, m1) * sum(x); lanes 0 and 2 are dropped).
+ * TYPE and TM are constants where it is inlined (callers switch on them). */
+AVX512_TARGET static inline __attribute__((always_inline)) void tile_avx512(
+    const uint8_t *w, int64_t row_bytes, const int32_t TYPE, int64_t K, int count,
+    const float *x, const float *xsum, const int TM, float *y, int64_t ys) {
+    const int64_t nb = K / QK, bb = TYPE == 3 ? 20 : 34;
+    const uint8_t *row1 = w + (count > 1 ? row_bytes : 0);
+    __m512 acc[2][TILE_M];
+    __m128 offset[TILE_M];
+    for (int i = 0; i < TM; i++) {
+        acc[0][i] = acc[1][i] = _mm512_setzero_ps();
+        offset[i] = _mm_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *b0 = w + b * bb, *b1 = row1 + b * bb;
+        __m512 q0_lo, q0_hi, q1_lo, q1_hi, d0, d1;
+        __m128 dm = _mm_setzero_ps();
+        if (TYPE == 3) {
+            quants16_q4_1(b0 + 4, &q0_lo, &q0_hi);
+            quants16_q4_1(b1 + 4, &q1_lo, &q1_hi);
+            dm = scales_pair_q4_1(b0, b1);
+            d0 = _mm512_broadcastss_ps(dm);
+            d1 = _mm512_permutexvar_ps(_mm512_set1_epi32(2), _mm512_castps128_ps512(dm));
+        } else {
+            quants16_q8_0(b0 + 2, &q0_lo, &q0_hi);
+            quants16_q8_0(b1 + 2, &q1_lo, &q1_hi);
+            d0 = _mm512_set1_ps(f16_to_f32(b0));
+            d1 = _mm512_set1_ps(f16_to_f32(b1));
+        }
+        for (int i = 0; i < TM; i++) {
+            const float *xb = x + i * K + b * QK;
+            const __m512 x_lo = _mm512_loadu_ps(xb), x_hi = _mm512_loadu_ps(xb + 16);
+            if (TYPE == 3)
+                offset[i] = _mm_add_ps(offset[i], _mm_mul_ps(dm, _mm_set1_ps(xsum[i * nb + b])));
+            acc[0][i] = _mm512_fmadd_ps(d0, _mm512_fmadd_ps(x_hi, q0_hi, _mm512_mul_ps(x_lo, q0_lo)),
+                                        acc[0][i]);
+            acc[1][i] = _mm512_fmadd_ps(d1, _mm512_fmadd_ps(x_hi, q1_hi, _mm512_mul_ps(x_lo, q1_lo)),
+                                        acc[1][i]);
+        }
+    }
+    for (int i = 0; i < TM; i++) {
+        float off[4];
+        _mm_storeu_ps(off, offset[i]);
+        y[i * ys] = _mm512_reduce_add_ps(acc[0][i]) + off[1];
+        if (count > 1) y[i * ys + 1] = _mm512_reduce_add_ps(acc[1][i]) + off[3];
+    }
+}
+
+/* One row of x times pairs of weight rows (tile_avx512), the pairs shared out among threads. */
 AVX512_TARGET static void gemv_avx512(const float *x, int64_t K, const uint8_t *w, int64_t N,
                                       int32_t type, const float *xsum, float *y) {
-    const int64_t block_bytes = type == 3 ? 20 : 34;
-    const int64_t nb = K / QK;
-    const int64_t groups = (N + GEMV_ROWS - 1) / GEMV_ROWS;
+    const int64_t row_bytes = K / QK * (type == 3 ? 20 : 34), pairs = (N + 1) / 2;
 #pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t n0 = g * GEMV_ROWS;
-        const int rows = N - n0 < GEMV_ROWS ? (int)(N - n0) : GEMV_ROWS;
-        const uint8_t *row[GEMV_ROWS];
-        __m512 acc[GEMV_ROWS];
-        float offset[GEMV_ROWS];
-        for (int r = 0; r < GEMV_ROWS; r++) { /* a short last group repeats its last row */
-            row[r] = w + (n0 + (r < rows ? r : rows - 1)) * nb * block_bytes;
-            acc[r] = _mm512_setzero_ps();
-            offset[r] = 0.0f;
-        }
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + b * QK;
-            const __m512 x_lo = _mm512_loadu_ps(xb), x_hi = _mm512_loadu_ps(xb + 16);
-            for (int r = 0; r < GEMV_ROWS; r++) {
-                const uint8_t *blk = row[r] + b * block_bytes;
-                __m512 q_lo, q_hi;
-                if (type == 3) {
-                    quants16_q4_1(blk + 4, &q_lo, &q_hi);
-                    offset[r] += f16_to_f32(blk + 2) * xsum[b];
-                } else {
-                    quants16_q8_0(blk + 2, &q_lo, &q_hi);
-                }
-                const __m512 p = _mm512_fmadd_ps(x_hi, q_hi, _mm512_mul_ps(x_lo, q_lo));
-                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(f16_to_f32(blk)), p, acc[r]);
-            }
-        }
-        for (int r = 0; r < rows; r++) y[n0 + r] = _mm512_reduce_add_ps(acc[r]) + offset[r];
+    for (int64_t g = 0; g < pairs; g++) {
+        const int64_t n0 = 2 * g;
+        const int count = N - n0 < 2 ? 1 : 2;
+        if (type == 3) tile_avx512(w + n0 * row_bytes, row_bytes, 3, K, count, x, xsum, 1, y + n0, 1);
+        else tile_avx512(w + n0 * row_bytes, row_bytes, 8, K, count, x, xsum, 1, y + n0, 1);
     }
 }
 
