@@ -357,9 +357,10 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
                          : PANELS_FLOATS_PER_K * max_k);
     /* by lanes: the packed rows; by AMX: the rows' three bfloat16 parts, then their block sums */
     const int64_t amx_rows = amx_groups(R) * AMX_ROWS;
-    const int64_t xt_size = by_amx     ? lines(3 * amx_rows * max_k / 2) + lines(amx_rows * (max_k / QK))
-                            : by_lanes ? lines(lanes_groups(R) * LANES * max_k)
-                                       : 0;
+    const int64_t xt_size =
+        by_amx     ? lines(3 * amx_rows * max_k / 2) + lines(amx_rows * (max_k / QK))
+        : by_lanes ? lines(lanes_groups(R) * LANES * max_k)
+                   : 0;
     const int threads = omp_get_max_threads();
     const int64_t shared_size = lines(R * qkv_n) + 2 * lines(R * q_size) + lines(R * E) +
                                 lines(R * I) + lines(num_states * state_floats) + xt_size;

@@ -351,10 +351,10 @@ AVX512_TARGET static inline __attribute__((always_inline)) void tile_avx512(
             const __m512 x_lo = _mm512_loadu_ps(xb), x_hi = _mm512_loadu_ps(xb + 16);
             if (TYPE == 3)
                 offset[i] = _mm_add_ps(offset[i], _mm_mul_ps(dm, _mm_set1_ps(xsum[i * nb + b])));
-            acc[0][i] = _mm512_fmadd_ps(d0, _mm512_fmadd_ps(x_hi, q0_hi, _mm512_mul_ps(x_lo, q0_lo)),
-                                        acc[0][i]);
-            acc[1][i] = _mm512_fmadd_ps(d1, _mm512_fmadd_ps(x_hi, q1_hi, _mm512_mul_ps(x_lo, q1_lo)),
-                                        acc[1][i]);
+            const __m512 p0 = _mm512_fmadd_ps(x_hi, q0_hi, _mm512_mul_ps(x_lo, q0_lo));
+            const __m512 p1 = _mm512_fmadd_ps(x_hi, q1_hi, _mm512_mul_ps(x_lo, q1_lo));
+            acc[0][i] = _mm512_fmadd_ps(d0, p0, acc[0][i]);
+            acc[1][i] = _mm512_fmadd_ps(d1, p1, acc[1][i]);
         }
     }
     for (int i = 0; i < TM; i++) {
@@ -373,8 +373,9 @@ AVX512_TARGET static void gemv_avx512(const float *x, int64_t K, const uint8_t *
     for (int64_t g = 0; g < pairs; g++) {
         const int64_t n0 = 2 * g;
         const int count = N - n0 < 2 ? 1 : 2;
-        if (type == 3) tile_avx512(w + n0 * row_bytes, row_bytes, 3, K, count, x, xsum, 1, y + n0, 1);
-        else tile_avx512(w + n0 * row_bytes, row_bytes, 8, K, count, x, xsum, 1, y + n0, 1);
+        const uint8_t *rows = w + n0 * row_bytes;
+        if (type == 3) tile_avx512(rows, row_bytes, 3, K, count, x, xsum, 1, y + n0, 1);
+        else tile_avx512(rows, row_bytes, 8, K, count, x, xsum, 1, y + n0, 1);
     }
 }
 
