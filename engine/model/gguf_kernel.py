@@ -131,9 +131,9 @@ def q8_0_rows_avx512(lib: ctypes.CDLL, choice: str = "auto") -> bool:
     """Whether single rows of Q8_0 weights (SmolLM2's output projection) take the AVX-512
     kernel as Q4_1 rows do, for the gguf_isa option `choice`: where the products of many rows
     run on AMX (amx_products). AMX marks Intel's server cores, whose 512-bit units are full
-    width: on a 2-core Xeon VM the one-row fused decode step took 11.1 vs 12.5 ms with it
-    (the 49,152 x 576 product ~1.0 vs ~1.4 ms alone), while Zen 4 splits 512-bit operations in
-    two and its AVX2 kernel was the faster (above)."""
+    width, and there the AVX-512 kernel is the faster for these rows (measured:
+    docs/design/cpu-kernels.md), while Zen 4 splits 512-bit operations in two and its AVX2
+    kernel was the faster (above)."""
     return amx_products(lib, choice)
 
 
