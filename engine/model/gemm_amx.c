@@ -126,11 +126,103 @@ AMX_TARGET static void amx_split_for(const float *x, int64_t M, int64_t K, uint1
     team_barrier();
 }
 
+/* The word permutes and the quant table of amx_pack_q4_1_block. */
+typedef struct {
+    __m512i round1[2], round2[4], lut;
+} amx_q4_1_words;
+
+AMX_TARGET static amx_q4_1_words amx_q4_1_words_make(void) {
+    /* round 1: half[h][c], word 8 w' + r: word 4 c + w' of row 8 h + r (w' < 4, r < 8) */
+    uint16_t idx1[2][32], idx2[4][32], table[32];
+    for (int c = 0; c < 2; c++)
+        for (int w = 0; w < 4; w++)
+            for (int r = 0; r < 8; r++) /* row r: z[r / 4] (second table from r = 4), lane r % 4 */
+                idx1[c][8 * w + r] = (uint16_t)(32 * (r / 4) + 8 * (r % 4) + 4 * c + w);
+    /* round 2: pairs[k], word 16 s + j: word 2 k + s of row j (s < 2, j < 16) */
+    for (int k = 0; k < 4; k++)
+        for (int s = 0; s < 2; s++)
+            for (int j = 0; j < 16; j++) /* rows 8 .. 15 from the second table */
+                idx2[k][16 * s + j] = (uint16_t)(32 * (j / 8) + 8 * ((2 * k + s) % 4) + j % 8);
+    for (int n = 0; n < 32; n++) { /* bfloat16 bits of the quant value n (n < 16 used) */
+        const float v = (float)n;
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        table[n] = (uint16_t)(u >> 16);
+    }
+    amx_q4_1_words t;
+    for (int c = 0; c < 2; c++) t.round1[c] = _mm512_loadu_si512(idx1[c]);
+    for (int k = 0; k < 4; k++) t.round2[k] = _mm512_loadu_si512(idx2[k]);
+    t.lut = _mm512_loadu_si512(table);
+    return t;
+}
+
+/* One Q4_1 block of 16 weight rows (blk[j]: row j's block, NULL: a zero row) as its B tile
+ * (bt [512] bfloat16, AMX's pair-interleaved layout: tile row p holds pair p of every weight
+ * row) and d, m [16] each. Row j's quant bytes qs[i] hold quants i (low nibble) and i + 16
+ * (high nibble), so pair p < 8 is the low nibbles of its 16-bit word p and pair p + 8 the high
+ * nibbles: a transpose of 16 rows x 8 words (two rounds of word permutes) puts word p of
+ * every row side by side, and each nibble becomes its bfloat16 value by a table lookup. The
+ * tile holds the same bits as amx_pack_weights' general path (quants converted to float32,
+ * then bfloat16 pairs transposed as float32 lanes), which spends ~3x the instructions: a
+ * 16-row Q4_1 product on AMX is ~1.3x faster this way (docs/design/cpu-kernels.md). */
+AMX_TARGET static inline void amx_pack_q4_1_block(const amx_q4_1_words *t,
+                                                  const uint8_t *const blk[16], uint16_t *bt,
+                                                  float *d, float *m) {
+    uint32_t dm_bits[16]; /* d, m as float16 bits (low, high half) */
+    __m128i qs[16];
+    for (int j = 0; j < 16; j++) {
+        if (blk[j] == NULL) {
+            qs[j] = _mm_setzero_si128();
+            dm_bits[j] = 0;
+        } else {
+            qs[j] = _mm_loadu_si128((const __m128i *)(blk[j] + 4));
+            memcpy(&dm_bits[j], blk[j], 4);
+        }
+    }
+    const __m512i bits = _mm512_loadu_si512(dm_bits);
+    _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(bits)));
+    _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16))));
+    __m512i z[4]; /* z[i], 128-bit lane L: the 8 words of row 4 i + L */
+    for (int i = 0; i < 4; i++)
+        z[i] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_set_m128i(qs[4 * i + 1], qs[4 * i])),
+            _mm256_set_m128i(qs[4 * i + 3], qs[4 * i + 2]), 1);
+    __m512i half[2][2];
+    for (int h = 0; h < 2; h++)
+        for (int c = 0; c < 2; c++)
+            half[h][c] = _mm512_permutex2var_epi16(z[2 * h], t->round1[c], z[2 * h + 1]);
+    const __m512i low = _mm512_set1_epi16(15);
+    for (int k = 0; k < 4; k++) {
+        const __m512i pairs = _mm512_permutex2var_epi16(half[0][k / 2], t->round2[k],
+                                                        half[1][k / 2]);
+        for (int s = 0; s < 2; s++) {
+            const int p = 2 * k + s;
+            /* bytes (qs[2 p], qs[2 p + 1]) of row j widened to the words 2 j, 2 j + 1 */
+            const __m512i wide = _mm512_cvtepu8_epi16(
+                s == 0 ? _mm512_castsi512_si256(pairs) : _mm512_extracti64x4_epi64(pairs, 1));
+            _mm512_storeu_si512(bt + p * 32,
+                                _mm512_permutexvar_epi16(_mm512_and_si512(wide, low), t->lut));
+            _mm512_storeu_si512(bt + (p + 8) * 32,
+                                _mm512_permutexvar_epi16(_mm512_srli_epi16(wide, 4), t->lut));
+        }
+    }
+}
+
 /* Weight rows n0 .. n0 + count - 1 (count <= 16; the rest zero) packed: bt [K / 32][512]
  * bfloat16 (one B tile per block), dm [K / 32][32] (d of the 16 rows, then their m). */
 AMX_TARGET static void amx_pack_weights(const uint8_t *w, int32_t type, int64_t K, int64_t n0,
                                         int count, uint16_t *bt, float *dm) {
     const int64_t nb = K / QK, bb = type == 3 ? 20 : 34, row_bytes = nb * bb;
+    if (type == 3) {
+        const amx_q4_1_words t = amx_q4_1_words_make();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk[16];
+            for (int j = 0; j < 16; j++)
+                blk[j] = j < count ? w + (n0 + j) * row_bytes + b * bb : NULL;
+            amx_pack_q4_1_block(&t, blk, bt + b * 512, dm + b * 32, dm + b * 32 + 16);
+        }
+        return;
+    }
     for (int64_t b = 0; b < nb; b++) {
         __m512 r[16]; /* r[j]: the 32 quants of weight row j as 16 pairs of bfloat16 */
         float *d = dm + b * 32, *m = d + 16;

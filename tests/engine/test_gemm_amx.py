@@ -59,6 +59,30 @@ def test_a_row_has_the_same_numbers_whatever_the_other_rows():
         assert torch.equal(part, whole[lo:hi])
 
 
+@needs_amx
+@pytest.mark.parametrize("n", [16, 29])  # whole packs of 16 weight rows; a short last pack
+def test_q4_1_tiles_hold_the_quants_as_q8_0_tiles_do(n):
+    """Q4_1 blocks are packed into tiles by their own route (a transpose of the quant bytes'
+    words); Q8_0 blocks with the same quants, the same d and no m give the same products bit
+    for bit only if both routes put the same values in the same places."""
+    k, blocks_per_row = 96, 96 // 32
+    g = torch.Generator().manual_seed(8)
+    quants = torch.randint(0, 16, (n, blocks_per_row, 32), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, blocks_per_row, 1, generator=g) + 0.01).half().view(torch.uint8)
+    nibbles = quants[..., :16] | (quants[..., 16:] << 4)  # byte i: quants i and i + 16
+    no_m = torch.zeros(n, blocks_per_row, 2, dtype=torch.uint8)
+    q4_1 = torch.cat([d, no_m, nibbles], dim=2).reshape(n, -1).contiguous()
+    q8_0 = torch.cat([d, quants], dim=2).reshape(n, -1).contiguous()
+    x = torch.randn(21, k, generator=g) * 10.0 ** torch.randint(-3, 4, (21, k), generator=g)
+    status_q4_1, y_q4_1 = amx(x, q4_1, n, Q4_1)
+    status_q8_0, y_q8_0 = amx(x, q8_0, n, Q8_0)
+    assert status_q4_1 == status_q8_0 == 0
+    assert torch.equal(y_q4_1, y_q8_0)
+    scales = d.view(torch.float16).float().expand(n, blocks_per_row, 32).reshape(n, k)
+    exact = x.double() @ (quants.reshape(n, k).double() * scales.double()).T
+    assert ((y_q4_1.double() - exact).abs() <= error_bound(x, quants.reshape(n, k).float() * scales, k)).all()
+
+
 @pytest.mark.skipif(lib is None, reason="needs the kernel")
 def test_bad_shapes_and_missing_amx_are_refused():
     blocks, _ = quantized(4, 64, Q4_1, seed=7)
