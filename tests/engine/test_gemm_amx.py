@@ -79,8 +79,9 @@ def test_q4_1_tiles_hold_the_quants_as_q8_0_tiles_do(n):
     assert status_q4_1 == status_q8_0 == 0
     assert torch.equal(y_q4_1, y_q8_0)
     scales = d.view(torch.float16).float().expand(n, blocks_per_row, 32).reshape(n, k)
-    exact = x.double() @ (quants.reshape(n, k).double() * scales.double()).T
-    assert ((y_q4_1.double() - exact).abs() <= error_bound(x, quants.reshape(n, k).float() * scales, k)).all()
+    weight = quants.reshape(n, k).float() * scales
+    exact = x.double() @ weight.double().T
+    assert ((y_q4_1.double() - exact).abs() <= error_bound(x, weight, k)).all()
 
 
 @pytest.mark.skipif(lib is None, reason="needs the kernel")
