@@ -32,6 +32,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 BLOCK, NUM_BLOCKS, STEPS = 4, 160, 5
+# the caches' blocks: NUM_BLOCKS drawn in random order, then the rest in order (50 rows over
+# LONG_PREFIX need more than NUM_BLOCKS)
+CACHE_BLOCKS = 400
 PREFIX = 8  # tokens (two full blocks) that every third row shares, blocks and all
 # a shared prefix past the fused step's first window of keys (128): that window runs once for
 # all the rows sharing it
@@ -56,7 +59,8 @@ def make_rows(count: int, seed: int, prefix_len: int = PREFIX) -> tuple[list[Row
     prefix_len tokens (whole blocks) in the same blocks. Returns (rows, the shared prefix's
     tokens)."""
     g = torch.Generator().manual_seed(seed)
-    free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    free = list(range(CACHE_BLOCKS - 1, NUM_BLOCKS - 1, -1))
+    free = free + torch.randperm(NUM_BLOCKS, generator=g).tolist()  # popped from the end
     prefix_blocks = [free.pop() for _ in range(prefix_len // BLOCK)]
     prefix = torch.randint(0, VOCAB, (prefix_len,), generator=g).tolist()
     rows = []
@@ -77,7 +81,7 @@ def make_rows(count: int, seed: int, prefix_len: int = PREFIX) -> tuple[list[Row
 def caches(runner) -> list[torch.Tensor]:
     a = runner.model.args
     return [
-        allocate_kv_cache(NUM_BLOCKS, BLOCK, a.num_kv_heads, a.head_dim, torch.float32)
+        allocate_kv_cache(CACHE_BLOCKS, BLOCK, a.num_kv_heads, a.head_dim, torch.float32)
         for _ in range(a.num_layers)
     ]
 
@@ -225,7 +229,8 @@ def test_int8_rows_equal_the_unfused_int8_path(quantized_llama, isa, count):
     "isa,int8", [(isa, False) for isa in RUNNABLE_ISAS] + [(isa, True) for isa in INT8_ISAS]
 )
 @pytest.mark.parametrize("prefix_len", [PREFIX, LONG_PREFIX])
-@pytest.mark.parametrize("count", [12, 17, 34])
+# 50: 17 rows share the prefix, 34 query vectors, which pass its window in lanes on AVX-512
+@pytest.mark.parametrize("count", [12, 17, 34, 50])
 def test_each_row_is_what_it_is_alone(quantized_llama, isa, int8, prefix_len, count):
     """`count` rows in one step against each row alone (R = 1) over a copy of the same cache:
     hidden state, logits and cache equal bit for bit, whatever tile and thread a row meets,
