@@ -179,7 +179,7 @@ class EngineOptions:
         "auto",
         "instruction set of the GGUF block kernels (A/B runs): auto picks by cpuid (AVX-512 "
         "for float32 Q4_1 rows of one-row products and of fused decode steps, Q8_0 rows too "
-        "where AMX is on, AMX tiles for the fused step's products of 32 rows or more, the "
+        "where AMX is on, AMX tiles for every product of a fused step of 9 rows or more, the "
         "fastest int8 kernel); avx2 forces "
         "AVX2 everywhere; avx512 and avx512vnni force AVX-512 (float32, no AMX) and AVX-512 "
         "VNNI (int8); amx forces AVX-512 with AMX; avxvnni forces AVX-VNNI (int8) and AVX2 "

@@ -35,7 +35,7 @@ typedef struct {
     float *panels; /* this thread's scratch for either: PANELS_FLOATS_PER_K floats per element
                     * of the largest K, or lanes_scratch_floats (few rows: only the head's K) */
     float *xt;     /* by lanes: the input rows packed (gemm_lanes.c), shared by the team */
-    int by_amx;    /* by_lanes steps on AMX: products of more than LANES_FEW_MAX rows in tiles */
+    int by_amx;    /* steps of AMX_MIN_ROWS rows or more on AMX: every product in tiles */
     uint16_t *xb;  /* by AMX: the input rows' bfloat16 parts (gemm_amx.c), shared by the team */
     float *xb_sum; /* by AMX: the input rows' block sums, shared by the team */
 } ds_input;
@@ -59,14 +59,15 @@ typedef struct {
 #ifndef LANES_MIN_ROWS /* -DLANES_MIN_ROWS=... at build time overrides it (A/B runs) */
 #define LANES_MIN_ROWS 16
 #endif
-/* Where the CPU has AMX (and the caller asks for it: the model's avx512 = 2), steps of
- * AMX_MIN_ROWS rows or more take AMX tiles for every product (gemm_amx.c), the head of a few
- * rows too. Measured on a 2-vCPU Intel Xeon VM with AMX (python -m benchmarks.isa_steps:
- * SmolLM2, 2 threads, whole steps, gguf_isa auto against avx512): decode steps of 16 rows level
- * with the lanes (the weight packs serve one group of input rows), 32 rows 0.94x their time,
- * 64 rows 0.84x, a 256-token prompt 0.68x. */
+/* Where the CPU has AMX (and the caller asks for it: the model's avx512 = 2), every step past
+ * the exact rows (AMX_MIN_ROWS rows or more) takes AMX tiles for every product (gemm_amx.c),
+ * the head of a few rows too, instead of the panels (9-15 rows) or the lanes. Measured on a
+ * 2-vCPU Intel Xeon VM with AMX (python -m benchmarks.isa_steps --rows 9,12,16,24: SmolLM2,
+ * 2 threads, whole decode steps, gguf_isa auto against avx512): 0.83x the time of the panels'
+ * at 9 rows, 0.79x at 12, 0.78x of the lanes' at 16 and 0.82x at 24 (docs/design/
+ * cpu-kernels.md). */
 #ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 32
+#define AMX_MIN_ROWS (EXACT_MAX_ROWS + 1)
 #endif
 /* The per-thread panel scratch of the panels, in floats per element of K: two PANEL_N-row
  * panels (gate and up). The lanes' is lanes_scratch_floats (gemm_lanes.c). */

@@ -346,7 +346,7 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
      * x rows and panels then never straddle two lines, whatever address malloc returns. */
     const int64_t window_size = lines(2 * MAX_NG * D + 2 * MAX_NG);
     const int by_lanes = !m->int8_isa && m->avx512 && R >= LANES_MIN_ROWS;
-    const int by_amx = by_lanes && m->avx512 == 2 && R >= AMX_MIN_ROWS;
+    const int by_amx = !m->int8_isa && m->avx512 == 2 && R >= AMX_MIN_ROWS;
     const int64_t lanes_own = lanes_scratch_floats(max_k, E); /* few: only the head */
     const int64_t amx_own = amx_scratch_floats(max_k);
     const int64_t own_size =
@@ -391,7 +391,7 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
         int8_t *xq = (int8_t *)(window_q + window_size); /* R * max_k bytes */
         ds_input in = {.avx512 = m->avx512,
                        .int8_isa = m->int8_isa,
-                       .by_panels = !m->int8_isa && R > EXACT_MAX_ROWS && !by_lanes,
+                       .by_panels = !m->int8_isa && R > EXACT_MAX_ROWS && !by_lanes && !by_amx,
                        .by_lanes = by_lanes,
                        .panels = window_q + window_size + lines(R * max_k / 4),
                        .xt = xt,

@@ -245,7 +245,11 @@ class FusedDecoder:
             "decode steps of up to %d rows run fused in C (%s%s; fused_decode=False turns it off)",
             MAX_ROWS,
             isa,
-            ", int8 activations" if int8 else ", AMX for 32 rows or more" if amx else "",
+            ", int8 activations"
+            if int8
+            else f", AMX for {lib.baton_decode_amx_min_rows()} rows or more"
+            if amx
+            else "",
         )
         return cls(lib, c_model, layers, keep, list(kv_caches))
 
