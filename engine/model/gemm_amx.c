@@ -163,8 +163,8 @@ AMX_TARGET static amx_q4_1_words amx_q4_1_words_make(void) {
  * nibbles: a transpose of 16 rows x 8 words (two rounds of word permutes) puts word p of
  * every row side by side, and each nibble becomes its bfloat16 value by a table lookup. The
  * tile holds the same bits as amx_pack_weights' general path (quants converted to float32,
- * then bfloat16 pairs transposed as float32 lanes), which spends ~3x the instructions: a
- * 16-row Q4_1 product on AMX is ~1.3x faster this way (docs/design/cpu-kernels.md). */
+ * then bfloat16 pairs transposed as float32 lanes), which spends ~2.5x the instructions: a
+ * 64-token prompt step's products ran ~1.27x faster this way (docs/design/cpu-kernels.md). */
 AMX_TARGET static inline void amx_pack_q4_1_block(const amx_q4_1_words *t,
                                                   const uint8_t *const blk[16], uint16_t *bt,
                                                   float *d, float *m) {
