@@ -128,17 +128,18 @@ AMX_TARGET static void amx_split_for(const float *x, int64_t M, int64_t K, uint1
 
 /* The word permutes and the quant table of amx_pack_q4_1_block. */
 typedef struct {
-    __m512i round1[2], round2[4], lut;
+    __m512i to_halves[2], to_pairs[4], lut;
 } amx_q4_1_words;
 
 AMX_TARGET static amx_q4_1_words amx_q4_1_words_make(void) {
-    /* round 1: half[h][c], word 8 w' + r: word 4 c + w' of row 8 h + r (w' < 4, r < 8) */
+    /* the first permutes: half[h][c], word 8 w' + r: word 4 c + w' of row 8 h + r
+     * (w' < 4, r < 8) */
     uint16_t idx1[2][32], idx2[4][32], table[32];
     for (int c = 0; c < 2; c++)
         for (int w = 0; w < 4; w++)
             for (int r = 0; r < 8; r++) /* row r: z[r / 4] (second table from r = 4), lane r % 4 */
                 idx1[c][8 * w + r] = (uint16_t)(32 * (r / 4) + 8 * (r % 4) + 4 * c + w);
-    /* round 2: pairs[k], word 16 s + j: word 2 k + s of row j (s < 2, j < 16) */
+    /* the second permutes: pairs[k], word 16 s + j: word 2 k + s of row j (s < 2, j < 16) */
     for (int k = 0; k < 4; k++)
         for (int s = 0; s < 2; s++)
             for (int j = 0; j < 16; j++) /* rows 8 .. 15 from the second table */
@@ -150,8 +151,8 @@ AMX_TARGET static amx_q4_1_words amx_q4_1_words_make(void) {
         table[n] = (uint16_t)(u >> 16);
     }
     amx_q4_1_words t;
-    for (int c = 0; c < 2; c++) t.round1[c] = _mm512_loadu_si512(idx1[c]);
-    for (int k = 0; k < 4; k++) t.round2[k] = _mm512_loadu_si512(idx2[k]);
+    for (int c = 0; c < 2; c++) t.to_halves[c] = _mm512_loadu_si512(idx1[c]);
+    for (int k = 0; k < 4; k++) t.to_pairs[k] = _mm512_loadu_si512(idx2[k]);
     t.lut = _mm512_loadu_si512(table);
     return t;
 }
@@ -190,10 +191,10 @@ AMX_TARGET static inline void amx_pack_q4_1_block(const amx_q4_1_words *t,
     __m512i half[2][2];
     for (int h = 0; h < 2; h++)
         for (int c = 0; c < 2; c++)
-            half[h][c] = _mm512_permutex2var_epi16(z[2 * h], t->round1[c], z[2 * h + 1]);
+            half[h][c] = _mm512_permutex2var_epi16(z[2 * h], t->to_halves[c], z[2 * h + 1]);
     const __m512i low = _mm512_set1_epi16(15);
     for (int k = 0; k < 4; k++) {
-        const __m512i pairs = _mm512_permutex2var_epi16(half[0][k / 2], t->round2[k],
+        const __m512i pairs = _mm512_permutex2var_epi16(half[0][k / 2], t->to_pairs[k],
                                                         half[1][k / 2]);
         for (int s = 0; s < 2; s++) {
             const int p = 2 * k + s;
