@@ -62,9 +62,9 @@ typedef struct {
 /* Where the CPU has AMX (and the caller asks for it: the model's avx512 = 2), every step past
  * the exact rows (AMX_MIN_ROWS rows or more) takes AMX tiles for every product (gemm_amx.c),
  * the head of a few rows too, instead of the panels (9-15 rows) or the lanes. Measured on a
- * 2-vCPU Intel Xeon VM with AMX (python -m benchmarks.isa_steps --rows 9,12,16,24: SmolLM2,
- * 2 threads, whole decode steps, gguf_isa auto against avx512): 0.83x the time of the panels'
- * at 9 rows, 0.79x at 12, 0.78x of the lanes' at 16 and 0.82x at 24 (docs/design/
+ * 2-vCPU Intel Xeon VM with AMX (python -m benchmarks.isa_steps --rows 9,12,16,24,32,64:
+ * SmolLM2, 2 threads, whole decode steps, gguf_isa auto against avx512): 0.89x the time of
+ * the panels' at 9 rows, 0.81x at 12, 0.78-0.81x of the lanes' at 16-64 rows (docs/design/
  * cpu-kernels.md). */
 #ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS (EXACT_MAX_ROWS + 1)
