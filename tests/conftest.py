@@ -54,6 +54,19 @@ def quantized_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def quantized_llama_one_head(tmp_path_factory) -> Path:
+    """quantized_llama with one query and one KV head: head_dim 64, the size (a multiple of
+    32) whose prompt windows the fused step attends on AMX."""
+    from engine.weights.gguf_convert import convert_gguf_to_hf
+    from tests.engine.test_gguf_blocks import write_quantized_llama_gguf
+
+    root = tmp_path_factory.mktemp("gguf_one_head")
+    write_quantized_llama_gguf(root / "tiny.gguf", heads=1, kv_heads=1)
+    convert_gguf_to_hf(root / "tiny.gguf", root / "hf")
+    return root / "hf"
+
+
+@pytest.fixture(scope="session")
 def hf_models():
     """Cache of transformers models by checkpoint dir (fp32, eval)."""
     from transformers import AutoModelForCausalLM

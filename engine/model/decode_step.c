@@ -24,7 +24,11 @@
  *   - RoPE: x' = x c - y s, y' = x s + y c on rotation pairs, products rounded before the add
  *     (torch's complex multiply, checked bit for bit by the tests);
  *   - attention: paged_decode.c's one-pass online softmax per window of ATTEND_WINDOW keys,
- *     the windows merged in key order (see ATTEND_WINDOW below);
+ *     the windows merged in key order (see ATTEND_WINDOW below); with AMX, in steps of
+ *     AMX_MIN_ROWS rows or more, a prompt's windows (rows of one sequence, two or more, in the
+ *     step) are attended on tiles instead, window_amx.c, each window's keys packed once for
+ *     all of the prompt's chunks (float32-accurate too, another order of the sums: so a prompt
+ *     row's numbers are those of a step of the same kind, however the prompt is chunked);
  *   - SwiGLU: silu(g) * u with silu(g) = g / (1 + e^-g); the one place the values may differ
  *     from torch's in the last bit (its vectorized exp is another polynomial).
  * With int8_isa set (the opt-in int8_activations), every product's input rows are quantized
@@ -43,6 +47,7 @@
 
 #include "gguf_gemm.c"
 #include "../attention/paged_decode.c"
+#include "../attention/window_amx.c"
 #include "rms_norm.c"
 #include "decode_matrix.c"
 
@@ -120,6 +125,7 @@ static void rope_rows(const float *src, int64_t heads, int64_t D, const float *r
  * vectors; a row's keys end in a window as they would alone) and the cut points do not depend
  * on the other rows: a row's output is the same whatever rows share its step. */
 #define ATTEND_WINDOW 128
+_Static_assert(ATTEND_WINDOW == WA_MAX_KEYS && MAX_NG == WA_MAX_NG, "window_amx.c's bounds");
 
 /* One window: keys [w ATTEND_WINDOW, k1) of KV head h for members[row0 .. row0 + nrows),
  * each member up to its own sequence length. */
@@ -127,16 +133,26 @@ typedef struct {
     int64_t h, w, k1, row0, nrows;
 } ds_window;
 
+/* Windows run together by one thread: a prompt's window w of KV head h for each of its chunks
+ * (chunk), or any other window alone. */
+typedef struct {
+    int64_t first, count; /* windows[first .. first + count) */
+    int chunk;            /* 1: a prompt's chunks, in order (the last one reaches furthest) */
+} ds_window_task;
+
 /* The windows of a step: which rows share which, and every window each row needs. */
 typedef struct {
     int64_t *members; /* [2 R]: the groups' rows, then each decode row by itself */
     ds_window *windows;
+    ds_window_task *tasks;
     int64_t num_windows, max_windows; /* windows to run; most windows of one row */
+    int64_t num_tasks;
 } ds_attention_plan;
 
 static void free_plan(ds_attention_plan *p) {
     free(p->members);
     free(p->windows);
+    free(p->tasks);
 }
 
 /* 0, or -2 when scratch memory failed. */
@@ -149,6 +165,7 @@ static int plan_attention(ds_attention_plan *p, const int64_t *tables, int64_t w
     int64_t *run_end = malloc(sizeof(int64_t) * (size_t)(14 * R + R * width));
     p->members = malloc(sizeof(int64_t) * (size_t)(2 * R));
     p->windows = NULL;
+    p->tasks = NULL;
     if (!run_end || !p->members) {
         free(run_end);
         return -2;
@@ -185,7 +202,8 @@ static int plan_attention(ds_attention_plan *p, const int64_t *tables, int64_t w
         p->max_windows = n > p->max_windows ? n : p->max_windows;
     }
     p->windows = malloc(sizeof(ds_window) * (size_t)(KVH * total > 0 ? KVH * total : 1));
-    if (!p->windows) {
+    p->tasks = malloc(sizeof(ds_window_task) * (size_t)(KVH * total > 0 ? KVH * total : 1));
+    if (!p->windows || !p->tasks) {
         free(run_end);
         return -2;
     }
@@ -198,8 +216,11 @@ static int plan_attention(ds_attention_plan *p, const int64_t *tables, int64_t w
         for (int64_t i = row0[g]; i < row0[g] + rows[g]; i++) p->members[m++] = idx[sub_members[i]];
         row0[g] = first;
     }
+    int64_t num_prompts = 0; /* the prompts' chunks: prompt_chunk0[i] .. prompt_chunk0[i + 1] */
+    int64_t *prompt_chunk0 = sorted; /* (sorted is free again) */
     for (int64_t r = 0; r < R; r = run_end[r]) {
         if (run_end[r] == r + 1) continue;
+        prompt_chunk0[num_prompts++] = num_chunks;
         for (int64_t c = r; c < run_end[r]; c += per_group) {
             const int64_t n = run_end[r] - c < per_group ? run_end[r] - c : per_group;
             chunk_row0[num_chunks] = m;
@@ -210,21 +231,35 @@ static int plan_attention(ds_attention_plan *p, const int64_t *tables, int64_t w
     }
     const int64_t single0 = m;
     for (int64_t i = 0; i < nd; i++) p->members[m++] = idx[i];
-    p->num_windows = 0;
+    prompt_chunk0[num_prompts] = num_chunks;
+    p->num_windows = p->num_tasks = 0;
+#define ALONE(window)                                                                              \
+    do {                                                                                           \
+        p->tasks[p->num_tasks++] = (ds_window_task){p->num_windows, 1, 0};                         \
+        p->windows[p->num_windows++] = window;                                                     \
+    } while (0)
     for (int64_t h = 0; h < KVH; h++) {
         for (int64_t g = 0; g < num_groups; g++) /* windows wholly inside the shared keys */
             for (int64_t w = 0; w < gshared[g] / W; w++)
-                p->windows[p->num_windows++] = (ds_window){h, w, (w + 1) * W, row0[g], rows[g]};
-        for (int64_t c = 0; c < num_chunks; c++) /* every window of a chunk's keys */
-            for (int64_t w = 0; w * W < chunk_end[c]; w++)
-                p->windows[p->num_windows++] = (ds_window){
-                    h, w, (w + 1) * W < chunk_end[c] ? (w + 1) * W : chunk_end[c], chunk_row0[c],
-                    chunk_rows[c]};
+                ALONE(((ds_window){h, w, (w + 1) * W, row0[g], rows[g]}));
+        for (int64_t i = 0; i < num_prompts; i++) /* every window of a chunk's keys */
+            for (int64_t w = 0; w * W < chunk_end[prompt_chunk0[i + 1] - 1]; w++) {
+                ds_window_task task = {p->num_windows, 0, 1}; /* the chunks reaching window w */
+                for (int64_t c = prompt_chunk0[i]; c < prompt_chunk0[i + 1]; c++) {
+                    if (w * W >= chunk_end[c]) continue;
+                    p->windows[p->num_windows++] = (ds_window){
+                        h, w, (w + 1) * W < chunk_end[c] ? (w + 1) * W : chunk_end[c],
+                        chunk_row0[c], chunk_rows[c]};
+                    task.count++;
+                }
+                p->tasks[p->num_tasks++] = task;
+            }
         for (int64_t i = 0; i < nd; i++) /* a decode row's other windows, alone */
             for (int64_t w = sub_shared[i] / W; w * W < sub_lens[i]; w++)
-                p->windows[p->num_windows++] = (ds_window){
-                    h, w, (w + 1) * W < sub_lens[i] ? (w + 1) * W : sub_lens[i], single0 + i, 1};
+                ALONE(((ds_window){h, w, (w + 1) * W < sub_lens[i] ? (w + 1) * W : sub_lens[i],
+                                   single0 + i, 1}));
     }
+#undef ALONE
     free(run_end);
     return 0;
 }
@@ -349,12 +384,18 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
     const int by_amx = !m->int8_isa && m->avx512 == 2 && R >= AMX_MIN_ROWS;
     const int64_t lanes_own = lanes_scratch_floats(max_k, E); /* few: only the head */
     const int64_t amx_own = amx_scratch_floats(max_k);
+    /* with AMX, the prompts' windows too are attended by tiles (window_amx.c): per thread its
+     * scratch, then a window's packed keys */
+    const int by_amx_windows = by_amx && wa_takes(D);
+    const int64_t amx_window_size =
+        by_amx_windows ? lines(wa_scratch_floats(D) + wa_pack_words(D) / 2) : 0;
     const int64_t own_size =
         2 * lines(R * E) + lines(D) + 3 * lines(R * (max_k / QK)) + window_size +
         lines(R * max_k / 4) +
         lines(by_amx     ? (lanes_own > amx_own ? lanes_own : amx_own)
               : by_lanes ? lanes_own
-                         : PANELS_FLOATS_PER_K * max_k);
+                         : PANELS_FLOATS_PER_K * max_k) +
+        amx_window_size;
     /* by lanes: the packed rows; by AMX: the rows' three bfloat16 parts, then their block sums */
     const int64_t amx_rows = amx_groups(R) * AMX_ROWS;
     const int64_t xt_size =
@@ -387,7 +428,9 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
               *xs = xd + lines(nb), *window_q = xs + lines(nb);
         float *window_acc = window_q + MAX_NG * D;
         PdRunning *window_run = (PdRunning *)(window_acc + MAX_NG * D);
-        int64_t window_limits[MAX_NG];
+        float *amx_window = x + own_size - amx_window_size; /* window_amx.c's scratch */
+        uint16_t *amx_pack = (uint16_t *)(amx_window + (by_amx_windows ? wa_scratch_floats(D) : 0));
+        int64_t window_limits[MAX_NG], window_counts[MAX_NG];
         int8_t *xq = (int8_t *)(window_q + window_size); /* R * max_k bytes */
         ds_input in = {.avx512 = m->avx512,
                        .int8_isa = m->int8_isa,
@@ -443,41 +486,60 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
                                .block_size = m->block_size,
                                .scale = m->scale};
             OMP_FOR(HEADS_SCHEDULE)
-            for (int64_t i = 0; i < plan.num_windows; i++) {
-                const ds_window *win = &plan.windows[i];
-                const int64_t lead = plan.members[win->row0], ng = win->nrows * G;
-                const int64_t k0 = win->w * ATTEND_WINDOW, k1 = win->k1;
-                const float *qg = roped + lead * q_size + win->h * G * D;
-                const int64_t *limits = NULL; /* each query vector's end of keys */
-                if (win->nrows > 1) { /* the group's query vectors side by side */
-                    for (int64_t j = 0; j < win->nrows; j++) {
-                        const int64_t b = plan.members[win->row0 + j];
-                        memcpy(window_q + j * G * D, roped + b * q_size + win->h * G * D,
-                               sizeof(float) * (size_t)(G * D));
-                        for (int64_t g = 0; g < G; g++) window_limits[j * G + g] = seq_lens[b];
+            for (int64_t t = 0; t < plan.num_tasks; t++) {
+                const ds_window_task *task = &plan.tasks[t];
+                /* a prompt's window on AMX: its keys packed once for all its chunks, to the
+                 * furthest (the last chunk's) end */
+                const int packed = by_amx_windows && task->chunk;
+                const ds_window *last = &plan.windows[task->first + task->count - 1];
+                if (packed)
+                    wa_pack(&pa, tables + plan.members[last->row0] * width, last->h,
+                            last->w * ATTEND_WINDOW, last->k1, amx_pack);
+                for (int64_t i = task->first; i < task->first + task->count; i++) {
+                    const ds_window *win = &plan.windows[i];
+                    const int64_t lead = plan.members[win->row0], ng = win->nrows * G;
+                    const int64_t k0 = win->w * ATTEND_WINDOW, k1 = win->k1;
+                    const float *qg = roped + lead * q_size + win->h * G * D;
+                    const int64_t *limits = NULL; /* each query vector's end of keys */
+                    if (win->nrows > 1) { /* the group's query vectors side by side */
+                        for (int64_t j = 0; j < win->nrows; j++) {
+                            const int64_t b = plan.members[win->row0 + j];
+                            memcpy(window_q + j * G * D, roped + b * q_size + win->h * G * D,
+                                   sizeof(float) * (size_t)(G * D));
+                            for (int64_t g = 0; g < G; g++)
+                                window_limits[j * G + g] = seq_lens[b];
+                        }
+                        qg = window_q;
+                        limits = window_limits;
                     }
-                    qg = window_q;
-                    limits = window_limits;
+                    const int64_t *table = tables + lead * width; /* every member's, to k1 */
+                    if (packed) {
+                        for (int64_t v = 0; v < ng; v++)
+                            window_counts[v] = (limits ? limits[v] : seq_lens[lead]) - k0;
+                        wa_attend_packed(amx_pack, last->k1 - k0, k1 - k0, D, m->scale, qg, ng,
+                                         window_counts, window_run, window_acc, amx_window);
+                    } else {
+                        for (int64_t v = 0; v < ng; v++)
+                            window_run[v] = (PdRunning){-INFINITY, 0.0f};
+                        memset(window_acc, 0, sizeof(float) * (size_t)(ng * D));
+                        if (m->avx512 && D % 16 == 0)
+                            pd_attend_avx512(&pa, qg, ng, limits, table, win->h, k0, k1,
+                                             window_run, window_acc);
+                        else
+                            pd_attend_avx2(&pa, qg, ng, limits, table, win->h, k0, k1,
+                                           window_run, window_acc);
+                    }
+                    for (int64_t j = 0; j < win->nrows; j++)
+                        for (int64_t g = 0; g < G; g++) {
+                            const int64_t b = plan.members[win->row0 + j], v = j * G + g;
+                            if (seq_lens[b] <= k0) continue; /* a prompt row before the window */
+                            float *st = states + ((b * H + win->h * G + g) * plan.max_windows +
+                                                  win->w) * state_floats;
+                            st[0] = window_run[v].m;
+                            st[1] = window_run[v].l;
+                            memcpy(st + 2, window_acc + v * D, sizeof(float) * (size_t)D);
+                        }
                 }
-                for (int64_t v = 0; v < ng; v++) window_run[v] = (PdRunning){-INFINITY, 0.0f};
-                memset(window_acc, 0, sizeof(float) * (size_t)(ng * D));
-                const int64_t *table = tables + lead * width; /* every member's, to k1 */
-                if (m->avx512 && D % 16 == 0)
-                    pd_attend_avx512(&pa, qg, ng, limits, table, win->h, k0, k1, window_run,
-                                     window_acc);
-                else
-                    pd_attend_avx2(&pa, qg, ng, limits, table, win->h, k0, k1, window_run,
-                                   window_acc);
-                for (int64_t j = 0; j < win->nrows; j++)
-                    for (int64_t g = 0; g < G; g++) {
-                        const int64_t b = plan.members[win->row0 + j], v = j * G + g;
-                        if (seq_lens[b] <= k0) continue; /* a prompt row before this window */
-                        float *st = states + ((b * H + win->h * G + g) * plan.max_windows +
-                                              win->w) * state_floats;
-                        st[0] = window_run[v].m;
-                        st[1] = window_run[v].l;
-                        memcpy(st + 2, window_acc + v * D, sizeof(float) * (size_t)D);
-                    }
             }
             team_barrier();
             /* each head's windows merged in key order */

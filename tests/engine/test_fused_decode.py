@@ -236,6 +236,7 @@ def test_library_key_covers_included_files(tmp_path):
         "gemm_amx.c",
         "paged_decode.c",
         "paged_decode_span_loop.h",
+        "window_amx.c",
         "rms_norm.c",
         "simd_math.h",
         "team_barrier.h",

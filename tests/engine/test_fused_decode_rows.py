@@ -411,18 +411,46 @@ def test_a_prompt_chunk_beside_decodes_equals_the_unfused_step(quantized_llama):
 
 
 @pytest.mark.parametrize("isa", RUNNABLE_ISAS)
+def test_a_long_prompt_beside_decodes_equals_the_unfused_step(quantized_llama_one_head, isa):
+    """head_dim 64: with AMX the prompt's windows of keys are attended on tiles, each window's
+    keys packed once for the prompt's chunks (150 tokens: three chunks of 64 rows at most, two
+    windows). Hidden states, logits and caches within the tolerance of the fused step's
+    products of many rows."""
+    runner = runner_for(str(quantized_llama_one_head), isa, False)
+    assert runner.model.args.head_dim == 64
+    rows, prefix = make_rows(4, seed=73)
+    prompt = fresh_prompt(rows, 150, seed=74)
+    kv = prefill(runner, rows, prefix)
+    fused_kv = copy_of(kv, runner)
+    fused = FusedDecoder.build(runner.model, fused_kv, runner.backend, runner.config)
+    tokens, tables, lens, per_table, logit_rows = chunk_step(rows, prompt, 0, 150)
+    with torch.inference_mode():
+        hidden, logits = fused.step_rows(tokens, tables, lens, logit_rows, per_table)
+        meta = build_metadata(per_table, [lens[i] for i in logit_rows], tables, BLOCK, CPU)
+        ref = runner.model(torch.tensor(tokens), torch.tensor(lens) - 1, kv, meta, runner.backend)
+    close = dict(rtol=3e-5, atol=3e-5)
+    torch.testing.assert_close(hidden, ref, **close)
+    torch.testing.assert_close(logits, runner.model.compute_logits(ref[logit_rows]), **close)
+    for ours, theirs in zip(fused_kv, kv, strict=True):
+        torch.testing.assert_close(ours, theirs, **close)
+
+
+@pytest.mark.parametrize("model", ["quantized_llama", "quantized_llama_one_head"])
+@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
 @pytest.mark.parametrize("length,cut", [(32, 12), (64, 28), (150, 70)])
-def test_a_prompt_gives_the_same_numbers_however_it_is_chunked(quantized_llama, isa, length, cut):
+def test_a_prompt_gives_the_same_numbers_however_it_is_chunked(request, model, isa, length, cut):
     """A fresh prompt beside four decode rows in one step, and the same in two steps (the
     decode rows in the first; 150 tokens: several windows of keys and several groups of rows
     per window): bit for bit the same keys and values, the same hidden states and the same
     logits, since each row's numbers are what a step of more than EXACT_MAX_ROWS rows computes
     for it (by panels, or by lanes on AVX-512: each of the three steps takes the same kind),
-    whatever the other rows."""
+    whatever the other rows. With head_dim 64 (quantized_llama_one_head) and AMX the prompt's
+    windows are attended on tiles, their keys packed to the furthest chunk's end: the whole
+    step's packs hold more keys than the first half's."""
     size = same_products_min_rows(isa, False, length + 4)
     if length - cut < size:
         pytest.skip(f"the halves of {length} tokens are steps of another kind than the whole")
-    runner = runner_for(str(quantized_llama), isa, False)
+    runner = runner_for(str(request.getfixturevalue(model)), isa, False)
     rows, prefix = make_rows(4, seed=71)
     prompt = fresh_prompt(rows, length, seed=72)
     whole = prefill(runner, rows, prefix)

@@ -67,18 +67,20 @@ def test_bad_blocks_are_refused():
         GGUFBlockLinear(torch.nn.Linear(64, 8), blocks, 2, 64, lib)
 
 
-def write_quantized_llama_gguf(path: Path, v_type=Q4_1) -> None:
+def write_quantized_llama_gguf(
+    path: Path, v_type=Q4_1, heads: int = HEADS, kv_heads: int = KV_HEADS
+) -> None:
     """A tiny tied-embedding Llama: Q4_1 layer matrices (attn_v: v_type), a Q8_0 embedding,
-    float32 norms."""
+    float32 norms; head_dim E / heads."""
     w = gguf.GGUFWriter(path, arch="llama")
     for add, value in (
         (w.add_block_count, LAYERS),
         (w.add_context_length, 256),
         (w.add_embedding_length, E),
         (w.add_feed_forward_length, FF),
-        (w.add_head_count, HEADS),
-        (w.add_head_count_kv, KV_HEADS),
-        (w.add_rope_dimension_count, E // HEADS),
+        (w.add_head_count, heads),
+        (w.add_head_count_kv, kv_heads),
+        (w.add_rope_dimension_count, E // heads),
         (w.add_rope_freq_base, 1e4),
         (w.add_layer_norm_rms_eps, 1e-5),
         (w.add_vocab_size, VOCAB),
@@ -94,7 +96,7 @@ def write_quantized_llama_gguf(path: Path, v_type=Q4_1) -> None:
             return m, None
         return quantize(m, qtype), qtype
 
-    kv = KV_HEADS * E // HEADS
+    kv = kv_heads * E // heads
     tensors = {
         "token_embd.weight": matrix(VOCAB, E, Q8_0),
         "output_norm.weight": (np.ones(E, np.float32), None),
@@ -103,8 +105,8 @@ def write_quantized_llama_gguf(path: Path, v_type=Q4_1) -> None:
         tensors |= {
             f"blk.{i}.attn_norm.weight": (np.ones(E, np.float32), None),
             f"blk.{i}.ffn_norm.weight": (np.ones(E, np.float32), None),
-            f"blk.{i}.attn_q.weight": matrix(E, E, Q4_1, HEADS),
-            f"blk.{i}.attn_k.weight": matrix(kv, E, Q4_1, KV_HEADS),
+            f"blk.{i}.attn_q.weight": matrix(E, E, Q4_1, heads),
+            f"blk.{i}.attn_k.weight": matrix(kv, E, Q4_1, kv_heads),
             f"blk.{i}.attn_v.weight": matrix(kv, E, v_type),
             f"blk.{i}.attn_output.weight": matrix(E, E, Q4_1),
             f"blk.{i}.ffn_gate.weight": matrix(FF, E, Q4_1),
