@@ -10,12 +10,18 @@
  * exact for the window, and the output needs no rescaling.
  *
  * Why the tile products stay float32-accurate: q, k, p and v are each split into three
- * bfloat16 parts, x = h + m + l (gemm_amx.c's split: 8 + 8 + 8 bits of significand), and a
- * product sums the six part products that are at least 2^-24 of it, smallest first:
- *   x . y = l_x h_y + m_x m_y + h_x l_y + m_x h_y + h_x m_y + h_x h_y
- * (the three left out are below 2^-26 of |x| |y| each). A tile product multiplies bfloat16
- * pairs exactly and adds in float32. So a score or output element differs from the float32
- * one by float32 rounding (another order of the sums), not by bfloat16's.
+ * bfloat16 parts, x = h + m + l (gemm_amx.c's split: 8 + 8 + 8 bits of significand, each part
+ * rounded to nearest, so |m| <= 2^-8 |x| and |l| <= 2^-16 |x|), and a product sums six part
+ * products, the smaller ones first:
+ *   x . y = h_x l_y + m_x m_y + h_x m_y + l_x h_y + m_x h_y + h_x h_y
+ * (the three left out, m_x l_y, l_x m_y and l_x l_y, are together at most ~2^-23 |x| |y|:
+ * float32's rounding). A tile product multiplies bfloat16 pairs exactly and adds in float32.
+ * So a score or output element differs from the float32 one by float32 rounding (another
+ * order of the sums), not by bfloat16's.
+ *
+ * The keys and values of a window are packed once (wa_pack) for every pass over them: a
+ * prompt's chunks share its windows (decode_step.c packs a window to its last chunk's end;
+ * an earlier chunk's passes leave the keys past its own end out with weight 0, exactly).
  *
  * A query vector's numbers depend on its own query and the keys only: a tile row is one query
  * vector, and the hardware's sums for a row do not depend on the other rows. So they are the
@@ -59,26 +65,53 @@ AMX_TARGET static inline void wa_split32(__m512 a, __m512 b, __m512i part[3]) {
     }
 }
 
-/* Tile ct += the six part products of A parts (tiles al, am, ah) and B parts (bl, bm, bh),
- * smallest first. (A macro: tile numbers are immediates.) */
-#define WA_SIX_PRODUCTS(ct, al, am, ah, bl, bm, bh)                                              \
-    do {                                                                                           \
-        _tile_dpbf16ps(ct, al, bh);                                                                \
-        _tile_dpbf16ps(ct, am, bm);                                                                \
-        _tile_dpbf16ps(ct, ah, bl);                                                                \
-        _tile_dpbf16ps(ct, am, bh);                                                                \
-        _tile_dpbf16ps(ct, ah, bm);                                                                \
-        _tile_dpbf16ps(ct, ah, bh);                                                                \
-    } while (0)
+/* The mask of the first `count` of 16 lanes (none for count <= 0, all for count >= 16). */
+static inline __mmask16 wa_first(int64_t count) {
+    return count <= 0 ? 0 : count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
+}
 
-/* Loads B tiles 5, 6, 7 (parts l, m, h) of tile t of a packed set whose parts are `plane`
- * words apart, and adds their products with A tiles 2, 3, 4 into ct. */
-#define WA_B_PRODUCTS(ct, base, plane)                                                             \
+/* e^x for x <= 0 (and for x a little above: the lanes past a vector's keys, discarded), by
+ * pd_exp512's reduction and polynomial, scaled by 2^n with scalef (e^x below 2^-149 is 0). */
+AMX_TARGET static inline __m512 wa_exp_nonpositive(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* C tiles 0 and 1 += the six part products of A parts (tiles 2, 3, 4: l, m, h) with the B
+ * tiles at b0 and b1 (their parts `plane` words apart), smallest first: per B part (l, then
+ * m, then h) its two tiles are loaded into tiles 5 and 6, and the products alternate between
+ * the two C tiles (consecutive products into one C tile wait for each other). */
+#define WA_PAIR_PRODUCTS(b0, b1, plane)                                                            \
     do {                                                                                           \
-        _tile_loadd(5, (base) + 2 * (plane), 64);                                                  \
-        _tile_loadd(6, (base) + (plane), 64);                                                      \
-        _tile_loadd(7, (base), 64);                                                                \
-        WA_SIX_PRODUCTS(ct, 2, 3, 4, 5, 6, 7);                                                     \
+        _tile_loadd(5, (b0) + 2 * (plane), 64);                                                    \
+        _tile_loadd(6, (b1) + 2 * (plane), 64);                                                    \
+        _tile_dpbf16ps(0, 4, 5);                                                                   \
+        _tile_dpbf16ps(1, 4, 6);                                                                   \
+        _tile_loadd(5, (b0) + (plane), 64);                                                        \
+        _tile_loadd(6, (b1) + (plane), 64);                                                        \
+        _tile_dpbf16ps(0, 3, 5);                                                                   \
+        _tile_dpbf16ps(1, 3, 6);                                                                   \
+        _tile_dpbf16ps(0, 4, 5);                                                                   \
+        _tile_dpbf16ps(1, 4, 6);                                                                   \
+        _tile_loadd(5, (b0), 64);                                                                  \
+        _tile_loadd(6, (b1), 64);                                                                  \
+        _tile_dpbf16ps(0, 2, 5);                                                                   \
+        _tile_dpbf16ps(1, 2, 6);                                                                   \
+        _tile_dpbf16ps(0, 3, 5);                                                                   \
+        _tile_dpbf16ps(1, 3, 6);                                                                   \
+        _tile_dpbf16ps(0, 4, 5);                                                                   \
+        _tile_dpbf16ps(1, 4, 6);                                                                   \
     } while (0)
 
 /* Loads A tiles 2, 3, 4 (parts l, m, h) from a, its parts `plane` words apart, rows `stride`
@@ -179,46 +212,45 @@ AMX_TARGET static void wa_attend_packed(const uint16_t *pack, int64_t pack_keys,
             _tile_zero(1);
             for (int64_t ks = 0; ks < KS; ks++) {
                 WA_A_PARTS(qb + r * 16 * D + ks * 32, q_plane, 2 * D);
-                WA_B_PRODUCTS(0, kb + (kt * KS + ks) * 512, k_plane);
-                WA_B_PRODUCTS(1, kb + ((kt + 1) * KS + ks) * 512, k_plane);
+                WA_PAIR_PRODUCTS(kb + (kt * KS + ks) * 512, kb + ((kt + 1) * KS + ks) * 512,
+                                 k_plane);
             }
             _tile_stored(0, s + r * 16 * NK + kt * 16, 4 * NK);
             _tile_stored(1, s + r * 16 * NK + kt * 16 + 16, 4 * NK);
         }
     AMX_MEMORY_BARRIER(); /* the scores are stored */
 
-    /* per query vector: its max, weights and their sum; the weights' parts */
+    /* per query vector: its max, weights and their sum; the weights' parts (only the 32-key
+     * steps holding its keys are computed; the rest of its row of weights is zero) */
     const __m512 scale = _mm512_set1_ps(scale_factor);
+    const __m512i zero = _mm512_setzero_si512();
     for (int64_t g = 0; g < NG; g++) {
         int64_t count = g < ng ? counts[g] : 0;
         count = count < 0 ? 0 : count > n ? n : count;
-        float *sg = s + g * NK;
+        const float *sg = s + g * NK;
+        const int64_t steps = (count + 31) / 32; /* 32-key steps holding its keys */
+        /* the max of the unscaled scores, then scaled (scale > 0: the same as the max of the
+         * scaled ones) */
         __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < NK; j += 16) {
-            const __mmask16 valid =
-                j >= count ? 0 : count - j >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j)) - 1);
-            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sg + j), scale);
-            _mm512_storeu_ps(sg + j, x);
-            mx = _mm512_mask_max_ps(mx, valid, mx, x);
-        }
-        const float m = count > 0 ? _mm512_reduce_max_ps(mx) : -INFINITY;
+        for (int64_t j = 0; j < 32 * steps; j += 16)
+            mx = _mm512_mask_max_ps(mx, wa_first(count - j), mx, _mm512_loadu_ps(sg + j));
+        const float m = count > 0 ? _mm512_reduce_max_ps(mx) * scale_factor : -INFINITY;
+        const __m512 mv = _mm512_set1_ps(m);
         __m512 total = _mm512_setzero_ps();
-        for (int64_t j = 0; j < NK; j += 32) {
+        for (int64_t j = 0; j < 32 * steps; j += 32) {
             __m512 w[2];
             for (int c = 0; c < 2; c++) {
                 const int64_t j0 = j + 16 * c;
-                const __mmask16 valid =
-                    j0 >= count ? 0
-                    : count - j0 >= 16 ? 0xFFFF
-                                       : (__mmask16)((1u << (count - j0)) - 1);
-                w[c] = _mm512_maskz_mov_ps(
-                    valid, pd_exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + j0), _mm512_set1_ps(m))));
+                const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(sg + j0), scale), mv);
+                w[c] = _mm512_maskz_mov_ps(wa_first(count - j0), wa_exp_nonpositive(x));
                 total = _mm512_add_ps(total, w[c]);
             }
             __m512i part[3];
             wa_split32(w[0], w[1], part);
             for (int p = 0; p < 3; p++) _mm512_storeu_si512(pb + p * p_plane + g * NK + j, part[p]);
         }
+        for (int64_t j = 32 * steps; j < NK; j += 32)
+            for (int p = 0; p < 3; p++) _mm512_storeu_si512(pb + p * p_plane + g * NK + j, zero);
         if (g < ng) run[g] = (PdRunning){m, count > 0 ? _mm512_reduce_add_ps(total) : 0.0f};
     }
 
@@ -230,8 +262,8 @@ AMX_TARGET static void wa_attend_packed(const uint16_t *pack, int64_t pack_keys,
             _tile_zero(1);
             for (int64_t vt = 0; vt < VT; vt++) {
                 WA_A_PARTS(pb + r * 16 * NK + vt * 32, p_plane, 2 * NK);
-                WA_B_PRODUCTS(0, vb + (vt * DT + dt) * 512, k_plane);
-                WA_B_PRODUCTS(1, vb + (vt * DT + dt + 1) * 512, k_plane);
+                WA_PAIR_PRODUCTS(vb + (vt * DT + dt) * 512, vb + (vt * DT + dt + 1) * 512,
+                                 k_plane);
             }
             _tile_stored(0, acc + r * 16 * D + dt * 16, 4 * D);
             _tile_stored(1, acc + r * 16 * D + dt * 16 + 16, 4 * D);
