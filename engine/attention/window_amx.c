@@ -271,15 +271,21 @@ AMX_TARGET static void wa_attend_packed(const uint16_t *pack, int64_t pack_keys,
     AMX_MEMORY_BARRIER(); /* acc is stored */
 }
 
-/* One window by this kernel (tests): keys [t0, t1) packed, then the first n (<= t1 - t0) of
- * them attended, as baton_paged_decode_pass attends keys [t0, t0 + n), for at most WA_MAX_NG
- * query vectors and WA_MAX_KEYS keys; acc has room for ng rounded up to 16 rows. Returns 0, -1
- * for shapes it does not take, -2 when scratch memory failed, -3 on a CPU without AMX. */
+/* Floats of scratch baton_window_amx_pass needs for head_dim D. */
+int64_t baton_window_amx_scratch_floats(int64_t head_dim) {
+    return wa_scratch_floats(head_dim) + (wa_pack_words(head_dim) + 1) / 2 + 16;
+}
+
+/* One window by this kernel (tests, benchmarks): keys [t0, t1) packed, then the first n
+ * (<= t1 - t0) of them attended, as baton_paged_decode_pass attends keys [t0, t0 + n), for at
+ * most WA_MAX_NG query vectors and WA_MAX_KEYS keys; acc has room for ng rounded up to 16
+ * rows; scratch holds baton_window_amx_scratch_floats(head_dim) floats. Returns 0, -1 for
+ * shapes it does not take, -3 on a CPU without AMX. */
 int baton_window_amx_pass(const float *qg, int64_t ng, const int64_t *limits, const float *cache,
                           int64_t stride_kv, int64_t stride_head, int64_t stride_block,
                           int64_t stride_token, const int64_t *table, int64_t h, int64_t t0,
                           int64_t t1, int64_t n, int64_t head_dim, int64_t block_size, float scale,
-                          float *m, float *l, float *acc) {
+                          float *m, float *l, float *acc, float *scratch) {
     if (ng <= 0 || ng > WA_MAX_NG || !wa_takes(head_dim) || block_size <= 0 || t0 < 0 ||
         t1 < t0 || t1 - t0 > WA_MAX_KEYS || n < 0 || n > t1 - t0)
         return -1;
@@ -292,15 +298,13 @@ int baton_window_amx_pass(const float *qg, int64_t ng, const int64_t *limits, co
                       .head_dim = head_dim,
                       .block_size = block_size,
                       .scale = scale};
-    float *scratch = pd_aligned_floats(wa_scratch_floats(head_dim) + wa_pack_words(head_dim) / 2);
-    if (scratch == NULL) return -2;
-    uint16_t *pack = (uint16_t *)(scratch + wa_scratch_floats(head_dim));
+    float *aligned = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    uint16_t *pack = (uint16_t *)(aligned + wa_scratch_floats(head_dim));
     int64_t counts[WA_MAX_NG];
     for (int64_t g = 0; g < ng; g++) counts[g] = limits == NULL ? n : limits[g] - t0;
     PdRunning run[WA_MAX_NG];
     wa_pack(&a, table, h, t0, t1, pack);
-    wa_attend_packed(pack, t1 - t0, n, head_dim, scale, qg, ng, counts, run, acc, scratch);
+    wa_attend_packed(pack, t1 - t0, n, head_dim, scale, qg, ng, counts, run, acc, aligned);
     for (int64_t g = 0; g < ng; g++) m[g] = run[g].m, l[g] = run[g].l;
-    free(scratch);
     return 0;
 }

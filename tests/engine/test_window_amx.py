@@ -19,7 +19,13 @@ pytestmark = pytest.mark.skipif(not HAS_AMX, reason="no AMX on this CPU (or no C
 if lib is not None:
     P, I64 = ctypes.c_void_p, ctypes.c_int64
     lib.baton_window_amx_pass.argtypes = [P, I64, P, P, I64, I64, I64, I64, P, I64, I64, I64]
-    lib.baton_window_amx_pass.argtypes += [I64, I64, I64, ctypes.c_float, P, P, P]
+    lib.baton_window_amx_pass.argtypes += [I64, I64, I64, ctypes.c_float, P, P, P, P]
+    lib.baton_window_amx_scratch_floats.restype = I64
+    lib.baton_window_amx_scratch_floats.argtypes = [I64]
+
+
+def scratch(d: int) -> torch.Tensor:
+    return torch.empty(lib.baton_window_amx_scratch_floats(d))
 
 
 def window(q, limits, cache, table, h, t0, t1, scale, packed_to=None):
@@ -28,6 +34,7 @@ def window(q, limits, cache, table, h, t0, t1, scale, packed_to=None):
     ng, d = q.shape
     m, total, acc = torch.empty(ng), torch.empty(ng), torch.empty(-(-ng // 16) * 16, d)
     strides = [ctypes.c_int64(s) for s in cache.stride()[:4]]  # kv, head, block, token
+    space = scratch(d)
     rc = lib.baton_window_amx_pass(
         ptr(q),
         ng,
@@ -45,6 +52,7 @@ def window(q, limits, cache, table, h, t0, t1, scale, packed_to=None):
         ptr(m),
         ptr(total),
         ptr(acc),
+        ptr(space),
     )
     assert rc == 0
     assert not acc[ng:].any()  # rows past ng: zeros
@@ -129,6 +137,7 @@ def test_a_window_refuses_what_it_does_not_take():
     q, _, cache, table = case(3, 64, 0, 8, False, seed=1)
     m, total, acc = torch.empty(80), torch.empty(80), torch.empty(80, 64)
     strides = [ctypes.c_int64(s) for s in cache.stride()[:4]]
+    space = scratch(128)
 
     def rc(q, ng, t0, t1, d, n=None):
         n = t1 - t0 if n is None else n
@@ -149,6 +158,7 @@ def test_a_window_refuses_what_it_does_not_take():
             ptr(m),
             ptr(total),
             ptr(acc),
+            ptr(space),
         )
 
     assert rc(torch.zeros(65, 64), 65, 0, 8, 64) == -1  # more than 64 query vectors
