@@ -70,8 +70,10 @@ static inline __mmask16 wa_first(int64_t count) {
     return count <= 0 ? 0 : count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
 }
 
-/* e^x for x <= 0 (and for x a little above: the lanes past a vector's keys, discarded), by
- * pd_exp512's reduction and polynomial, scaled by 2^n with scalef (e^x below 2^-149 is 0). */
+/* e^x for x <= 0 by pd_exp512's reduction and polynomial, scaled by 2^n with scalef (below
+ * 2^-126 it underflows gradually, and the tile products read such a weight's parts as 0). The
+ * lanes past a vector's keys may hold any finite x, even an overflow to inf: they are masked
+ * to 0 after. */
 AMX_TARGET static inline __m512 wa_exp_nonpositive(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(
         _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
