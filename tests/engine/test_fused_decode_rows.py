@@ -435,6 +435,36 @@ def test_a_long_prompt_beside_decodes_equals_the_unfused_step(quantized_llama_on
         torch.testing.assert_close(ours, theirs, **close)
 
 
+@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
+def test_two_prompts_beside_decodes_equal_the_unfused_step(quantized_llama_one_head, isa):
+    """Two fresh prompts in one step (with AMX each packs its own windows: 70 tokens, two
+    chunks of 64 rows at most sharing their packs; 40 tokens, one chunk) beside four decode
+    rows: within the tolerance of the fused step's products of many rows."""
+    runner = runner_for(str(quantized_llama_one_head), isa, False)
+    rows, prefix = make_rows(4, seed=75)
+    first = fresh_prompt(rows, 70, seed=76)
+    second = fresh_prompt([*rows, first], 40, seed=77)
+    kv = prefill(runner, rows, prefix)
+    fused_kv = copy_of(kv, runner)
+    fused = FusedDecoder.build(runner.model, fused_kv, runner.backend, runner.config)
+    tokens, tables, lens = decode_inputs(rows, 0)
+    for prompt in (first, second):
+        tokens += prompt.tokens
+        tables.append(prompt.blocks)
+        lens += list(range(1, len(prompt.tokens) + 1))
+    per_table = [1] * len(rows) + [70, 40]
+    logit_rows = [*range(len(rows)), len(rows) + 69, len(tokens) - 1]
+    with torch.inference_mode():
+        hidden, logits = fused.step_rows(tokens, tables, lens, logit_rows, per_table)
+        meta = build_metadata(per_table, [lens[i] for i in logit_rows], tables, BLOCK, CPU)
+        ref = runner.model(torch.tensor(tokens), torch.tensor(lens) - 1, kv, meta, runner.backend)
+    close = dict(rtol=3e-5, atol=3e-5)
+    torch.testing.assert_close(hidden, ref, **close)
+    torch.testing.assert_close(logits, runner.model.compute_logits(ref[logit_rows]), **close)
+    for ours, theirs in zip(fused_kv, kv, strict=True):
+        torch.testing.assert_close(ours, theirs, **close)
+
+
 @pytest.mark.parametrize("model", ["quantized_llama", "quantized_llama_one_head"])
 @pytest.mark.parametrize("isa", RUNNABLE_ISAS)
 @pytest.mark.parametrize("length,cut", [(32, 12), (64, 28), (150, 70)])
