@@ -370,10 +370,10 @@ PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_values_spa
  * for bit those of the tiled code, whichever path a pass takes. */
 #define PD_LANES_MIN 32
 
-/* exp_ps 16 lanes wide, the same operations lane by lane */
-PD_AVX512_TARGET static inline __m512 pd_exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.0f));
-    __m512 n = _mm512_roundscale_ps(
+/* e^x = y 2^n (x within float32's range): n = floor(x log2(e) + 1/2) and y = e^(x - n ln 2)
+ * by exp_ps's reduction and polynomial, 16 lanes wide; returns y, n in *n_out. */
+PD_AVX512_TARGET static inline __m512 pd_exp512_reduced(__m512 x, __m512 *n_out) {
+    const __m512 n = _mm512_roundscale_ps(
         _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -384,7 +384,15 @@ PD_AVX512_TARGET static inline __m512 pd_exp512(__m512 x) {
     y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
     y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
     y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
+    *n_out = n;
+    return _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
+}
+
+/* exp_ps 16 lanes wide, the same operations lane by lane */
+PD_AVX512_TARGET static inline __m512 pd_exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.0f));
+    __m512 n;
+    const __m512 y = pd_exp512_reduced(x, &n);
     __m512i e = _mm512_slli_epi32(
         _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));

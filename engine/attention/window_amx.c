@@ -2,7 +2,7 @@
  * state that paged_decode.c's pd_attend_* leaves for keys [t0, t1) of a block table's KV head
  * h (at most WA_MAX_KEYS of them), each query vector up to its own limit, computed with tile
  * products. Included by decode_step.c after gemm_amx.c (AMX_TARGET, amx_configure, amx_widen)
- * and paged_decode.c (PdArgs, PdRows, pd_exp512); gemm_lanes.c gives transpose16.
+ * and paged_decode.c (PdArgs, PdRows, pd_exp512_reduced); gemm_lanes.c gives transpose16.
  *
  * The window is done in two passes rather than as an online softmax: all its scores first,
  *   s = scale q K^T [ng, n],   m = max s,   p = e^(s - m),   l = sum p,   acc = p V,
@@ -75,18 +75,8 @@ static inline __mmask16 wa_first(int64_t count) {
  * lanes past a vector's keys may hold any finite x, even an overflow to inf: they are masked
  * to 0 after. */
 AMX_TARGET static inline __m512 wa_exp_nonpositive(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(
-        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
+    __m512 n;
+    const __m512 y = pd_exp512_reduced(x, &n);
     return _mm512_scalef_ps(y, n);
 }
 
@@ -124,6 +114,24 @@ AMX_TARGET static inline __m512 wa_exp_nonpositive(__m512 x) {
         _tile_loadd(3, (a) + (plane), stride);                                                     \
         _tile_loadd(4, (a), stride);                                                               \
     } while (0)
+
+/* out [16 rows][32 floats] (rows out_stride bytes apart) = the sum over steps i < steps of the
+ * A parts at a + 32 i (parts a_plane words apart, rows a_stride bytes apart) times the B tiles
+ * at b + i b_step (the first 16 columns) and b + i b_step + b_gap (the next 16), their parts
+ * b_plane words apart: C tiles 0 and 1. */
+AMX_TARGET static inline void wa_tile_pair(const uint16_t *a, int64_t a_plane, int64_t a_stride,
+                                           const uint16_t *b, int64_t b_step, int64_t b_gap,
+                                           int64_t b_plane, int64_t steps, float *out,
+                                           int64_t out_stride) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t i = 0; i < steps; i++) {
+        WA_A_PARTS(a + 32 * i, a_plane, a_stride);
+        WA_PAIR_PRODUCTS(b + i * b_step, b + i * b_step + b_gap, b_plane);
+    }
+    _tile_stored(0, out, out_stride);
+    _tile_stored(1, out + 16, out_stride);
+}
 
 /* The packed keys and values of keys [t0, t1) (t1 - t0 <= WA_MAX_KEYS) of table's KV head h:
  * kb, then vb, in pack (wa_pack_words(D) words; NK = t1 - t0 rounded up to 32 keys used). */
@@ -209,17 +217,9 @@ AMX_TARGET static void wa_attend_packed(const uint16_t *pack, int64_t pack_keys,
     amx_configure();
     AMX_MEMORY_BARRIER(); /* the parts are written */
     for (int64_t r = 0; r < NG / 16; r++)
-        for (int64_t kt = 0; kt < KT; kt += 2) {
-            _tile_zero(0);
-            _tile_zero(1);
-            for (int64_t ks = 0; ks < KS; ks++) {
-                WA_A_PARTS(qb + r * 16 * D + ks * 32, q_plane, 2 * D);
-                WA_PAIR_PRODUCTS(kb + (kt * KS + ks) * 512, kb + ((kt + 1) * KS + ks) * 512,
-                                 k_plane);
-            }
-            _tile_stored(0, s + r * 16 * NK + kt * 16, 4 * NK);
-            _tile_stored(1, s + r * 16 * NK + kt * 16 + 16, 4 * NK);
-        }
+        for (int64_t kt = 0; kt < KT; kt += 2) /* over the elements, 32 at a time */
+            wa_tile_pair(qb + r * 16 * D, q_plane, 2 * D, kb + kt * KS * 512, 512, KS * 512,
+                         k_plane, KS, s + r * 16 * NK + kt * 16, 4 * NK);
     AMX_MEMORY_BARRIER(); /* the scores are stored */
 
     /* per query vector: its max, weights and their sum; the weights' parts (only the 32-key
@@ -259,17 +259,9 @@ AMX_TARGET static void wa_attend_packed(const uint16_t *pack, int64_t pack_keys,
     /* acc = p V, two tiles of 16 elements at a time (C tiles 0 and 1) */
     AMX_MEMORY_BARRIER(); /* the weights are written */
     for (int64_t r = 0; r < NG / 16; r++)
-        for (int64_t dt = 0; dt < DT; dt += 2) {
-            _tile_zero(0);
-            _tile_zero(1);
-            for (int64_t vt = 0; vt < VT; vt++) {
-                WA_A_PARTS(pb + r * 16 * NK + vt * 32, p_plane, 2 * NK);
-                WA_PAIR_PRODUCTS(vb + (vt * DT + dt) * 512, vb + (vt * DT + dt + 1) * 512,
-                                 k_plane);
-            }
-            _tile_stored(0, acc + r * 16 * D + dt * 16, 4 * D);
-            _tile_stored(1, acc + r * 16 * D + dt * 16 + 16, 4 * D);
-        }
+        for (int64_t dt = 0; dt < DT; dt += 2) /* over the keys, 32 at a time */
+            wa_tile_pair(pb + r * 16 * NK, p_plane, 2 * NK, vb + dt * 512, DT * 512, 512, k_plane,
+                         VT, acc + r * 16 * D + dt * 16, 4 * D);
     AMX_MEMORY_BARRIER(); /* acc is stored */
 }
 
