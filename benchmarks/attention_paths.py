@@ -32,13 +32,18 @@ TILES, LANES = 1, 2  # baton_paged_decode_pass's path argument
 WINDOW = 128  # keys of the fused step's window: the most baton_window_amx_pass takes
 
 
-def timed_pass(lib, path: int, vectors: int, keys: int, calls: int, rounds: int) -> float:
-    """The best of rounds of the mean seconds of calls passes."""
+def pass_inputs(vectors: int, keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cache, block table, query vectors) of a pass: seeded, blocks out of order."""
     g = torch.Generator().manual_seed(vectors * 10_000 + keys)
     blocks = -(-keys // BLOCK)
     cache = torch.randn(2, KV_HEADS, blocks, BLOCK, HEAD_DIM, generator=g)
     table = torch.randperm(blocks, generator=g).to(torch.int64)
-    q = torch.randn(vectors, HEAD_DIM, generator=g)
+    return cache, table, torch.randn(vectors, HEAD_DIM, generator=g)
+
+
+def timed_pass(lib, path: int, vectors: int, keys: int, calls: int, rounds: int) -> float:
+    """The best of rounds of the mean seconds of calls passes."""
+    cache, table, q = pass_inputs(vectors, keys)
     m, total, acc = torch.empty(vectors), torch.empty(vectors), torch.empty(vectors, HEAD_DIM)
     strides = [ctypes.c_int64(s) for s in cache.stride()[:4]]
 
@@ -72,11 +77,7 @@ def amx_library() -> ctypes.CDLL | None:
 
 def timed_window(lib, vectors: int, keys: int, calls: int, rounds: int) -> float:
     """timed_pass for baton_window_amx_pass (keys <= WINDOW): pack and attend per call."""
-    g = torch.Generator().manual_seed(vectors * 10_000 + keys)
-    blocks = -(-keys // BLOCK)
-    cache = torch.randn(2, KV_HEADS, blocks, BLOCK, HEAD_DIM, generator=g)
-    table = torch.randperm(blocks, generator=g).to(torch.int64)
-    q = torch.randn(vectors, HEAD_DIM, generator=g)
+    cache, table, q = pass_inputs(vectors, keys)
     m, total = torch.empty(vectors), torch.empty(vectors)
     acc = torch.empty(-(-vectors // 16) * 16, HEAD_DIM)
     scratch = torch.empty(lib.baton_window_amx_scratch_floats(HEAD_DIM))

@@ -385,20 +385,14 @@ def fresh_prompt(rows: list[Row], length: int, seed: int) -> Row:
     return Row(tokens.tolist(), free[: -(-length // BLOCK)], 0, False)
 
 
-def test_a_prompt_chunk_beside_decodes_equals_the_unfused_step(quantized_llama):
-    """Decode rows and a prompt's chunk (after cached context: a shared row's own tokens, and
-    five more whose keys this very step writes) in one fused step: hidden states, logits and
-    caches as one unfused step of the same rows computes them."""
-    runner = runner_for(str(quantized_llama), "avx2", False)
-    rows, prefix = make_rows(5, seed=70)
-    prompt = rows[1]  # it shares the prefix; its context is in the cache
-    assert prompt.shared and prompt.context >= PREFIX
+def assert_step_equals_unfused(runner, rows: list[Row], prefix: list[int], step) -> None:
+    """The rows' contexts prefilled, then one fused step of `step` (tokens, tables, sequence
+    lengths, rows per table, logit rows) against one unfused step of the same rows over a copy
+    of the cache: hidden states, logits and caches within 3e-5."""
+    tokens, tables, lens, per_table, logit_rows = step
     kv = prefill(runner, rows, prefix)
     fused_kv = copy_of(kv, runner)
     fused = FusedDecoder.build(runner.model, fused_kv, runner.backend, runner.config)
-    others = [row for row in rows if row is not prompt]
-    hi = prompt.context + STEPS  # five tokens past what the cache holds
-    tokens, tables, lens, per_table, logit_rows = chunk_step(others, prompt, PREFIX, hi)
     with torch.inference_mode():
         hidden, logits = fused.step_rows(tokens, tables, lens, logit_rows, per_table)
         meta = build_metadata(per_table, [lens[i] for i in logit_rows], tables, BLOCK, CPU)
@@ -408,6 +402,19 @@ def test_a_prompt_chunk_beside_decodes_equals_the_unfused_step(quantized_llama):
     torch.testing.assert_close(logits, runner.model.compute_logits(ref[logit_rows]), **close)
     for ours, theirs in zip(fused_kv, kv, strict=True):
         torch.testing.assert_close(ours, theirs, **close)
+
+
+def test_a_prompt_chunk_beside_decodes_equals_the_unfused_step(quantized_llama):
+    """Decode rows and a prompt's chunk (after cached context: a shared row's own tokens, and
+    five more whose keys this very step writes) in one fused step: hidden states, logits and
+    caches as one unfused step of the same rows computes them."""
+    runner = runner_for(str(quantized_llama), "avx2", False)
+    rows, prefix = make_rows(5, seed=70)
+    prompt = rows[1]  # it shares the prefix; its context is in the cache
+    assert prompt.shared and prompt.context >= PREFIX
+    others = [row for row in rows if row is not prompt]
+    hi = prompt.context + STEPS  # five tokens past what the cache holds
+    assert_step_equals_unfused(runner, rows, prefix, chunk_step(others, prompt, PREFIX, hi))
 
 
 @pytest.mark.parametrize("isa", RUNNABLE_ISAS)
@@ -420,19 +427,7 @@ def test_a_long_prompt_beside_decodes_equals_the_unfused_step(quantized_llama_on
     assert runner.model.args.head_dim == 64
     rows, prefix = make_rows(4, seed=73)
     prompt = fresh_prompt(rows, 150, seed=74)
-    kv = prefill(runner, rows, prefix)
-    fused_kv = copy_of(kv, runner)
-    fused = FusedDecoder.build(runner.model, fused_kv, runner.backend, runner.config)
-    tokens, tables, lens, per_table, logit_rows = chunk_step(rows, prompt, 0, 150)
-    with torch.inference_mode():
-        hidden, logits = fused.step_rows(tokens, tables, lens, logit_rows, per_table)
-        meta = build_metadata(per_table, [lens[i] for i in logit_rows], tables, BLOCK, CPU)
-        ref = runner.model(torch.tensor(tokens), torch.tensor(lens) - 1, kv, meta, runner.backend)
-    close = dict(rtol=3e-5, atol=3e-5)
-    torch.testing.assert_close(hidden, ref, **close)
-    torch.testing.assert_close(logits, runner.model.compute_logits(ref[logit_rows]), **close)
-    for ours, theirs in zip(fused_kv, kv, strict=True):
-        torch.testing.assert_close(ours, theirs, **close)
+    assert_step_equals_unfused(runner, rows, prefix, chunk_step(rows, prompt, 0, 150))
 
 
 @pytest.mark.parametrize("isa", RUNNABLE_ISAS)
@@ -444,9 +439,6 @@ def test_two_prompts_beside_decodes_equal_the_unfused_step(quantized_llama_one_h
     rows, prefix = make_rows(4, seed=75)
     first = fresh_prompt(rows, 70, seed=76)
     second = fresh_prompt([*rows, first], 40, seed=77)
-    kv = prefill(runner, rows, prefix)
-    fused_kv = copy_of(kv, runner)
-    fused = FusedDecoder.build(runner.model, fused_kv, runner.backend, runner.config)
     tokens, tables, lens = decode_inputs(rows, 0)
     for prompt in (first, second):
         tokens += prompt.tokens
@@ -454,15 +446,7 @@ def test_two_prompts_beside_decodes_equal_the_unfused_step(quantized_llama_one_h
         lens += list(range(1, len(prompt.tokens) + 1))
     per_table = [1] * len(rows) + [70, 40]
     logit_rows = [*range(len(rows)), len(rows) + 69, len(tokens) - 1]
-    with torch.inference_mode():
-        hidden, logits = fused.step_rows(tokens, tables, lens, logit_rows, per_table)
-        meta = build_metadata(per_table, [lens[i] for i in logit_rows], tables, BLOCK, CPU)
-        ref = runner.model(torch.tensor(tokens), torch.tensor(lens) - 1, kv, meta, runner.backend)
-    close = dict(rtol=3e-5, atol=3e-5)
-    torch.testing.assert_close(hidden, ref, **close)
-    torch.testing.assert_close(logits, runner.model.compute_logits(ref[logit_rows]), **close)
-    for ours, theirs in zip(fused_kv, kv, strict=True):
-        torch.testing.assert_close(ours, theirs, **close)
+    assert_step_equals_unfused(runner, rows, prefix, (tokens, tables, lens, per_table, logit_rows))
 
 
 @pytest.mark.parametrize("model", ["quantized_llama", "quantized_llama_one_head"])

@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from engine.model import fused_decode
-from tests.engine.test_attention_paths import AVX512_LANES, BLOCK, case, keys_of, one_pass, ptr
+from tests.engine.test_attention_paths import (
+    AVX512_LANES,
+    BLOCK,
+    assert_each_vector_is_the_softmax,
+    case,
+    keys_of,
+    one_pass,
+    ptr,
+)
 
 lib = fused_decode.load_kernel()
 HAS_AMX = lib is not None and bool(lib.baton_cpu_has_amx())
@@ -73,18 +81,8 @@ def test_a_window_is_the_softmax(ng, d, t0, t1, with_limits):
     q, limits, cache, table = case(ng, d, t0, t1, with_limits, seed=ng * 1000 + d + t0)
     q *= 3  # scores of a few units, so that the weights spread over orders of magnitude
     h, scale = 1, d**-0.5
-    m, total, acc = window(q, limits, cache, table, h, t0, t1, scale)
-    k, v = keys_of(cache, table, h, 0, t0, t1), keys_of(cache, table, h, 1, t0, t1)
-    for i in range(ng):
-        end = t1 - t0 if limits is None else min(int(limits[i]), t1) - t0
-        if end <= 0:  # no keys
-            assert m[i] == -float("inf") and total[i] == 0 and not acc[i].any()
-            continue
-        scores = (k[:end] @ q[i].double()) * scale
-        assert m[i].item() == pytest.approx(scores.max().item(), rel=2e-6, abs=2e-6)
-        weights = torch.exp(scores - m[i].double())
-        torch.testing.assert_close(total[i].double(), weights.sum(), rtol=2e-6, atol=2e-6)
-        torch.testing.assert_close(acc[i].double(), weights @ v[:end], rtol=1e-5, atol=1e-5)
+    state = window(q, limits, cache, table, h, t0, t1, scale)
+    assert_each_vector_is_the_softmax(state, q, limits, cache, table, h, t0, t1, scale, 2e-6, 1e-5)
 
 
 def test_a_window_is_as_close_to_the_softmax_as_the_lanes_pass():
