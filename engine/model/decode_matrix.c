@@ -54,14 +54,15 @@ typedef struct {
  * (python -m benchmarks.product_paths) lanes are 1.02-1.27x the panels at 32-256 rows and
  * 1.06-1.17x at 16, and lose below 16 rows, where most of a vector is empty.
  * Which arithmetic a step takes is set by its row count (and the ISA), for every product of
- * the step (the logits of a few of its rows too). */
+ * the step but the head: the logits of up to EXACT_MAX_ROWS rows take the one-row arithmetic
+ * in any step (decode_step.c). */
 #define EXACT_MAX_ROWS 8
 #ifndef LANES_MIN_ROWS /* -DLANES_MIN_ROWS=... at build time overrides it (A/B runs) */
 #define LANES_MIN_ROWS 16
 #endif
 /* Where the CPU has AMX (and the caller asks for it: the model's avx512 = 2), every step past
- * the exact rows (AMX_MIN_ROWS rows or more) takes AMX tiles for every product (gemm_amx.c),
- * the head of a few rows too, instead of the panels (9-15 rows) or the lanes. Measured on a
+ * the exact rows (AMX_MIN_ROWS rows or more) takes AMX tiles for every product (gemm_amx.c)
+ * instead of the panels (9-15 rows) or the lanes. Measured on a
  * 2-vCPU Intel Xeon VM with AMX (python -m benchmarks.isa_steps --rows 9,12,16,24,32,64:
  * SmolLM2, 2 threads, whole decode steps, gguf_isa auto against avx512): 0.89x the time of
  * the panels' at 9 rows, 0.81x at 12, 0.78-0.81x of the lanes' at 16-64 rows (docs/design/
@@ -200,7 +201,7 @@ static void matrix_rows(const ds_matrix *w, const ds_input *in, int64_t n0, int 
  * input rows (call from every thread; ends with a barrier). */
 static void matrix_for(const ds_matrix *w, const ds_input *in, int64_t R, float *y) {
     const int64_t pairs = (w->n + 1) / 2, N = w->n;
-    if (in->by_amx) { /* every product of the step, the head of one row too */
+    if (in->by_amx) { /* every product of the step */
         amx_product_for(in->xb, in->xb_sum, R, w->k, w->blocks, N, w->type, w->bias, in->panels,
                         y);
         return;
@@ -330,7 +331,7 @@ AMX_TARGET static void swiglu_amx_for(const ds_matrix *w, const ds_input *in, in
             amx_pack_weights(w->blocks, w->type, K, inter + o, rows, bt[half + j], dm[half + j]);
         }
         for (int64_t g = 0; g < amx_groups(R); g++) {
-            amx_group(in->xb, plane, in->xb_sum, K, g, w->type, 2 * half, bt, dm, c, sums);
+            amx_group(in->xb, plane, in->xb_sum, K, g, R, w->type, 2 * half, bt, dm, c, sums);
             for (int i = 0; i < AMX_ROWS && g * AMX_ROWS + i < R; i++) {
                 float gs[AMX_PACKS / 2 * AMX_ROWS], us[AMX_PACKS / 2 * AMX_ROWS];
                 for (int j = 0; j < half; j++) {

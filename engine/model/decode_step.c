@@ -581,6 +581,10 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
             for (int64_t i = 0; i < num_logit_rows; i++)
                 if (logit_rows[i] != i)
                     memcpy(xn + i * E, xn + logit_rows[i] * E, sizeof(float) * (size_t)E);
+            /* The head's arithmetic is set by its own row count: up to EXACT_MAX_ROWS logit
+             * rows (a prompt's last row, a few decode rows beside it) take the exact kernels in
+             * any step, whose weights are read once with no packing or rebuilding. */
+            if (num_logit_rows <= EXACT_MAX_ROWS) in.by_amx = in.by_lanes = in.by_panels = 0;
             prepare_input(&in, xn, num_logit_rows, E, xsum, xq, xd, xs);
             MARK(T_NORM);
             matrix_for(&m->head, &in, num_logit_rows, logits);

@@ -74,17 +74,24 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) amx_tile_config;
 
-/* Tiles 0, 5, 6, 7 (C), 1 (B), 2-4 (the A parts): 16 rows of 64 bytes each. Per thread. */
-AMX_TARGET static void amx_configure(void) {
+/* Tiles 0, 5, 6, 7 (C), 1 (B), 2-4 (the A parts) of 64 bytes a row: B of 16 rows, A and C of
+ * `rows` (1 .. 16: the input rows of a group). A product's rows are independent, so a group of
+ * fewer input rows gives them the same numbers in smaller tiles. Per thread; loading a
+ * configuration zeroes the tiles. */
+AMX_TARGET static void amx_configure_rows(int rows) {
     amx_tile_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
     for (int t = 0; t < 8; t++) {
-        config.rows[t] = AMX_ROWS;
+        config.rows[t] = t == 1 ? AMX_ROWS : rows;
         config.colsb[t] = 64;
     }
+    AMX_MEMORY_BARRIER(); /* the configuration is written */
     _tile_loadconfig(&config);
 }
+
+/* Every tile of 16 rows. */
+AMX_TARGET static void amx_configure(void) { amx_configure_rows(AMX_ROWS); }
 
 /* float32 -> bfloat16 bits in float32 lanes (the bfloat16 value as float32). */
 AMX_TARGET static inline __m512 amx_widen(__m256bh v) {
@@ -277,16 +284,20 @@ static inline amx_scratch_parts amx_scratch_at(float *scratch, int64_t K) {
         _tile_stored(ct, c, 64);                                                                   \
     } while (0)
 
-/* sums [packs][16 input rows][16 weight rows] = input rows 16 g .. 16 g + 15 times each of
- * `packs` (<= AMX_PACKS) packed sets of 16 weight rows (bt[j], dm[j]), over all K (no bias).
- * Per block the three part tiles are loaded once for all packs (a tile load costs about three
- * tile products here), each pack's C tile stored to c [packs][256] and scaled into the sums. */
+/* sums [packs][16 input rows][16 weight rows] = input rows 16 g .. 16 g + 15 of M times each
+ * of `packs` (<= AMX_PACKS) packed sets of 16 weight rows (bt[j], dm[j]), over all K (no
+ * bias); rows of the last group past M are left out (fewer tile rows, their sums not
+ * computed). Per block the three part tiles are loaded once for all packs (a tile load costs
+ * about three tile products here), each pack's C tile stored to c [packs][256] and scaled into
+ * the sums. Expects every tile of 16 rows configured, and leaves them so. */
 AMX_TARGET static void amx_group(const uint16_t *xb, int64_t plane, const float *xsum, int64_t K,
-                                 int64_t g, int32_t type, int packs, uint16_t *const bt[],
-                                 float *const dm[], float *c, float *sums) {
+                                 int64_t g, int64_t M, int32_t type, int packs,
+                                 uint16_t *const bt[], float *const dm[], float *c, float *sums) {
     const int64_t nb = K / QK, stride = 2 * K; /* bytes between rows of x's parts */
     const uint16_t *a = xb + g * AMX_ROWS * K;
     const float *s = xsum + g * AMX_ROWS * nb;
+    const int rows = M - g * AMX_ROWS < AMX_ROWS ? (int)(M - g * AMX_ROWS) : AMX_ROWS;
+    if (rows < AMX_ROWS) amx_configure_rows(rows);
     memset(sums, 0, sizeof(float) * 256 * (size_t)packs);
     for (int64_t b = 0; b < nb; b++) {
         AMX_MEMORY_BARRIER(); /* the packs, parts and sums are written */
@@ -302,13 +313,14 @@ AMX_TARGET static void amx_group(const uint16_t *xb, int64_t plane, const float 
             const __m512 d = _mm512_loadu_ps(dm[j] + b * 32), m = _mm512_loadu_ps(dm[j] + b * 32 + 16);
             float *sj = sums + 256 * j;
             const float *cj = c + 256 * j;
-            for (int i = 0; i < 16; i++) {
+            for (int i = 0; i < rows; i++) {
                 __m512 v = _mm512_fmadd_ps(d, _mm512_load_ps(cj + 16 * i), _mm512_load_ps(sj + 16 * i));
                 if (type == 3) v = _mm512_fmadd_ps(m, _mm512_set1_ps(s[i * nb + b]), v);
                 _mm512_store_ps(sj + 16 * i, v);
             }
         }
     }
+    if (rows < AMX_ROWS) amx_configure();
 }
 
 /* Packs per pass over the input groups for `total` packs shared among `threads`: the most (up
@@ -349,7 +361,7 @@ AMX_TARGET static void amx_product_for(const uint16_t *xb, const float *xsum, in
                              dm[j]);
         }
         for (int64_t g = 0; g < amx_groups(M); g++) {
-            amx_group(xb, plane, xsum, K, g, type, count, bt, dm, c, sums);
+            amx_group(xb, plane, xsum, K, g, M, type, count, bt, dm, c, sums);
             for (int j = 0; j < count; j++) {
                 const int64_t n0 = (first + j) * AMX_ROWS;
                 const int rows = N - n0 < AMX_ROWS ? (int)(N - n0) : AMX_ROWS;

@@ -17,6 +17,7 @@ from engine.attention import build_metadata
 from engine.attention.kv_layout import allocate_kv_cache
 from engine.model import fused_decode
 from engine.model.fused_decode import MAX_ROWS, FusedDecoder
+from engine.model.gguf_linear import GGUFBlockLinear
 from tests.engine.test_fused_decode import (
     INT8_ISAS,
     OPTS,
@@ -238,7 +239,8 @@ def test_each_row_is_what_it_is_alone(quantized_llama, isa, int8, prefix_len, co
     of more than EXACT_MAX_ROWS rows multiply by panels (on AVX-512 from LANES_MIN_ROWS rows by
     lanes, with AMX from AMX_MIN_ROWS rows on tiles): there each row is compared with the same
     row in a step of fewer other rows whose products are of the same kind (the first rows,
-    then the last)."""
+    then the last). The head's arithmetic is set by its own rows (up to EXACT_MAX_ROWS: the
+    exact kernels in any step), so each step computes the logits of the rows of `some` only."""
     runner = runner_for(str(quantized_llama), isa, int8)
     rows, prefix = make_rows(count, seed=30, prefix_len=prefix_len)
     together = prefill(runner, rows, prefix)
@@ -261,17 +263,38 @@ def test_each_row_is_what_it_is_alone(quantized_llama, isa, int8, prefix_len, co
         assert logits.shape == (len(some), VOCAB)
         for split in splits:
             picked = list(split)
+            sampled = [i for i, r in enumerate(picked) if r in some]
             part_hidden, part_logits = both[1].step_rows(
                 [tokens[r] for r in picked],
                 [tables[r] for r in picked],
                 [lens[r] for r in picked],
-                list(range(len(picked))),
+                sampled,
             )
             for i, r in enumerate(picked):
                 assert torch.equal(hidden[r], part_hidden[i])
                 if r in some:
-                    assert torch.equal(logits[some.index(r)], part_logits[i])
+                    assert torch.equal(logits[some.index(r)], part_logits[sampled.index(i)])
         assert all(torch.equal(a, b) for a, b in zip(together, apart, strict=True))
+
+
+@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
+# 12: panels on AVX2, tiles with AMX; 34: lanes on AVX-512, tiles with AMX
+@pytest.mark.parametrize("count", [12, 34])
+def test_a_few_rows_logits_are_the_heads_one_row_products_in_any_step(quantized_llama, isa, count):
+    """Whatever kind a step's products are, the logits of up to EXACT_MAX_ROWS of its rows are
+    the head's one-row products of those rows' final hidden states, bit for bit."""
+    runner = runner_for(str(quantized_llama), isa, False)
+    head = runner.model.lm_head
+    assert isinstance(head, GGUFBlockLinear)
+    rows, prefix = make_rows(count, seed=31)
+    fused = FusedDecoder.build(
+        runner.model, prefill(runner, rows, prefix), runner.backend, runner.config
+    )
+    some = [0, 5, 9, count - 1]
+    assert len(some) <= exact_max_rows() < count
+    hidden, logits = fused.step_rows(*decode_inputs(rows, 0), some)
+    for i, r in enumerate(some):
+        assert torch.equal(logits[i], head(hidden[r : r + 1])[0])
 
 
 def exact_max_rows() -> int:
