@@ -27,6 +27,7 @@ class LLM:
         defaults = {f.name: f.default for f in dataclasses.fields(EngineOptions)}
         budget = engine_options.get("max_num_batched_tokens") or defaults["max_num_batched_tokens"]
         engine_options.setdefault("prefill_batch_tokens", budget)
+        engine_options.setdefault("decode_steps_between_prompts", 0)
         self.engine = LLMEngine(model, **engine_options)
         self._ids = itertools.count()
 

@@ -27,7 +27,12 @@ from engine.request_outputs import RequestOutputs, finished_last
 from engine.retention import Retention
 from engine.sampler import SampleRequest, choice_seed
 from engine.sampling_params import SamplingParams
-from engine.scheduler import CPU_PREFILL_BATCH_TOKENS, Scheduler, SchedulerConfig
+from engine.scheduler import (
+    CPU_DECODE_STEPS_BETWEEN_PROMPTS,
+    CPU_PREFILL_BATCH_TOKENS,
+    Scheduler,
+    SchedulerConfig,
+)
 from engine.step_model import find_step_model, profile_key
 from engine.step_phases import StepPhases, TokenTimes
 from engine.tokenizer import eos_token_ids, load_tokenizer
@@ -91,6 +96,7 @@ class LLMEngine(DisaggregationHooks, BlockExchangeHooks, RequestOutputs):
                 self.config.chunk_size,
                 self.config.max_num_seqs,
                 self._prefill_batch_tokens(),
+                self._decode_steps_between_prompts(),
             ),
             self.kv,
             self._chunk_budget(),
@@ -129,6 +135,13 @@ class LLMEngine(DisaggregationHooks, BlockExchangeHooks, RequestOutputs):
         if self.config.prefill_batch_tokens is not None:
             return self.config.prefill_batch_tokens
         return CPU_PREFILL_BATCH_TOKENS if self.runner.device.type == "cpu" else None
+
+    def _decode_steps_between_prompts(self) -> int:
+        """The configured spacing, else the device's: on CPU a prompt's step is several
+        decode steps long."""
+        if self.config.decode_steps_between_prompts is not None:
+            return self.config.decode_steps_between_prompts
+        return CPU_DECODE_STEPS_BETWEEN_PROMPTS if self.runner.device.type == "cpu" else 0
 
     def _chunk_budget(self) -> ChunkBudget | None:
         """Dynamic chunking's budget (engine/chunk_budget.py): itl_target_ms when set, else

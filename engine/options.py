@@ -101,6 +101,15 @@ class EngineOptions:
         "(the batch's throughput, not each prompt's first token)",
         ge=1,
     )
+    decode_steps_between_prompts: int | None = option(
+        None,
+        "while requests decode, a waiting prompt starts only after this many decode-only "
+        "steps since the last step with prompt tokens: prompt steps alternate with decode "
+        "steps, so running streams never wait out two prompts in a row, and a closed-loop "
+        "client's streams, which finish on consecutive steps, do not queue their next prompts "
+        "behind each other every round. Default: 1 on CPU, 0 on CUDA; the offline LLM: 0",
+        ge=0,
+    )
     max_num_seqs: int = option(128, "most running requests per engine", ge=1)
     max_n: int = option(8, "most choices (sampling n) one request may ask for", ge=1)
     max_model_len: int | None = option(

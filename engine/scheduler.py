@@ -5,9 +5,14 @@ then waiting requests in arrival order. A request gets min(remaining, chunk_size
 tokens; decodes get one. Once a step carries prompt tokens, another prompt's chunk gets at most
 what is left of prefill_batch_tokens: where a step of that many rows is already compute-bound,
 batching more prompts would only hold back the first tokens of the earlier ones, and prompts
-that arrive together (a closed-loop client's streams) would stay in lock-step. With a
-ChunkBudget (itl_target_ms) a prefill chunk instead gets what the budget grants within
-min(remaining, budget): chunk_size no longer applies. When blocks run out the newest running
+that arrive together (a closed-loop client's streams) would stay in lock-step. While requests
+decode, waiting prompts start only after decode_steps_between_prompts decode-only steps since
+the last step with prompt tokens: prompts prefilled back to back give their streams first
+tokens one step apart, so streams of equal answer lengths finish a short decode step apart and
+their next prompts queue behind each other's prefill every round; a decode step between the
+prompts spaces the next round's arrivals by about a prefill. With a ChunkBudget
+(itl_target_ms) a prefill chunk instead gets what the budget grants within min(remaining,
+budget): chunk_size no longer applies. When blocks run out the newest running
 request is preempted (blocks freed, requeued at the front for recompute).
 """
 
@@ -26,6 +31,8 @@ if TYPE_CHECKING:
 
 # prefill_batch_tokens on CPU unless set (benchmarks/prefill_batching.py)
 CPU_PREFILL_BATCH_TOKENS = 32
+# decode_steps_between_prompts on CPU unless set (docs/serving.md: prompts that arrive together)
+CPU_DECODE_STEPS_BETWEEN_PROMPTS = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +43,9 @@ class SchedulerConfig:
     chunk_size: int
     max_num_seqs: int
     prefill_batch_tokens: int | None = None  # None: prompts batch up to the token budget
+    # while requests decode, a waiting prompt starts only after this many decode-only steps
+    # since the last step that carried prompt tokens (0: at once)
+    decode_steps_between_prompts: int = 0
 
 
 @dataclass(slots=True)
@@ -72,6 +82,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the last one is the newest
         self.requests: dict[str, Request] = {}
+        # steps since the last one that carried prompt tokens (none yet: as good as forever)
+        self.decode_only_steps = config.decode_steps_between_prompts
 
     def require_tier(self) -> TierConnector:
         """The tier, on the paths only a tier opens (a request waiting for tier KV)."""
@@ -160,8 +172,13 @@ class Scheduler:
             out.num_tokens[req.request_id] = n
         # Budget given back by preempted requests stays unused by running ones this step.
         budget = self.config.max_num_batched_tokens - out.total_tokens
-        if not out.preempted:
-            self._admit_waiting(out, budget, prompt_tokens)
+        spaced = not decodes or self.decode_only_steps >= self.config.decode_steps_between_prompts
+        if not out.preempted and spaced:
+            prompt_tokens = self._admit_waiting(out, budget, prompt_tokens)
+        if prompt_tokens:
+            self.decode_only_steps = 0
+        elif out.requests:
+            self.decode_only_steps += 1
         return out
 
     def _prompt_room(self, prompt_tokens: int) -> int:
@@ -210,7 +227,9 @@ class Scheduler:
         self.waiting.appendleft(req)
         out.preempted.append(req.request_id)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, prompt_tokens: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, prompt_tokens: int) -> int:
+        """Admits waiting requests in arrival order while seats, budget and blocks allow;
+        returns the step's prompt tokens (`prompt_tokens` and those of the admitted)."""
         # A request with n choices takes n seats: the n - 1 forks join the running batch at
         # its first sample. A request loading its prefix from the KV tier holds its seat.
         seats = (
@@ -245,6 +264,7 @@ class Scheduler:
             budget -= n
             prompt_tokens += n
             seats += 1 + req.num_pending_forks
+        return prompt_tokens
 
     # ---- a KV tier below the cache (engine/kv_tier/connector.py) ----------------------------
     def _start_tier_load(self, req: Request, hits: list, n_tier: int) -> bool:

@@ -42,6 +42,7 @@ WORKER_FIELDS = (
     "max_num_batched_tokens",
     "max_num_seqs",
     "prefill_batch_tokens",
+    "decode_steps_between_prompts",
     "itl_target_ms",
     "decode_stretch",
     "enable_prefix_caching",

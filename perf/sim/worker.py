@@ -1,7 +1,8 @@
 """A simulated worker: the real BlockPool (prefix cache, LRU eviction, KV events) and the
 scheduler's budgets (engine/scheduler.py: decodes, then running prefills, then waiting prompts
 in order; chunk_size, or a ChunkBudget for itl_target_ms or decode_stretch; max_num_batched_tokens,
-prefill_batch_tokens, max_num_seqs), with each step's duration predicted by the step profile.
+prefill_batch_tokens, decode_steps_between_prompts, max_num_seqs), with each step's duration
+predicted by the step profile.
 
 Differences from the engine, kept on purpose (simpler, and no effect without memory pressure):
 a job reserves all its blocks when admitted (prompt + max_tokens for a decoding job, the
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
 from engine.chunk_budget import ChunkBudget, DecodeStretchBudget
-from engine.scheduler import CPU_PREFILL_BATCH_TOKENS
+from engine.scheduler import CPU_DECODE_STEPS_BETWEEN_PROMPTS, CPU_PREFILL_BATCH_TOKENS
 from engine.step_model import StepModel, StepShape
 from perf.sim.events import EventLoop
 from perf.sim.request import DECODE, PREFILL, Job
@@ -32,6 +33,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     prefill_batch_tokens: int | None = None  # None: the engine's default for the profile's device
+    decode_steps_between_prompts: int | None = None  # None: likewise
     itl_target_ms: float | None = None
     decode_stretch: float = 0.0
     enable_prefix_caching: bool = True
@@ -57,6 +59,15 @@ class SimWorker:
         self.prefill_batch_tokens = config.prefill_batch_tokens
         if self.prefill_batch_tokens is None and model.key.get("device", "cpu") == "cpu":
             self.prefill_batch_tokens = CPU_PREFILL_BATCH_TOKENS
+        on_cpu = model.key.get("device", "cpu") == "cpu"
+        self.spacing: int = (
+            config.decode_steps_between_prompts
+            if config.decode_steps_between_prompts is not None
+            else CPU_DECODE_STEPS_BETWEEN_PROMPTS
+            if on_cpu
+            else 0
+        )
+        self.decode_only_steps = self.spacing  # engine/scheduler.py's count, as it starts
         self.budget: ChunkBudget | None = None
         if config.itl_target_ms:
             self.budget = ChunkBudget(model, config.itl_target_ms / 1000.0, config.block_size)
@@ -189,7 +200,8 @@ class SimWorker:
                 budget -= n
                 prompt_tokens += n
                 rows.append((job, n))
-        while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
+        spaced = not decodes or self.decode_only_steps >= self.spacing
+        while spaced and self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
             job = self.waiting[0]
             room = min(budget, self._prompt_room(prompt_tokens))
             if room <= 0 or not self._take_blocks(job):
@@ -206,6 +218,10 @@ class SimWorker:
             budget -= n
             prompt_tokens += n
         self._publish()
+        if prompt_tokens:
+            self.decode_only_steps = 0
+        elif rows:
+            self.decode_only_steps += 1
         if not rows:  # everything waits for blocks: idle until some are freed
             self._set_busy(False)
             return

@@ -34,7 +34,7 @@ def test_cached_prefix_then_chunked_prefill_interleaved_with_decodes(tiny_llama)
     run_to_completion(engine)
     for rid, prompt in zip("BCD", random_prompts([30, 45, 12], seed=22), strict=True):
         engine.add_request(rid, prompt, DECODE)
-    while set(engine.step().scheduled.values()) != {1}:  # until B, C, D are all decoding
+    while engine.step().scheduled != {"B": 1, "C": 1, "D": 1}:  # until all three decode alone
         pass
     engine.add_request("A", prefix + tail, DECODE)
 
@@ -58,15 +58,20 @@ def test_prompts_arriving_together_on_cpu_prefill_in_turn_offline_in_one_step(ti
     for engine in (served, offline):
         for rid, prompt in zip("ABC", prompts, strict=True):
             engine.add_request(rid, prompt, SamplingParams(max_tokens=5, temperature=0))
-    # a served CPU engine: no other prompt joins a step carrying 32 prompt tokens
+    # a served CPU engine: no other prompt joins a step carrying 32 prompt tokens, and while
+    # requests decode a decode-only step runs between two prompts' steps
     assert served.scheduler.config.prefill_batch_tokens == 32
-    assert [served.step().scheduled for _ in range(3)] == [
+    assert served.scheduler.config.decode_steps_between_prompts == 1
+    assert [served.step().scheduled for _ in range(5)] == [
         {"A": 40},
+        {"A": 1},
         {"A": 1, "B": 40},
+        {"A": 1, "B": 1},
         {"A": 1, "B": 1, "C": 40},
     ]
     # the offline LLM batches prompts up to the step's token budget (2,048 by default)
     assert offline.scheduler.config.prefill_batch_tokens == 2048
+    assert offline.scheduler.config.decode_steps_between_prompts == 0
     assert offline.step().scheduled == {"A": 40, "B": 40, "C": 40}
 
 

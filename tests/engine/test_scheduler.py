@@ -25,10 +25,11 @@ def make_scheduler(
     chunk: int = 16,
     max_seqs: int = 16,
     prefill_batch: int | None = None,
+    spacing: int = 0,
 ) -> Scheduler:
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, block_size, "scheduler-test")
-    return Scheduler(SchedulerConfig(budget, chunk, max_seqs, prefill_batch), kv)
+    return Scheduler(SchedulerConfig(budget, chunk, max_seqs, prefill_batch, spacing), kv)
 
 
 def step(sched: Scheduler) -> tuple[SchedulerOutput, list[str]]:
@@ -161,6 +162,36 @@ def test_prompts_arriving_together_are_prefilled_one_after_another():
     assert step(sched)[0].num_tokens == {"E": 16}
     assert step(sched)[0].num_tokens == {"E": 2, "F": 6}
     assert step(sched)[0].num_tokens == {"F": 4}
+    assert not sched.has_unfinished()
+
+
+def test_while_requests_decode_prompt_steps_alternate_with_decode_steps():
+    # decode_steps_between_prompts 1: while requests decode, a waiting prompt starts only after
+    # one decode-only step since the last step with prompt tokens; with nothing decoding it
+    # starts at once
+    sched = make_scheduler(budget=64, chunk=16, prefill_batch=8, spacing=1)
+    for i, rid in enumerate(("A", "B", "C")):
+        sched.add(make_request(rid, range(100 * i, 100 * i + 10), max_tokens=3))
+    trace = [step(sched) for _ in range(7)]
+    assert [(out.num_tokens, sampled) for out, sampled in trace] == [
+        ({"A": 10}, ["A"]),  # nothing decodes: A starts at once
+        ({"A": 1}, ["A"]),  # B waits: the last step carried A's prompt
+        ({"A": 1, "B": 10}, ["A", "B"]),
+        ({"B": 1}, ["B"]),
+        ({"B": 1, "C": 10}, ["B", "C"]),  # C's first token two steps after B's, not one
+        ({"C": 1}, ["C"]),
+        ({"C": 1}, ["C"]),
+    ]
+    assert not sched.has_unfinished()
+    sched.add(make_request("D", range(20, 26), max_tokens=5))
+    assert step(sched)[0].num_tokens == {"D": 6}  # nothing decodes, though D's step follows C's
+    sched.add(make_request("E", range(30, 50), max_tokens=1))
+    sched.add(make_request("F", range(50, 60), max_tokens=1))
+    assert step(sched)[0].num_tokens == {"D": 1}  # D decodes: E waits a step
+    assert step(sched)[0].num_tokens == {"D": 1, "E": 16}
+    assert step(sched)[0].num_tokens == {"D": 1, "E": 4}  # a running prefill is not held; F is
+    assert step(sched)[0].num_tokens == {"D": 1}
+    assert step(sched)[0].num_tokens == {"F": 10}  # D finished: nothing decodes
     assert not sched.has_unfinished()
 
 

@@ -56,6 +56,23 @@ def test_chunked_prefill_takes_one_step_per_chunk():
     assert sim.cluster.prefill["prefill-0"].steps == 2
 
 
+@pytest.mark.parametrize(
+    "spacing,second_ttft",
+    [
+        (0, 2 * 0.074),  # A's prefill, then A's decode beside B's prefill
+        (1, 2 * 0.074 + 0.01),  # a decode-only step of A between the two prompts' steps
+    ],
+)
+def test_prompt_steps_alternate_with_decode_steps(spacing, second_ttft):
+    worker = WorkerConfig(decode_steps_between_prompts=spacing)
+    records, _ = run(
+        RandomWorkload(input_len=64, output_len=4),
+        ClusterConfig(prefill=0, worker=worker),
+        num_requests=2,
+    )
+    assert sorted(r.ttft for r in records) == pytest.approx([0.074, second_ttft])
+
+
 def test_repeated_prefix_hits_the_cache():
     workload = PrefixRepetitionWorkload(num_prefixes=1, prefix_len=64, suffix_len=16, output_len=2)
     records, _ = run(workload, ClusterConfig(), num_requests=3, max_concurrency=1)
