@@ -265,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         chunk_size=max(grid.prefill),
         max_num_batched_tokens=max(grid.prefill) + grid.max_decodes,
         prefill_batch_tokens=max(grid.prefill) + grid.max_decodes,
+        decode_steps_between_prompts=0,  # a grid point's prompt joins its decodes at once
         num_kv_blocks=1200,
         decode_stretch=0,  # the grid's steps exactly as crafted, no step budget
     )
