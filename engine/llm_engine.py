@@ -28,10 +28,10 @@ from engine.retention import Retention
 from engine.sampler import SampleRequest, choice_seed
 from engine.sampling_params import SamplingParams
 from engine.scheduler import (
-    CPU_DECODE_STEPS_BETWEEN_PROMPTS,
-    CPU_PREFILL_BATCH_TOKENS,
     Scheduler,
     SchedulerConfig,
+    decode_steps_between_prompts_for,
+    prefill_batch_tokens_for,
 )
 from engine.step_model import find_step_model, profile_key
 from engine.step_phases import StepPhases, TokenTimes
@@ -90,13 +90,14 @@ class LLMEngine(DisaggregationHooks, BlockExchangeHooks, RequestOutputs):
         self.token_times: TokenTimes | None = None  # set: each token's step end is recorded
         if self.kv_tier is not None:
             self.metrics.registry.register(TierCollector(self.kv_tier))
+        on_cpu = self.runner.device.type == "cpu"
         self.scheduler = Scheduler(
             SchedulerConfig(
                 self.config.max_num_batched_tokens,
                 self.config.chunk_size,
                 self.config.max_num_seqs,
-                self._prefill_batch_tokens(),
-                self._decode_steps_between_prompts(),
+                prefill_batch_tokens_for(self.config.prefill_batch_tokens, on_cpu),
+                decode_steps_between_prompts_for(self.config.decode_steps_between_prompts, on_cpu),
             ),
             self.kv,
             self._chunk_budget(),
@@ -128,20 +129,6 @@ class LLMEngine(DisaggregationHooks, BlockExchangeHooks, RequestOutputs):
 
     def _constrained(self, request_id: str) -> bool:
         return self._grammar is not None and self._grammar.is_constrained(request_id)
-
-    def _prefill_batch_tokens(self) -> int | None:
-        """The configured limit, else the device's: on CPU a step of a few dozen rows is
-        compute-bound already."""
-        if self.config.prefill_batch_tokens is not None:
-            return self.config.prefill_batch_tokens
-        return CPU_PREFILL_BATCH_TOKENS if self.runner.device.type == "cpu" else None
-
-    def _decode_steps_between_prompts(self) -> int:
-        """The configured spacing, else the device's: on CPU a prompt's step is several
-        decode steps long."""
-        if self.config.decode_steps_between_prompts is not None:
-            return self.config.decode_steps_between_prompts
-        return CPU_DECODE_STEPS_BETWEEN_PROMPTS if self.runner.device.type == "cpu" else 0
 
     def _chunk_budget(self) -> ChunkBudget | None:
         """Dynamic chunking's budget (engine/chunk_budget.py): itl_target_ms when set, else

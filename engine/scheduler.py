@@ -35,6 +35,22 @@ CPU_PREFILL_BATCH_TOKENS = 32
 CPU_DECODE_STEPS_BETWEEN_PROMPTS = 1
 
 
+def prefill_batch_tokens_for(configured: int | None, on_cpu: bool) -> int | None:
+    """The configured limit, else the device's: on CPU a step of a few dozen rows is
+    compute-bound already; elsewhere none."""
+    if configured is not None:
+        return configured
+    return CPU_PREFILL_BATCH_TOKENS if on_cpu else None
+
+
+def decode_steps_between_prompts_for(configured: int | None, on_cpu: bool) -> int:
+    """The configured spacing, else the device's: on CPU a prompt's step is several decode
+    steps long; elsewhere 0."""
+    if configured is not None:
+        return configured
+    return CPU_DECODE_STEPS_BETWEEN_PROMPTS if on_cpu else 0
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Budgets of one step."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
 from engine.chunk_budget import ChunkBudget, DecodeStretchBudget
-from engine.scheduler import CPU_DECODE_STEPS_BETWEEN_PROMPTS, CPU_PREFILL_BATCH_TOKENS
+from engine.scheduler import decode_steps_between_prompts_for, prefill_batch_tokens_for
 from engine.step_model import StepModel, StepShape
 from perf.sim.events import EventLoop
 from perf.sim.request import DECODE, PREFILL, Job
@@ -56,17 +56,9 @@ class SimWorker:
         self.loop = loop
         self.cluster = cluster
         self.pool = BlockPool(config.num_kv_blocks, config.enable_prefix_caching)
-        self.prefill_batch_tokens = config.prefill_batch_tokens
-        if self.prefill_batch_tokens is None and model.key.get("device", "cpu") == "cpu":
-            self.prefill_batch_tokens = CPU_PREFILL_BATCH_TOKENS
         on_cpu = model.key.get("device", "cpu") == "cpu"
-        self.spacing: int = (
-            config.decode_steps_between_prompts
-            if config.decode_steps_between_prompts is not None
-            else CPU_DECODE_STEPS_BETWEEN_PROMPTS
-            if on_cpu
-            else 0
-        )
+        self.prefill_batch_tokens = prefill_batch_tokens_for(config.prefill_batch_tokens, on_cpu)
+        self.spacing = decode_steps_between_prompts_for(config.decode_steps_between_prompts, on_cpu)
         self.decode_only_steps = self.spacing  # engine/scheduler.py's count, as it starts
         self.budget: ChunkBudget | None = None
         if config.itl_target_ms:
