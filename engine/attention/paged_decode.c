@@ -27,8 +27,9 @@
  * states; after the parallel loop each (sequence, head) merges its segments' states in key
  * order (the log-sum-exp merge of split softmaxes).
  *
- * A 32-sequence SmolLM2 step streams ~240 MB of K and V from memory; software prefetching of
- * the next blocks (tried: 8 to 64 tokens ahead) measured no faster than the hardware's.
+ * Prefetch: a pass prefetches the keys and values of the span after the one it attends, 8
+ * rows for every 8 keys it scores (pd_prefetch_next): a block of one KV head is 4 KB, and the
+ * hardware's prefetchers stop at each. (A 32-sequence SmolLM2 step streams ~240 MB of K and V.)
  *
  * Two instruction sets in one library: AVX2 + FMA (the build flags), and AVX-512 F/VL/DQ
  * behind a target attribute, taken only when cpuid reports it (baton_paged_decode) or asked
@@ -202,6 +203,49 @@ static inline void pd_next_span(PdRows *r, int64_t n, const float **k, const flo
             }
         }
     }
+}
+
+/* Software prefetch of the rows a pass reads next: the pass walks a second PdRows (`ahead`)
+ * PD_SPAN rows in front of its own and prefetches 8 rows for every 8 keys it scores, so that
+ * a span's keys and values are on their way to L1 while the span before it is attended. A
+ * block of one KV head is 4 KB in the cache (SmolLM2: 16 keys x 64 floats), and the hardware's
+ * prefetchers stop at 4 KB pages. */
+typedef struct {
+    PdRows rows;
+    int64_t left; /* rows still to prefetch */
+} PdAhead;
+
+/* Prefetches into L1 the keys and values (d floats each) of the next n rows of ahead. */
+static inline void pd_prefetch_next(PdAhead *ahead, int64_t n, const int64_t d) {
+    PdRows *r = &ahead->rows;
+    const PdArgs *a = r->a;
+    if (n > ahead->left) n = ahead->left;
+    if (n <= 0) return;
+    ahead->left -= n;
+    const float *base = pd_block_k(a, r->table, r->h, r->blk);
+    for (int64_t j = 0; j < n; j++) {
+        const float *k = base + r->off * a->stride_token;
+        for (int64_t e = 0; e < d; e += 16) {
+            _mm_prefetch((const char *)(k + e), _MM_HINT_T0);
+            _mm_prefetch((const char *)(k + a->stride_kv + e), _MM_HINT_T0);
+        }
+        if (++r->off == a->block_size) {
+            r->off = 0;
+            if (++r->blk >= r->num_blocks) {
+                ahead->left = 0;
+                return;
+            }
+            base = pd_block_k(a, r->table, r->h, r->blk);
+        }
+    }
+}
+
+/* The rows from the second span of a pass over keys [t0, t1) on (the first is read at once). */
+static inline PdAhead pd_ahead_from(const PdArgs *a, const int64_t *table, int64_t h, int64_t t0,
+                                    int64_t t1) {
+    const int64_t start = t0 + PD_SPAN < t1 ? t0 + PD_SPAN : t1;
+    PdAhead ahead = {pd_rows_from(a, table, h, start, t1), t1 - start};
+    return ahead;
 }
 
 /* Per query vector g of a span: fold its 32 scores s[g] (4 vectors; lanes >= n[g] are
@@ -452,6 +496,7 @@ PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_attend_lan
                 qt[(c * d + e) * 16 + lane] = g < group ? qg[g * d + e] : 0.0f;
             }
     const __m512 scale = _mm512_set1_ps(a->scale);
+    PdAhead ahead = pd_ahead_from(a, table, h, t0, t1);
     PdRows rows = pd_rows_from(a, table, h, t0, t1);
     for (int64_t t = t0; t < t1; t += PD_SPAN) {
         const int64_t n = t1 - t < PD_SPAN ? t1 - t : PD_SPAN;
@@ -467,7 +512,10 @@ PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_attend_lan
             /* scores of the span's keys (in fours; keys past n repeat the last and are masked) */
             __m512 s[PD_SPAN];
 #pragma GCC unroll 1
-            for (int j = 0; j < n; j += 4) pd_scores_lanes(qt + c * d * 16, 4, k + j, d, scale, s + j);
+            for (int j = 0; j < n; j += 4) {
+                if (c == 0 && j % PD_CHUNK == 0) pd_prefetch_next(&ahead, PD_CHUNK, d);
+                pd_scores_lanes(qt + c * d * 16, 4, k + j, d, scale, s + j);
+            }
             __mmask16 valid[PD_SPAN];
             __m512 mx = _mm512_set1_ps(-INFINITY);
             for (int j = 0; j < n; j++) {

@@ -9,7 +9,8 @@
  *   PD_VALUES_TILE    the most query vectors PD_VALUES takes at once (2 or 4)
  *
  * and undefines them at its end. Per span: the keys' rows, the scores of every query vector
- * (three at a time), one online-softmax update per vector, then the output update
+ * (three at a time; each chunk of 8 keys prefetches 8 rows of the next span), one
+ * online-softmax update per vector, then the output update
  * (PD_VALUES_TILE vectors at a time, the rest in one smaller tile). Each query vector's
  * numbers are the same whichever tile it is in. d is a constant where the caller knows it,
  * so that the tiles are registers. */
@@ -17,6 +18,7 @@ static inline __attribute__((always_inline)) PD_ISA void PD_SPAN_LOOP(
     const PdArgs *a, const float *qg, int64_t group, const int64_t *limits, const int64_t *table,
     int64_t h, int64_t t0, int64_t t1, PdRunning *run, float *acc, const int64_t d) {
     const __m256 scale = _mm256_set1_ps(a->scale);
+    PdAhead ahead = pd_ahead_from(a, table, h, t0, t1);
     PdRows rows = pd_rows_from(a, table, h, t0, t1);
     for (int64_t t = t0; t < t1; t += PD_SPAN) {
         const int64_t n = t1 - t < PD_SPAN ? t1 - t : PD_SPAN;
@@ -30,6 +32,7 @@ static inline __attribute__((always_inline)) PD_ISA void PD_SPAN_LOOP(
                 for (int64_t g = 0; g < group; g++) s[g][c] = _mm256_setzero_ps();
                 continue;
             }
+            pd_prefetch_next(&ahead, PD_CHUNK, d);
             __m256 sc[MAX_NG];
             int64_t g = 0;
             for (; g + 3 <= group; g += 3) PD_SCORES(qg + g * d, 3, k + 8 * c, d, scale, sc + g);
