@@ -35,7 +35,8 @@
  * behind a target attribute, taken only when cpuid reports it (baton_paged_decode) or asked
  * for (baton_paged_decode_isa). The two sum in different orders (float32, same formula). The
  * AVX-512 code has two paths with the same sums: register tiles of a few query vectors, and
- * for passes of PD_LANES_MIN or more query vectors, 16 of them in the lanes of a vector.
+ * for passes that fill vectors of 16 query vectors well (pd_by_lanes), 16 of them in the lanes
+ * of a vector.
  *
  * Cache addressing by element strides of the head-major view [2, KVH, num_blocks, bs, D]:
  * kv (K -> V), head, block, token; D is contiguous. D % 8 == 0 (AVX-512: D % 16 == 0, else
@@ -403,8 +404,8 @@ PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_values_spa
 #include "paged_decode_span_loop.h"
 
 /* ---- AVX-512, many query vectors: query vectors in lanes -------------------------------------
- * A pass of PD_LANES_MIN or more query vectors (a prompt chunk's rows, a group of decode rows
- * over a shared prefix) holds them transposed, 16 to a vector (qt[e][lane] = q[lane][e]), and
+ * A pass of many query vectors (pd_by_lanes: a prompt chunk's rows, a group of decode rows over
+ * a shared prefix) holds them transposed, 16 to a vector (qt[e][lane] = q[lane][e]), and
  * computes a key's scores for 16 query vectors at once: each fused multiply-add broadcasts one
  * of the key's elements against a row of qt, and no sum crosses lanes. The sums are those of
  * pd_scores_avx512 term for term (the chain of lane l over elements l, l + 16, ..., the fold
@@ -413,6 +414,15 @@ PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_values_spa
  * sums) and the output update that of pd_values_span_avx512: a query vector's numbers are bit
  * for bit those of the tiled code, whichever path a pass takes. */
 #define PD_LANES_MIN 32
+
+/* Whether a pass of ng query vectors goes by lanes: 32 or more, or a last vector of 16 lanes at
+ * least three quarters full (12-16 vectors: 4 or 5 SmolLM2 decode rows over a shared prompt).
+ * Fewer fill a vector too little, and 17-31 leave most of a second one empty: by tiles.
+ * Measured with benchmarks/attention_paths.py (one pass of 128 keys, Intel Xeon, AVX-512):
+ * lanes / tiles 1.53x at 3 vectors, 1.10x at 9, 0.94x at 12, 0.85x at 15, 1.12x at 18. */
+static inline int pd_by_lanes(int64_t ng) {
+    return ng >= PD_LANES_MIN || ng % 16 == 0 || ng % 16 >= 12;
+}
 
 /* e^x = y 2^n (x within float32's range): n = floor(x log2(e) + 1/2) and y = e^(x - n ln 2)
  * by exp_ps's reduction and polynomial, 16 lanes wide; returns y, n in *n_out. */
@@ -586,12 +596,12 @@ PD_AVX512_TARGET static void pd_attend_avx512_by_lanes(const PdArgs *a, const fl
 }
 
 /* Keys [t0, t1) of table's KV head h for the ng query vectors qg [ng, D] (ng <= MAX_NG), into
- * run [ng] and acc [ng, D]: by lanes for PD_LANES_MIN or more query vectors, else by tiles. */
+ * run [ng] and acc [ng, D]: by lanes where pd_by_lanes(ng), else by tiles. */
 PD_AVX512_TARGET static void pd_attend_avx512(const PdArgs *a, const float *qg, int64_t ng,
                                               const int64_t *limits, const int64_t *table,
                                               int64_t h, int64_t t0, int64_t t1, PdRunning *run,
                                               float *acc) {
-    if (ng < PD_LANES_MIN)
+    if (!pd_by_lanes(ng))
         pd_attend_avx512_by_tiles(a, qg, ng, limits, table, h, t0, t1, run, acc);
     else
         pd_attend_avx512_by_lanes(a, qg, ng, limits, table, h, t0, t1, run, acc);

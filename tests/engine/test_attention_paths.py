@@ -72,7 +72,7 @@ def keys_of(cache, table, h, which, t0, t1):
 
 SHAPES = [  # (query vectors, head dim, first key, end of keys)
     (ng, d, t0, t1)
-    for ng in (1, 3, 12, 16, 17, 40, 64)
+    for ng in (1, 3, 12, 15, 16, 17, 40, 64)
     for d in (16, 64, 128)
     for t0, t1 in ((0, 1), (0, 37), (5, 133), (100, 300))
 ]
