@@ -102,18 +102,39 @@ class Steps:
             parts = {p: a - b for p, a, b in zip(PARTS, fused.timings, before, strict=True)}
         return seconds, parts
 
-    def decode(self, prefix: list[int], new: int, rows: int, steps: int) -> float:
-        """Median seconds of a decode step of `rows` requests, each prefix + `new` of its own."""
+    def decode(self, prefix: list[int], new: int, rows: int, steps: int) -> tuple[float, dict]:
+        """Median seconds of a decode step of `rows` requests, each prefix + `new` of its own,
+        and the fused step's parts in seconds a step (mean; empty without the fused step)."""
         for _ in range(rows):
             self.add(prefix + self.tokens(new), steps + 2)
         self.prefill_all()
+        fused = self.engine.runner.fused
+        before = list(fused.timings) if fused is not None and fused.timings is not None else None
         times = []
         for _ in range(steps):
             start = time.perf_counter()
             self.engine.step()
             times.append(time.perf_counter() - start)
+        parts = {}
+        if before is not None:
+            parts = {
+                p: (a - b) / steps for p, a, b in zip(PARTS, fused.timings, before, strict=True)
+            }
         self.finish()
-        return statistics.median(times)
+        return statistics.median(times), parts
+
+
+def step_parts(parts: dict[str, float]) -> str:
+    """A decode step's products, attention and logits in ms (the fused step's own timers)."""
+    if not parts:
+        return ""
+    products = sum(
+        seconds for part, seconds in parts.items() if "product" in part and "logits" not in part
+    )
+    attention = parts.get("rope + KV write + attention", 0.0)
+    logits = parts.get("output projection (logits)", 0.0)
+    ms = [f"{1e3 * seconds:.1f}" for seconds in (products, attention, logits)]
+    return f"; products {ms[0]}, attention {ms[1]}, logits {ms[2]} ms"
 
 
 def main() -> None:
@@ -139,8 +160,12 @@ def main() -> None:
         prefill, parts = min(
             (steps.prefill(prefix, new) for _ in range(args.rounds)), key=lambda run: run[0]
         )
-        one = min(steps.decode(prefix, new, 1, 16) for _ in range(args.rounds))
-        many = min(steps.decode(prefix, new, S, 16) for _ in range(args.rounds))
+        one, one_parts = min(
+            (steps.decode(prefix, new, 1, 16) for _ in range(args.rounds)), key=lambda run: run[0]
+        )
+        many, many_parts = min(
+            (steps.decode(prefix, new, S, 16) for _ in range(args.rounds)), key=lambda run: run[0]
+        )
         cached, keys = len(prefix), len(prefix) + new + args.output_len // 2
         flops_prefill, flops_row = shape.prefill_flops(cached, new), shape.decode_row_flops(keys)
         products = sum(seconds for part, seconds in parts.items() if "product" in part)
@@ -156,11 +181,15 @@ def main() -> None:
             f"  prefill          {1e3 * prefill:7.1f} ms, {flops_prefill / 1e9:5.2f} GFLOP,"
             f" {flops_prefill / prefill / 1e9:.0f} GFLOP/s{rates}"
         )
-        print(f"  decode, 1 row    {1e3 * one:7.1f} ms (the answer's first 16 tokens)")
         print(
-            f"  decode, {S} rows   {1e3 * many:7.1f} ms: {many / one:.2f}x one row; a row's work"
-            f" at ~{keys} keys {flops_row / 1e9:.2f} GFLOP"
+            f"  decode, 1 row    {1e3 * one:7.1f} ms (the answer's first 16 tokens)"
+            f"{step_parts(one_parts)}"
         )
+        print(
+            f"  decode, {S} rows   {1e3 * many:7.1f} ms: {many / one:.2f}x one row"
+            f"{step_parts(many_parts)}"
+        )
+        print(f"    a row's work at ~{keys} keys {flops_row / 1e9:.2f} GFLOP")
         single = prefill + n * one
         rider, rider_bound = (many - one) / max(S - 1, 1), flops_row / rate  # one more row
         rest = max(n - (S - 1), 0)  # tokens not decoded inside the S prefill steps
