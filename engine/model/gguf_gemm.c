@@ -318,14 +318,18 @@ AVX512_TARGET static inline __m128 scales_pair_q4_1(const uint8_t *b0, const uin
  * it: p = x_lo q_lo + x_hi q_hi (16 lanes), acc = d p + acc; y = the lanes' sum + offset, where
  * for Q4_1 offset = offset + m * sum(x) block by block, the two weight rows' in one 128-bit
  * multiply and add (lanes 1 and 3 of (d0, m0, d1, m1) * sum(x); lanes 0 and 2 are dropped).
- * TYPE and TM are constants where it is inlined (callers switch on them). */
+ * With xsum4 (the TM rows' block sums laid out [nb][TILE_M][4], each repeated in 4 lanes:
+ * block_sums4) the TM rows' offsets are one 512-bit multiply and add a block, lanes 4 i .. 4 i + 3
+ * row i's, the same operations lane for lane. TYPE and TM are constants where it is inlined
+ * (callers switch on them). */
 AVX512_TARGET static inline __attribute__((always_inline)) void tile_avx512(
     const uint8_t *w, int64_t row_bytes, const int32_t TYPE, int64_t K, int count,
-    const float *x, const float *xsum, const int TM, float *y, int64_t ys) {
+    const float *x, const float *xsum, const float *xsum4, const int TM, float *y, int64_t ys) {
     const int64_t nb = K / QK, bb = TYPE == 3 ? 20 : 34;
     const uint8_t *row1 = w + (count > 1 ? row_bytes : 0);
     __m512 acc[2][TILE_M];
     __m128 offset[TILE_M];
+    __m512 offsets = _mm512_setzero_ps(); /* with xsum4: offset[i] in lanes 4 i .. 4 i + 3 */
     for (int i = 0; i < TM; i++) {
         acc[0][i] = acc[1][i] = _mm512_setzero_ps();
         offset[i] = _mm_setzero_ps();
@@ -346,10 +350,13 @@ AVX512_TARGET static inline __attribute__((always_inline)) void tile_avx512(
             d0 = _mm512_set1_ps(f16_to_f32(b0));
             d1 = _mm512_set1_ps(f16_to_f32(b1));
         }
+        if (TYPE == 3 && xsum4 != NULL)
+            offsets = _mm512_add_ps(offsets, _mm512_mul_ps(_mm512_broadcast_f32x4(dm),
+                                                           _mm512_loadu_ps(xsum4 + b * 4 * TILE_M)));
         for (int i = 0; i < TM; i++) {
             const float *xb = x + i * K + b * QK;
             const __m512 x_lo = _mm512_loadu_ps(xb), x_hi = _mm512_loadu_ps(xb + 16);
-            if (TYPE == 3)
+            if (TYPE == 3 && xsum4 == NULL)
                 offset[i] = _mm_add_ps(offset[i], _mm_mul_ps(dm, _mm_set1_ps(xsum[i * nb + b])));
             const __m512 p0 = _mm512_fmadd_ps(x_hi, q0_hi, _mm512_mul_ps(x_lo, q0_lo));
             const __m512 p1 = _mm512_fmadd_ps(x_hi, q1_hi, _mm512_mul_ps(x_lo, q1_lo));
@@ -357,12 +364,25 @@ AVX512_TARGET static inline __attribute__((always_inline)) void tile_avx512(
             acc[1][i] = _mm512_fmadd_ps(d1, p1, acc[1][i]);
         }
     }
+    float offs[4 * TILE_M];
+    if (TYPE == 3 && xsum4 != NULL) _mm512_storeu_ps(offs, offsets);
+    else
+        for (int i = 0; i < TM; i++) _mm_storeu_ps(offs + 4 * i, offset[i]);
     for (int i = 0; i < TM; i++) {
-        float off[4];
-        _mm_storeu_ps(off, offset[i]);
+        const float *off = offs + 4 * i;
         y[i * ys] = _mm512_reduce_add_ps(acc[0][i]) + off[1];
         if (count > 1) y[i * ys + 1] = _mm512_reduce_add_ps(acc[1][i]) + off[3];
     }
+}
+
+/* xsum4 [nb][TILE_M][4] for tile_avx512: the block sums xsum [tm][nb] of tm (<= TILE_M) rows,
+ * row i's in lanes 4 i .. 4 i + 3 (zeros past tm). */
+static inline void block_sums4(const float *xsum, int64_t nb, int tm, float *xsum4) {
+    for (int64_t b = 0; b < nb; b++)
+        for (int i = 0; i < TILE_M; i++) {
+            const float v = i < tm ? xsum[i * nb + b] : 0.0f;
+            for (int lane = 0; lane < 4; lane++) xsum4[(b * TILE_M + i) * 4 + lane] = v;
+        }
 }
 
 /* One row of x times pairs of weight rows (tile_avx512), the pairs shared out among threads. */
@@ -374,8 +394,8 @@ AVX512_TARGET static void gemv_avx512(const float *x, int64_t K, const uint8_t *
         const int64_t n0 = 2 * g;
         const int count = N - n0 < 2 ? 1 : 2;
         const uint8_t *rows = w + n0 * row_bytes;
-        if (type == 3) tile_avx512(rows, row_bytes, 3, K, count, x, xsum, 1, y + n0, 1);
-        else tile_avx512(rows, row_bytes, 8, K, count, x, xsum, 1, y + n0, 1);
+        if (type == 3) tile_avx512(rows, row_bytes, 3, K, count, x, xsum, NULL, 1, y + n0, 1);
+        else tile_avx512(rows, row_bytes, 8, K, count, x, xsum, NULL, 1, y + n0, 1);
     }
 }
 

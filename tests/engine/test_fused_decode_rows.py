@@ -230,8 +230,9 @@ def test_int8_rows_equal_the_unfused_int8_path(quantized_llama, isa, count):
     "isa,int8", [(isa, False) for isa in RUNNABLE_ISAS] + [(isa, True) for isa in INT8_ISAS]
 )
 @pytest.mark.parametrize("prefix_len", [PREFIX, LONG_PREFIX])
+# 7: the exact kernels' tiles of 4 and 3 rows (their Q4_1 offsets in one vector a tile);
 # 50: 17 rows share the prefix, 34 query vectors, which pass its window in lanes on AVX-512
-@pytest.mark.parametrize("count", [12, 17, 34, 50])
+@pytest.mark.parametrize("count", [7, 12, 17, 34, 50])
 def test_each_row_is_what_it_is_alone(quantized_llama, isa, int8, prefix_len, count):
     """`count` rows in one step against each row alone (R = 1) over a copy of the same cache:
     hidden state, logits and cache equal bit for bit, whatever tile and thread a row meets,
