@@ -15,8 +15,6 @@ time over the first's.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 from benchmarks.serving_bounds import MODEL_ALIAS, Steps
 from engine.model.fused_decode import PARTS
@@ -30,21 +28,8 @@ PART_LABELS = dict(
 
 def decode_step(steps: Steps, rows: int, context: int) -> tuple[float, list[float]]:
     """Median seconds of a decode step of `rows` requests and the fused parts' seconds a step."""
-    for _ in range(rows):
-        steps.add(steps.tokens(context), DECODE_STEPS + 2)
-    steps.prefill_all()
-    fused = steps.engine.runner.fused
-    before = list(fused.timings) if fused is not None and fused.timings is not None else None
-    times = []
-    for _ in range(DECODE_STEPS):
-        start = time.perf_counter()
-        steps.engine.step()
-        times.append(time.perf_counter() - start)
-    parts = [0.0] * len(PARTS)
-    if before is not None:
-        parts = [(a - b) / DECODE_STEPS for a, b in zip(fused.timings, before, strict=True)]
-    steps.finish()
-    return statistics.median(times), parts
+    seconds, parts = steps.decode([], context, rows, DECODE_STEPS)
+    return seconds, [parts.get(name, 0.0) for name in PARTS]
 
 
 def main(argv: list[str] | None = None) -> None:

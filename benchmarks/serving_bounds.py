@@ -89,18 +89,27 @@ class Steps:
         while sched.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in sched.running):
             self.engine.step()
 
+    def fused_timings(self) -> list[float] | None:
+        """The fused step's part timers so far (seconds each), or None without them."""
+        fused = self.engine.runner.fused
+        return list(fused.timings) if fused is not None and fused.timings is not None else None
+
+    def parts_since(self, before: list[float] | None, per: int = 1) -> dict[str, float]:
+        """Each fused part's seconds since `before` (fused_timings), over `per`; empty without
+        the fused step."""
+        now = self.fused_timings()
+        if before is None or now is None:
+            return {}
+        return {p: (a - b) / per for p, a, b in zip(PARTS, now, before, strict=True)}
+
     def prefill(self, prefix: list[int], new: int) -> tuple[float, dict[str, float]]:
         """Seconds to a request's first token (its prompt's steps), and the fused parts' share."""
-        fused = self.engine.runner.fused
-        before = list(fused.timings) if fused is not None and fused.timings is not None else None
+        before = self.fused_timings()
         self.add(prefix + self.tokens(new), 1)
         start = time.perf_counter()
         self.finish()
         seconds = time.perf_counter() - start
-        parts = {}
-        if before is not None:
-            parts = {p: a - b for p, a, b in zip(PARTS, fused.timings, before, strict=True)}
-        return seconds, parts
+        return seconds, self.parts_since(before)
 
     def decode(self, prefix: list[int], new: int, rows: int, steps: int) -> tuple[float, dict]:
         """Median seconds of a decode step of `rows` requests, each prefix + `new` of its own,
@@ -108,18 +117,13 @@ class Steps:
         for _ in range(rows):
             self.add(prefix + self.tokens(new), steps + 2)
         self.prefill_all()
-        fused = self.engine.runner.fused
-        before = list(fused.timings) if fused is not None and fused.timings is not None else None
+        before = self.fused_timings()
         times = []
         for _ in range(steps):
             start = time.perf_counter()
             self.engine.step()
             times.append(time.perf_counter() - start)
-        parts = {}
-        if before is not None:
-            parts = {
-                p: (a - b) / steps for p, a, b in zip(PARTS, fused.timings, before, strict=True)
-            }
+        parts = self.parts_since(before, steps)
         self.finish()
         return statistics.median(times), parts
 
@@ -128,9 +132,7 @@ def step_parts(parts: dict[str, float]) -> str:
     """A decode step's products, attention and logits in ms (the fused step's own timers)."""
     if not parts:
         return ""
-    products = sum(
-        seconds for part, seconds in parts.items() if "product" in part and "logits" not in part
-    )
+    products = sum(seconds for part, seconds in parts.items() if "product" in part)
     attention = parts.get("rope + KV write + attention", 0.0)
     logits = parts.get("output projection (logits)", 0.0)
     ms = [f"{1e3 * seconds:.1f}" for seconds in (products, attention, logits)]

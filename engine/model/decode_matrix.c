@@ -111,6 +111,11 @@ static void block_sums(const float *x, int64_t K, float *xsum) {
     }
 }
 
+/* The xsum4 of the tile of input rows from m0 (a multiple of TILE_M) in a product of K. */
+static inline float *xsum4_tile(const ds_input *in, int64_t K, int64_t m0) {
+    return in->xsum4 + m0 / TILE_M * (K / QK) * 4 * TILE_M;
+}
+
 /* in = the R rows of x [R, K] ready for a product: block sums, and the int8 blocks where the
  * step uses them (per block of 32, so all rows in one call). */
 static void prepare_input(ds_input *in, const float *x, int64_t R, int64_t K, float *xsum,
@@ -124,7 +129,7 @@ static void prepare_input(ds_input *in, const float *x, int64_t R, int64_t K, fl
         const int64_t nb = K / QK;
         for (int64_t m0 = 0; m0 < R; m0 += TILE_M)
             block_sums4(xsum + m0 * nb, nb, R - m0 < TILE_M ? (int)(R - m0) : TILE_M,
-                        in->xsum4 + m0 / TILE_M * nb * 4 * TILE_M);
+                        xsum4_tile(in, K, m0));
         in->xsum4_ready = 1;
     }
     if (in->int8_isa) baton_quantize_row_q8(x, R * K, xq, xd, xs);
@@ -206,9 +211,8 @@ static void matrix_rows(const ds_matrix *w, const ds_input *in, int64_t n0, int 
     const float *x = in->x + m0 * w->k, *xsum = in->xsum + m0 * (w->k / QK);
     if (in->int8_isa) i8_rows(w, in, n0, count, m0, tm, y, ys);
     else if (in->avx512 && (w->type == 3 || in->avx512 == 2))
-        rows_avx512(w, x, xsum,
-                    in->xsum4_ready ? in->xsum4 + m0 / TILE_M * (w->k / QK) * 4 * TILE_M : NULL,
-                    n0, count, tm, y, ys);
+        rows_avx512(w, x, xsum, in->xsum4_ready ? xsum4_tile(in, w->k, m0) : NULL, n0, count, tm,
+                    y, ys);
     else rows_avx2(w, x, xsum, n0, count, tm, y, ys);
     if (w->bias != NULL)
         for (int i = 0; i < tm; i++)
