@@ -80,32 +80,6 @@ AMX_TARGET static inline __m512 wa_exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(y, n);
 }
 
-/* C tiles 0 and 1 += the six part products of A parts (tiles 2, 3, 4: l, m, h) with the B
- * tiles at b0 and b1 (their parts `plane` words apart), smallest first: per B part (l, then
- * m, then h) its two tiles are loaded into tiles 5 and 6, and the products alternate between
- * the two C tiles (consecutive products into one C tile wait for each other). */
-#define WA_PAIR_PRODUCTS(b0, b1, plane)                                                            \
-    do {                                                                                           \
-        _tile_loadd(5, (b0) + 2 * (plane), 64);                                                    \
-        _tile_loadd(6, (b1) + 2 * (plane), 64);                                                    \
-        _tile_dpbf16ps(0, 4, 5);                                                                   \
-        _tile_dpbf16ps(1, 4, 6);                                                                   \
-        _tile_loadd(5, (b0) + (plane), 64);                                                        \
-        _tile_loadd(6, (b1) + (plane), 64);                                                        \
-        _tile_dpbf16ps(0, 3, 5);                                                                   \
-        _tile_dpbf16ps(1, 3, 6);                                                                   \
-        _tile_dpbf16ps(0, 4, 5);                                                                   \
-        _tile_dpbf16ps(1, 4, 6);                                                                   \
-        _tile_loadd(5, (b0), 64);                                                                  \
-        _tile_loadd(6, (b1), 64);                                                                  \
-        _tile_dpbf16ps(0, 2, 5);                                                                   \
-        _tile_dpbf16ps(1, 2, 6);                                                                   \
-        _tile_dpbf16ps(0, 3, 5);                                                                   \
-        _tile_dpbf16ps(1, 3, 6);                                                                   \
-        _tile_dpbf16ps(0, 4, 5);                                                                   \
-        _tile_dpbf16ps(1, 4, 6);                                                                   \
-    } while (0)
-
 /* Loads A tiles 2, 3, 4 (parts l, m, h) from a, its parts `plane` words apart, rows `stride`
  * bytes apart. */
 #define WA_A_PARTS(a, plane, stride)                                                               \
@@ -115,22 +89,84 @@ AMX_TARGET static inline __m512 wa_exp_nonpositive(__m512 x) {
         _tile_loadd(4, (a), stride);                                                               \
     } while (0)
 
-/* out [16 rows][32 floats] (rows out_stride bytes apart) = the sum over steps i < steps of the
- * A parts at a + 32 i (parts a_plane words apart, rows a_stride bytes apart) times the B tiles
- * at b + i b_step (the first 16 columns) and b + i b_step + b_gap (the next 16), their parts
- * b_plane words apart: C tiles 0 and 1. */
-AMX_TARGET static inline void wa_tile_pair(const uint16_t *a, int64_t a_plane, int64_t a_stride,
-                                           const uint16_t *b, int64_t b_step, int64_t b_gap,
-                                           int64_t b_plane, int64_t steps, float *out,
-                                           int64_t out_stride) {
+/* C tile c += the products of the A parts (tiles 2, 3, 4: l, m, h) with part `part` (0: h, 1:
+ * m, 2: l) of the B tile at b (parts `plane` words apart), loaded into tile `slot`. Over the
+ * parts l, m, h in turn a C tile sums the six part products smallest first:
+ *   h_x l_y, then m_x m_y, h_x m_y, then l_x h_y, m_x h_y, h_x h_y. */
+#define WA_B_PART(c, slot, b, plane, part)                                                         \
+    do {                                                                                           \
+        _tile_loadd(slot, (b) + (part) * (plane), 64);                                             \
+        if ((part) == 2) {                                                                         \
+            _tile_dpbf16ps(c, 4, slot);                                                            \
+        } else if ((part) == 1) {                                                                  \
+            _tile_dpbf16ps(c, 3, slot);                                                            \
+            _tile_dpbf16ps(c, 4, slot);                                                            \
+        } else {                                                                                   \
+            _tile_dpbf16ps(c, 2, slot);                                                            \
+            _tile_dpbf16ps(c, 3, slot);                                                            \
+            _tile_dpbf16ps(c, 4, slot);                                                            \
+        }                                                                                          \
+    } while (0)
+
+/* out [16 rows][16 cols floats] (rows out_stride bytes apart) = the sum over steps i < steps of
+ * the A parts at a + 32 i (parts a_plane words apart, rows a_stride bytes apart) times the B
+ * tiles at b + i b_step + j b_gap for column tiles j < cols (1 to 3), their parts b_plane words
+ * apart: C tiles 0, 1 and 6. The A parts are loaded once for all the columns; the B tiles
+ * alternate between tiles 5 and 7, so that a load does not wait for the products reading the
+ * tile before it (docs/design/cpu-kernels.md: a prompt's windows on AMX). */
+AMX_TARGET static inline __attribute__((always_inline)) void wa_tile_columns(
+    const uint16_t *a, int64_t a_plane, int64_t a_stride, const uint16_t *b, int64_t b_step,
+    int64_t b_gap, int64_t b_plane, int64_t steps, const int cols, float *out,
+    int64_t out_stride) {
     _tile_zero(0);
-    _tile_zero(1);
+    if (cols > 1) _tile_zero(1);
+    if (cols > 2) _tile_zero(6);
     for (int64_t i = 0; i < steps; i++) {
+        const uint16_t *b0 = b + i * b_step, *b1 = b0 + b_gap, *b2 = b1 + b_gap;
         WA_A_PARTS(a + 32 * i, a_plane, a_stride);
-        WA_PAIR_PRODUCTS(b + i * b_step, b + i * b_step + b_gap, b_plane);
+        if (cols == 3) {
+            for (int part = 2; part >= 0; part--) { /* slots 5 7 5, 7 5 7, 5 7 5 */
+                if (part == 1) {
+                    WA_B_PART(0, 7, b0, b_plane, 1);
+                    WA_B_PART(1, 5, b1, b_plane, 1);
+                    WA_B_PART(6, 7, b2, b_plane, 1);
+                } else {
+                    WA_B_PART(0, 5, b0, b_plane, part);
+                    WA_B_PART(1, 7, b1, b_plane, part);
+                    WA_B_PART(6, 5, b2, b_plane, part);
+                }
+            }
+        } else if (cols == 2) {
+            for (int part = 2; part >= 0; part--) {
+                WA_B_PART(0, 5, b0, b_plane, part);
+                WA_B_PART(1, 7, b1, b_plane, part);
+            }
+        } else {
+            WA_B_PART(0, 5, b0, b_plane, 2);
+            WA_B_PART(0, 7, b0, b_plane, 1);
+            WA_B_PART(0, 5, b0, b_plane, 0);
+        }
     }
     _tile_stored(0, out, out_stride);
-    _tile_stored(1, out + 16, out_stride);
+    if (cols > 1) _tile_stored(1, out + 16, out_stride);
+    if (cols > 2) _tile_stored(6, out + 32, out_stride);
+}
+
+/* wa_tile_columns over column tiles [0, tiles), three at a time. */
+AMX_TARGET static inline void wa_tile_row(const uint16_t *a, int64_t a_plane, int64_t a_stride,
+                                          const uint16_t *b, int64_t b_step, int64_t b_gap,
+                                          int64_t b_plane, int64_t steps, int64_t tiles,
+                                          float *out, int64_t out_stride) {
+    int64_t t = 0;
+    for (; t + 3 <= tiles; t += 3)
+        wa_tile_columns(a, a_plane, a_stride, b + t * b_gap, b_step, b_gap, b_plane, steps, 3,
+                        out + 16 * t, out_stride);
+    if (tiles - t == 2)
+        wa_tile_columns(a, a_plane, a_stride, b + t * b_gap, b_step, b_gap, b_plane, steps, 2,
+                        out + 16 * t, out_stride);
+    else if (tiles - t == 1)
+        wa_tile_columns(a, a_plane, a_stride, b + t * b_gap, b_step, b_gap, b_plane, steps, 1,
+                        out + 16 * t, out_stride);
 }
 
 /* The packed keys and values of keys [t0, t1) (t1 - t0 <= WA_MAX_KEYS) of table's KV head h:
@@ -213,55 +249,62 @@ AMX_TARGET static void wa_attend_packed(const uint16_t *pack, int64_t pack_keys,
             for (int p = 0; p < 3; p++) _mm512_storeu_si512(qb + p * q_plane + g * D + e, part[p]);
         }
 
-    /* s = q K^T, two key tiles at a time (C tiles 0 and 1) */
+    /* s = q K^T, three key tiles at a time (wa_tile_row) */
     amx_configure();
     AMX_MEMORY_BARRIER(); /* the parts are written */
-    for (int64_t r = 0; r < NG / 16; r++)
-        for (int64_t kt = 0; kt < KT; kt += 2) /* over the elements, 32 at a time */
-            wa_tile_pair(qb + r * 16 * D, q_plane, 2 * D, kb + kt * KS * 512, 512, KS * 512,
-                         k_plane, KS, s + r * 16 * NK + kt * 16, 4 * NK);
+    for (int64_t r = 0; r < NG / 16; r++) /* over the elements, 32 at a time */
+        wa_tile_row(qb + r * 16 * D, q_plane, 2 * D, kb, 512, KS * 512, k_plane, KS, KT,
+                    s + r * 16 * NK, 4 * NK);
     AMX_MEMORY_BARRIER(); /* the scores are stored */
 
-    /* per query vector: its max, weights and their sum; the weights' parts (only the 32-key
-     * steps holding its keys are computed; the rest of its row of weights is zero) */
+    /* per query vector: its max, weights and their sum; the weights' parts. A vector's (up to
+     * 8) vectors of scores are taken at once, 0 past its keys, so that their exponentials
+     * overlap rather than wait on each other 32 keys at a time; weights past its keys are 0,
+     * and adding them changes no sum. */
     const __m512 scale = _mm512_set1_ps(scale_factor);
-    const __m512i zero = _mm512_setzero_si512();
     for (int64_t g = 0; g < NG; g++) {
         int64_t count = g < ng ? counts[g] : 0;
         count = count < 0 ? 0 : count > n ? n : count;
+        if (count == 0) { /* no keys (a row past ng, a prompt row before the window) */
+            for (int64_t j = 0; j < NK; j += 32)
+                for (int p = 0; p < 3; p++)
+                    _mm512_storeu_si512(pb + p * p_plane + g * NK + j, _mm512_setzero_si512());
+            if (g < ng) run[g] = (PdRunning){-INFINITY, 0.0f};
+            continue;
+        }
         const float *sg = s + g * NK;
-        const int64_t steps = (count + 31) / 32; /* 32-key steps holding its keys */
+        __m512 w[WA_MAX_KEYS / 16];
+        __mmask16 keep[WA_MAX_KEYS / 16];
         /* the max of the unscaled scores, then scaled (scale > 0: the same as the max of the
          * scaled ones) */
         __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < 32 * steps; j += 16)
-            mx = _mm512_mask_max_ps(mx, wa_first(count - j), mx, _mm512_loadu_ps(sg + j));
-        const float m = count > 0 ? _mm512_reduce_max_ps(mx) * scale_factor : -INFINITY;
+        for (int c = 0; c < WA_MAX_KEYS / 16; c++) {
+            keep[c] = wa_first(count - 16 * c);
+            w[c] = _mm512_maskz_loadu_ps(keep[c], sg + 16 * c);
+            mx = _mm512_mask_max_ps(mx, keep[c], mx, w[c]);
+        }
+        const float m = _mm512_reduce_max_ps(mx) * scale_factor;
         const __m512 mv = _mm512_set1_ps(m);
         __m512 total = _mm512_setzero_ps();
-        for (int64_t j = 0; j < 32 * steps; j += 32) {
-            __m512 w[2];
-            for (int c = 0; c < 2; c++) {
-                const int64_t j0 = j + 16 * c;
-                const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(sg + j0), scale), mv);
-                w[c] = _mm512_maskz_mov_ps(wa_first(count - j0), wa_exp_nonpositive(x));
-                total = _mm512_add_ps(total, w[c]);
-            }
-            __m512i part[3];
-            wa_split32(w[0], w[1], part);
-            for (int p = 0; p < 3; p++) _mm512_storeu_si512(pb + p * p_plane + g * NK + j, part[p]);
+        for (int c = 0; c < WA_MAX_KEYS / 16; c++) {
+            const __m512 x = _mm512_sub_ps(_mm512_mul_ps(w[c], scale), mv);
+            w[c] = _mm512_maskz_mov_ps(keep[c], wa_exp_nonpositive(x));
+            total = _mm512_add_ps(total, w[c]);
         }
-        for (int64_t j = 32 * steps; j < NK; j += 32)
-            for (int p = 0; p < 3; p++) _mm512_storeu_si512(pb + p * p_plane + g * NK + j, zero);
-        if (g < ng) run[g] = (PdRunning){m, count > 0 ? _mm512_reduce_add_ps(total) : 0.0f};
+        for (int64_t j = 0; j < NK / 32; j++) {
+            __m512i part[3];
+            wa_split32(w[2 * j], w[2 * j + 1], part);
+            for (int p = 0; p < 3; p++)
+                _mm512_storeu_si512(pb + p * p_plane + g * NK + 32 * j, part[p]);
+        }
+        if (g < ng) run[g] = (PdRunning){m, _mm512_reduce_add_ps(total)};
     }
 
-    /* acc = p V, two tiles of 16 elements at a time (C tiles 0 and 1) */
+    /* acc = p V, three tiles of 16 elements at a time (wa_tile_row) */
     AMX_MEMORY_BARRIER(); /* the weights are written */
-    for (int64_t r = 0; r < NG / 16; r++)
-        for (int64_t dt = 0; dt < DT; dt += 2) /* over the keys, 32 at a time */
-            wa_tile_pair(pb + r * 16 * NK, p_plane, 2 * NK, vb + dt * 512, DT * 512, 512, k_plane,
-                         VT, acc + r * 16 * D + dt * 16, 4 * D);
+    for (int64_t r = 0; r < NG / 16; r++) /* over the keys, 32 at a time */
+        wa_tile_row(pb + r * 16 * NK, p_plane, 2 * NK, vb, DT * 512, 512, k_plane, VT, DT,
+                    acc + r * 16 * D, 4 * D);
     AMX_MEMORY_BARRIER(); /* acc is stored */
 }
 
