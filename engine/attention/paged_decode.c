@@ -91,6 +91,10 @@ typedef struct {
     const int64_t *block_tables, *seq_lens;
     int64_t max_blocks, num_heads, num_kv_heads, group, head_dim, block_size;
     float scale;
+    /* The keys [next_t0, next_t1) of next_table's KV head next_h that this thread attends
+     * next (next_table NULL: unknown): a pass prefetches their first span after its own keys. */
+    const int64_t *next_table;
+    int64_t next_h, next_t0, next_t1;
 } PdArgs;
 
 /* One query head's running softmax state over the keys seen so far. */
@@ -214,12 +218,19 @@ static inline void pd_next_span(PdRows *r, int64_t n, const float **k, const flo
 typedef struct {
     PdRows rows;
     int64_t left; /* rows still to prefetch */
+    int then;     /* 1: the first span of the args' next keys follows */
 } PdAhead;
 
 /* Prefetches into L1 the keys and values (d floats each) of the next n rows of ahead. */
 static inline void pd_prefetch_next(PdAhead *ahead, int64_t n, const int64_t d) {
     PdRows *r = &ahead->rows;
     const PdArgs *a = r->a;
+    if (ahead->left <= 0 && ahead->then) { /* on to the first span of the next keys */
+        const int64_t t1 = a->next_t0 + PD_SPAN < a->next_t1 ? a->next_t0 + PD_SPAN : a->next_t1;
+        *r = pd_rows_from(a, a->next_table, a->next_h, a->next_t0, t1);
+        ahead->left = t1 - a->next_t0;
+        ahead->then = 0;
+    }
     if (n > ahead->left) n = ahead->left;
     if (n <= 0) return;
     ahead->left -= n;
@@ -245,7 +256,8 @@ static inline void pd_prefetch_next(PdAhead *ahead, int64_t n, const int64_t d) 
 static inline PdAhead pd_ahead_from(const PdArgs *a, const int64_t *table, int64_t h, int64_t t0,
                                     int64_t t1) {
     const int64_t start = t0 + PD_SPAN < t1 ? t0 + PD_SPAN : t1;
-    PdAhead ahead = {pd_rows_from(a, table, h, start, t1), t1 - start};
+    PdAhead ahead = {pd_rows_from(a, table, h, start, t1), t1 - start,
+                     a->next_table != NULL && a->next_t1 > a->next_t0};
     return ahead;
 }
 

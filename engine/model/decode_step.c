@@ -125,6 +125,14 @@ static void rope_rows(const float *src, int64_t heads, int64_t D, const float *r
  * vectors; a row's keys end in a window as they would alone) and the cut points do not depend
  * on the other rows: a row's output is the same whatever rows share its step. */
 #define ATTEND_WINDOW 128
+/* Window tasks go to threads WINDOW_GRAB at a time (dynamic: a thread held up by other load
+ * leaves the rest to the others), so that a thread knows the next window it attends and
+ * prefetches its first keys at the end of the one before. */
+#ifndef WINDOW_GRAB
+#define WINDOW_GRAB 2
+#endif
+#define WINDOWS_SCHEDULE_OF(n) schedule(dynamic, n)
+#define WINDOWS_SCHEDULE WINDOWS_SCHEDULE_OF(WINDOW_GRAB)
 _Static_assert(ATTEND_WINDOW == WA_MAX_KEYS && MAX_NG == WA_MAX_NG, "window_amx.c's bounds");
 
 /* One window: keys [w ATTEND_WINDOW, k1) of KV head h for members[row0 .. row0 + nrows),
@@ -488,9 +496,20 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
                                .head_dim = D,
                                .block_size = m->block_size,
                                .scale = m->scale};
-            OMP_FOR(HEADS_SCHEDULE)
+            OMP_FOR(WINDOWS_SCHEDULE)
             for (int64_t t = 0; t < plan.num_tasks; t++) {
                 const ds_window_task *task = &plan.tasks[t];
+                /* the keys this thread attends next, where it knows them: the next task's in
+                 * its grab of WINDOW_GRAB tasks (a window on the vector kernel) */
+                PdArgs pw = pa;
+                if ((t + 1) % WINDOW_GRAB != 0 && t + 1 < plan.num_tasks &&
+                    !(by_amx_windows && plan.tasks[t + 1].chunk)) {
+                    const ds_window *next = &plan.windows[plan.tasks[t + 1].first];
+                    pw.next_table = tables + plan.members[next->row0] * width;
+                    pw.next_h = next->h;
+                    pw.next_t0 = next->w * ATTEND_WINDOW;
+                    pw.next_t1 = next->k1;
+                }
                 /* a prompt's window on AMX: its keys packed once for all its chunks, to the
                  * furthest (the last chunk's) end */
                 const int packed = by_amx_windows && task->chunk;
@@ -526,10 +545,10 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
                             window_run[v] = (PdRunning){-INFINITY, 0.0f};
                         memset(window_acc, 0, sizeof(float) * (size_t)(ng * D));
                         if (m->avx512 && D % 16 == 0)
-                            pd_attend_avx512(&pa, qg, ng, limits, table, win->h, k0, k1,
+                            pd_attend_avx512(&pw, qg, ng, limits, table, win->h, k0, k1,
                                              window_run, window_acc);
                         else
-                            pd_attend_avx2(&pa, qg, ng, limits, table, win->h, k0, k1,
+                            pd_attend_avx2(&pw, qg, ng, limits, table, win->h, k0, k1,
                                            window_run, window_acc);
                     }
                     for (int64_t j = 0; j < win->nrows; j++)
