@@ -30,6 +30,8 @@
  * Prefetch: a pass prefetches the keys and values of the span after the one it attends, 8
  * rows for every 8 keys it scores (pd_prefetch_next): a block of one KV head is 4 KB, and the
  * hardware's prefetchers stop at each. (A 32-sequence SmolLM2 step streams ~240 MB of K and V.)
+ * Where the caller knows the keys the thread attends next (PdArgs.next_table: the fused step's
+ * next window), the last span's prefetches go to their first span.
  *
  * Two instruction sets in one library: AVX2 + FMA (the build flags), and AVX-512 F/VL/DQ
  * behind a target attribute, taken only when cpuid reports it (baton_paged_decode) or asked
