@@ -496,13 +496,15 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
                                .head_dim = D,
                                .block_size = m->block_size,
                                .scale = m->scale};
+            const int alone = omp_get_num_threads() == 1;
             OMP_FOR(WINDOWS_SCHEDULE)
             for (int64_t t = 0; t < plan.num_tasks; t++) {
                 const ds_window_task *task = &plan.tasks[t];
                 /* the keys this thread attends next, where it knows them: the next task's in
-                 * its grab of WINDOW_GRAB tasks (a window on the vector kernel) */
+                 * its grab of WINDOW_GRAB tasks, or every next task when it runs alone (a
+                 * window on the vector kernel) */
                 PdArgs pw = pa;
-                if ((t + 1) % WINDOW_GRAB != 0 && t + 1 < plan.num_tasks &&
+                if ((alone || (t + 1) % WINDOW_GRAB != 0) && t + 1 < plan.num_tasks &&
                     !(by_amx_windows && plan.tasks[t + 1].chunk)) {
                     const ds_window *next = &plan.windows[plan.tasks[t + 1].first];
                     pw.next_table = tables + plan.members[next->row0] * width;
