@@ -125,17 +125,15 @@ AMX_TARGET static inline __attribute__((always_inline)) void wa_tile_columns(
         const uint16_t *b0 = b + i * b_step, *b1 = b0 + b_gap, *b2 = b1 + b_gap;
         WA_A_PARTS(a + 32 * i, a_plane, a_stride);
         if (cols == 3) {
-            for (int part = 2; part >= 0; part--) { /* slots 5 7 5, 7 5 7, 5 7 5 */
-                if (part == 1) {
-                    WA_B_PART(0, 7, b0, b_plane, 1);
-                    WA_B_PART(1, 5, b1, b_plane, 1);
-                    WA_B_PART(6, 7, b2, b_plane, 1);
-                } else {
-                    WA_B_PART(0, 5, b0, b_plane, part);
-                    WA_B_PART(1, 7, b1, b_plane, part);
-                    WA_B_PART(6, 5, b2, b_plane, part);
-                }
-            }
+            WA_B_PART(0, 5, b0, b_plane, 2);
+            WA_B_PART(1, 7, b1, b_plane, 2);
+            WA_B_PART(6, 5, b2, b_plane, 2);
+            WA_B_PART(0, 7, b0, b_plane, 1);
+            WA_B_PART(1, 5, b1, b_plane, 1);
+            WA_B_PART(6, 7, b2, b_plane, 1);
+            WA_B_PART(0, 5, b0, b_plane, 0);
+            WA_B_PART(1, 7, b1, b_plane, 0);
+            WA_B_PART(6, 5, b2, b_plane, 0);
         } else if (cols == 2) {
             for (int part = 2; part >= 0; part--) {
                 WA_B_PART(0, 5, b0, b_plane, part);

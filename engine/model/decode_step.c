@@ -131,8 +131,7 @@ static void rope_rows(const float *src, int64_t heads, int64_t D, const float *r
 #ifndef WINDOW_GRAB
 #define WINDOW_GRAB 2
 #endif
-#define WINDOWS_SCHEDULE_OF(n) schedule(dynamic, n)
-#define WINDOWS_SCHEDULE WINDOWS_SCHEDULE_OF(WINDOW_GRAB)
+#define WINDOWS_SCHEDULE schedule(dynamic, WINDOW_GRAB)
 _Static_assert(ATTEND_WINDOW == WA_MAX_KEYS && MAX_NG == WA_MAX_NG, "window_amx.c's bounds");
 
 /* One window: keys [w ATTEND_WINDOW, k1) of KV head h for members[row0 .. row0 + nrows),
