@@ -27,11 +27,13 @@
  * states; after the parallel loop each (sequence, head) merges its segments' states in key
  * order (the log-sum-exp merge of split softmaxes).
  *
- * Prefetch: a pass prefetches the keys and values of the span after the one it attends, 8
- * rows for every 8 keys it scores (pd_prefetch_next): a block of one KV head is 4 KB, and the
- * hardware's prefetchers stop at each. (A 32-sequence SmolLM2 step streams ~240 MB of K and V.)
- * Where the caller knows the keys the thread attends next (PdArgs.next_table: the fused step's
- * next window), the last span's prefetches go to their first span.
+ * Prefetch: a pass keeps the keys and values two spans ahead of the one it attends on their
+ * way into L2, 8 rows for every 8 keys it scores (pd_prefetch_next): a block of one KV head is
+ * 4 KB, and the hardware's prefetchers stop at each. (A 32-sequence SmolLM2 step streams ~240
+ * MB of K and V.) Into L2 rather than L1, and two spans ahead rather than one: measured faster
+ * (docs/design/cpu-kernels.md, decode attention). Where the caller knows the keys the thread
+ * attends next (PdArgs.next_table: the fused step's next window), the last spans' prefetches
+ * go to their first span.
  *
  * Two instruction sets in one library: AVX2 + FMA (the build flags), and AVX-512 F/VL/DQ
  * behind a target attribute, taken only when cpuid reports it (baton_paged_decode) or asked
@@ -213,17 +215,17 @@ static inline void pd_next_span(PdRows *r, int64_t n, const float **k, const flo
 }
 
 /* Software prefetch of the rows a pass reads next: the pass walks a second PdRows (`ahead`)
- * PD_SPAN rows in front of its own and prefetches 8 rows for every 8 keys it scores, so that
- * a span's keys and values are on their way to L1 while the span before it is attended. A
- * block of one KV head is 4 KB in the cache (SmolLM2: 16 keys x 64 floats), and the hardware's
- * prefetchers stop at 4 KB pages. */
+ * in front of its own, prefetches its second span at once and then 8 rows for every 8 keys it
+ * scores, so that a span's keys and values are on their way to L2 while the two spans before
+ * it are attended. A block of one KV head is 4 KB in the cache (SmolLM2: 16 keys x 64
+ * floats), and the hardware's prefetchers stop at 4 KB pages. */
 typedef struct {
     PdRows rows;
     int64_t left; /* rows still to prefetch */
     int then;     /* 1: the first span of the args' next keys follows */
 } PdAhead;
 
-/* Prefetches into L1 the keys and values (d floats each) of the next n rows of ahead. */
+/* Prefetches into L2 the keys and values (d floats each) of the next n rows of ahead. */
 static inline void pd_prefetch_next(PdAhead *ahead, int64_t n, const int64_t d) {
     PdRows *r = &ahead->rows;
     const PdArgs *a = r->a;
@@ -240,8 +242,8 @@ static inline void pd_prefetch_next(PdAhead *ahead, int64_t n, const int64_t d) 
     for (int64_t j = 0; j < n; j++) {
         const float *k = base + r->off * a->stride_token;
         for (int64_t e = 0; e < d; e += 16) {
-            _mm_prefetch((const char *)(k + e), _MM_HINT_T0);
-            _mm_prefetch((const char *)(k + a->stride_kv + e), _MM_HINT_T0);
+            _mm_prefetch((const char *)(k + e), _MM_HINT_T1);
+            _mm_prefetch((const char *)(k + a->stride_kv + e), _MM_HINT_T1);
         }
         if (++r->off == a->block_size) {
             r->off = 0;
@@ -521,6 +523,7 @@ PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_attend_lan
             }
     const __m512 scale = _mm512_set1_ps(a->scale);
     PdAhead ahead = pd_ahead_from(a, table, h, t0, t1);
+    pd_prefetch_next(&ahead, PD_SPAN, d); /* the second span at once */
     PdRows rows = pd_rows_from(a, table, h, t0, t1);
     for (int64_t t = t0; t < t1; t += PD_SPAN) {
         const int64_t n = t1 - t < PD_SPAN ? t1 - t : PD_SPAN;
