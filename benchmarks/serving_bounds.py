@@ -23,6 +23,12 @@ prefills at that rate, and each further row of a step, beside a prefill or in an
 one row's products and attention at that rate. A ratio target above that bound cannot hold
 on this machine without a slower one-stream figure; the served ratio adds the token path and
 the HTTP door on top.
+
+The same two figures for the disaggregated shape, a prefill worker and a decode worker each
+with --threads threads (`baton profile serving --shapes disaggregated --threads 1` serves
+it): there a stream's round is its prefill on the prefill worker, then its decode steps, one
+row at one stream and S rows at S; the S streams' prefills overlap the others' decode steps
+and set the round only where the prefill worker is the busier (disaggregated_ratio).
 """
 
 from __future__ import annotations
@@ -128,6 +134,18 @@ class Steps:
         return statistics.median(times), parts
 
 
+def disaggregated_ratio(
+    streams: int, n: int, single_prefill: float, one: float, prefill: float, many: float
+) -> float:
+    """S streams' tokens/s over one stream's where a prefill worker prefills and a decode
+    worker decodes. A stream's round is its prefill, then n decode steps: one stream's steps of
+    one row (after prefills of single_prefill seconds), S streams' of S rows (steps of `many`
+    seconds, prefills of `prefill`). The S streams wait for no other stream's prefill unless
+    the prefill worker's S prefills take longer than that round; then they set it."""
+    single = single_prefill + n * one
+    return streams * single / max(prefill + n * many, streams * prefill)
+
+
 def step_parts(parts: dict[str, float]) -> str:
     """A decode step's products, attention and logits in ms (the fused step's own timers)."""
     if not parts:
@@ -202,6 +220,14 @@ def main() -> None:
         print(
             f"    at most {bound:.2f}x with all their extra work at {rate / 1e9:.0f} GFLOP/s"
             " (the faster float32 products: PyTorch's or these prefills')"
+        )
+        split = disaggregated_ratio(S, n, prefill, one, prefill, many)
+        split_bound = disaggregated_ratio(
+            S, n, prefill, one, flops_prefill / rate, one + (S - 1) * rider_bound
+        )
+        print(
+            f"  disaggregated (a prefill and a decode worker of {args.threads} threads each):"
+            f" {split:.2f}x from these steps, at most {split_bound:.2f}x"
         )
 
 

@@ -72,3 +72,17 @@ def test_runs_on_a_tiny_engine(tiny_llama, monkeypatch, capsys):
     for workload in ("shared-prefix: 2000 cached + 64 new", "short-prompt: 0 cached + 256 new"):
         assert workload in out
     assert out.count("tokens/s, 4 streams vs 1") == 2
+    assert out.count("disaggregated (a prefill and a decode worker of 1 threads each)") == 2
+
+
+def test_disaggregated_rounds_are_the_decode_steps_or_the_prefill_workers_load():
+    # decode-bound: one stream 0.2 + 63 x 0.02 = 1.46 s a round; four 0.2 + 63 x 0.035 = 2.405
+    ratio = serving_bounds.disaggregated_ratio(4, 63, 0.2, 0.02, 0.2, 0.035)
+    assert ratio == pytest.approx(4 * 1.46 / 2.405)
+    # prefill-bound: four prefills of 1 s (4 s) outlast 1 + 63 x 0.012 = 1.756 s of decoding
+    ratio = serving_bounds.disaggregated_ratio(4, 63, 1.0, 0.01, 1.0, 0.012)
+    assert ratio == pytest.approx(4 * (1.0 + 0.63) / 4.0)
+    # faster prefills on the S streams' side only raise it while the decode steps allow
+    slow = serving_bounds.disaggregated_ratio(4, 63, 0.3, 0.02, 0.3, 0.03)
+    fast = serving_bounds.disaggregated_ratio(4, 63, 0.3, 0.02, 0.1, 0.03)
+    assert fast == pytest.approx(4 * (0.3 + 1.26) / (0.1 + 1.89)) and fast > slow
