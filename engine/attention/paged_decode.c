@@ -256,12 +256,14 @@ static inline void pd_prefetch_next(PdAhead *ahead, int64_t n, const int64_t d) 
     }
 }
 
-/* The rows from the second span of a pass over keys [t0, t1) on (the first is read at once). */
+/* The rows from the second span of a pass over keys [t0, t1) on (the first is read at once),
+ * the second span's keys and values (d floats each) already prefetched. */
 static inline PdAhead pd_ahead_from(const PdArgs *a, const int64_t *table, int64_t h, int64_t t0,
-                                    int64_t t1) {
+                                    int64_t t1, const int64_t d) {
     const int64_t start = t0 + PD_SPAN < t1 ? t0 + PD_SPAN : t1;
     PdAhead ahead = {pd_rows_from(a, table, h, start, t1), t1 - start,
                      a->next_table != NULL && a->next_t1 > a->next_t0};
+    pd_prefetch_next(&ahead, PD_SPAN, d); /* the second span at once */
     return ahead;
 }
 
@@ -522,8 +524,7 @@ PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_attend_lan
                 qt[(c * d + e) * 16 + lane] = g < group ? qg[g * d + e] : 0.0f;
             }
     const __m512 scale = _mm512_set1_ps(a->scale);
-    PdAhead ahead = pd_ahead_from(a, table, h, t0, t1);
-    pd_prefetch_next(&ahead, PD_SPAN, d); /* the second span at once */
+    PdAhead ahead = pd_ahead_from(a, table, h, t0, t1, d);
     PdRows rows = pd_rows_from(a, table, h, t0, t1);
     for (int64_t t = t0; t < t1; t += PD_SPAN) {
         const int64_t n = t1 - t < PD_SPAN ? t1 - t : PD_SPAN;

@@ -18,8 +18,7 @@ static inline __attribute__((always_inline)) PD_ISA void PD_SPAN_LOOP(
     const PdArgs *a, const float *qg, int64_t group, const int64_t *limits, const int64_t *table,
     int64_t h, int64_t t0, int64_t t1, PdRunning *run, float *acc, const int64_t d) {
     const __m256 scale = _mm256_set1_ps(a->scale);
-    PdAhead ahead = pd_ahead_from(a, table, h, t0, t1);
-    pd_prefetch_next(&ahead, PD_SPAN, d); /* the second span at once */
+    PdAhead ahead = pd_ahead_from(a, table, h, t0, t1, d);
     PdRows rows = pd_rows_from(a, table, h, t0, t1);
     for (int64_t t = t0; t < t1; t += PD_SPAN) {
         const int64_t n = t1 - t < PD_SPAN ? t1 - t : PD_SPAN;
