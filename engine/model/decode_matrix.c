@@ -27,9 +27,6 @@ typedef struct {
  * d * sum(q) [R, K / 32]). */
 typedef struct {
     const float *x, *xsum;
-    float *xsum4;    /* scratch for the exact rows' block sums by tiles of TILE_M rows (block_sums4):
-                      * XSUM4_FLOATS_PER_K floats per element of the largest K, or NULL */
-    int xsum4_ready; /* xsum4 holds the current input's (prepare_input) */
     const int8_t *xq;
     const float *xd, *xs;
     int avx512, int8_isa;
@@ -60,9 +57,6 @@ typedef struct {
  * the step but the head: the logits of up to EXACT_MAX_ROWS rows take the one-row arithmetic
  * in any step (decode_step.c). */
 #define EXACT_MAX_ROWS 8
-/* ds_input.xsum4's floats per element of K: tiles of TILE_M rows up to EXACT_MAX_ROWS, each
- * block's TILE_M x 4 lanes */
-#define XSUM4_FLOATS_PER_K ((EXACT_MAX_ROWS + TILE_M - 1) / TILE_M * 4 * TILE_M / QK)
 #ifndef LANES_MIN_ROWS /* -DLANES_MIN_ROWS=... at build time overrides it (A/B runs) */
 #define LANES_MIN_ROWS 16
 #endif
@@ -111,11 +105,6 @@ static void block_sums(const float *x, int64_t K, float *xsum) {
     }
 }
 
-/* The xsum4 of the tile of input rows from m0 (a multiple of TILE_M) in a product of K. */
-static inline float *xsum4_tile(const ds_input *in, int64_t K, int64_t m0) {
-    return in->xsum4 + m0 / TILE_M * (K / QK) * 4 * TILE_M;
-}
-
 /* in = the R rows of x [R, K] ready for a product: block sums, and the int8 blocks where the
  * step uses them (per block of 32, so all rows in one call). */
 static void prepare_input(ds_input *in, const float *x, int64_t R, int64_t K, float *xsum,
@@ -123,15 +112,6 @@ static void prepare_input(ds_input *in, const float *x, int64_t R, int64_t K, fl
     if (in->by_amx) amx_split_for(x, R, K, in->xb, in->xb_sum); /* ends in a barrier */
     else if (in->by_lanes && !lanes_few_rows(R)) lanes_pack_for(x, R, K, in->xt); /* barrier */
     else if (!in->by_panels) block_sums(x, R * K, xsum); /* panels need none */
-    in->xsum4_ready = 0;
-    if (in->xsum4 != NULL && in->avx512 && !in->int8_isa && !in->by_amx && !in->by_panels &&
-        !in->by_lanes && R > 1 && R <= EXACT_MAX_ROWS) {
-        const int64_t nb = K / QK;
-        for (int64_t m0 = 0; m0 < R; m0 += TILE_M)
-            block_sums4(xsum + m0 * nb, nb, R - m0 < TILE_M ? (int)(R - m0) : TILE_M,
-                        xsum4_tile(in, K, m0));
-        in->xsum4_ready = 1;
-    }
     if (in->int8_isa) baton_quantize_row_q8(x, R * K, xq, xd, xs);
     in->x = x;
     in->xsum = xsum;
@@ -154,17 +134,16 @@ static void rows_avx2(const ds_matrix *w, const float *x, const float *xsum, int
 
 /* float32, AVX-512: gguf_gemm.c's tile_avx512 (gemv_avx512's arithmetic) for Q4_1 or Q8_0,
  * with the block type and tm (1 .. TILE_M) made constants. */
-AVX512_TARGET static void rows_avx512(const ds_matrix *w, const float *x, const float *xsum,
-                                      const float *xsum4, int64_t n0, int count, int tm, float *y,
-                                      int64_t ys) {
+AVX512_TARGET static void rows_avx512(const ds_matrix *w, const float *x, int64_t n0, int count,
+                                      int tm, float *y, int64_t ys) {
     const int64_t row_bytes = w->k / QK * block_bytes_of(w->type);
     const uint8_t *rows = w->blocks + n0 * row_bytes;
 #define TILE_TM(TYPE)                                                                              \
     switch (tm) {                                                                                  \
-    case 1: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, xsum, NULL, 1, y, ys); break;      \
-    case 2: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, xsum, xsum4, 2, y, ys); break;     \
-    case 3: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, xsum, xsum4, 3, y, ys); break;     \
-    default: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, xsum, xsum4, 4, y, ys); break;    \
+    case 1: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, 1, y, ys); break;                   \
+    case 2: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, 2, y, ys); break;                   \
+    case 3: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, 3, y, ys); break;                   \
+    default: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, 4, y, ys); break;                  \
     }
     if (w->type == 3) {
         TILE_TM(3)
@@ -211,8 +190,7 @@ static void matrix_rows(const ds_matrix *w, const ds_input *in, int64_t n0, int 
     const float *x = in->x + m0 * w->k, *xsum = in->xsum + m0 * (w->k / QK);
     if (in->int8_isa) i8_rows(w, in, n0, count, m0, tm, y, ys);
     else if (in->avx512 && (w->type == 3 || in->avx512 == 2))
-        rows_avx512(w, x, xsum, in->xsum4_ready ? xsum4_tile(in, w->k, m0) : NULL, n0, count, tm,
-                    y, ys);
+        rows_avx512(w, x, n0, count, tm, y, ys);
     else rows_avx2(w, x, xsum, n0, count, tm, y, ys);
     if (w->bias != NULL)
         for (int i = 0; i < tm; i++)

@@ -397,8 +397,7 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
     const int64_t amx_window_size =
         by_amx_windows ? lines(wa_scratch_floats(D) + wa_pack_words(D) / 2) : 0;
     const int64_t own_size =
-        2 * lines(R * E) + lines(D) + 3 * lines(R * (max_k / QK)) +
-        lines(XSUM4_FLOATS_PER_K * max_k) + window_size +
+        2 * lines(R * E) + lines(D) + 3 * lines(R * (max_k / QK)) + window_size +
         lines(R * max_k / 4) +
         lines(by_amx     ? (lanes_own > amx_own ? lanes_own : amx_own)
               : by_lanes ? lanes_own
@@ -433,16 +432,14 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
         const int64_t nb = R * (max_k / QK);
         float *x = own_all + omp_get_thread_num() * own_size, *xn = x + lines(R * E),
               *k = xn + lines(R * E), *xsum = k + lines(D), *xd = xsum + lines(nb),
-              *xs = xd + lines(nb), *xsum4 = xs + lines(nb),
-              *window_q = xsum4 + lines(XSUM4_FLOATS_PER_K * max_k);
+              *xs = xd + lines(nb), *window_q = xs + lines(nb);
         float *window_acc = window_q + MAX_NG * D;
         PdRunning *window_run = (PdRunning *)(window_acc + MAX_NG * D);
         float *amx_window = x + own_size - amx_window_size; /* window_amx.c's scratch */
         uint16_t *amx_pack = (uint16_t *)(amx_window + (by_amx_windows ? wa_scratch_floats(D) : 0));
         int64_t window_limits[MAX_NG], window_counts[MAX_NG];
         int8_t *xq = (int8_t *)(window_q + window_size); /* R * max_k bytes */
-        ds_input in = {.xsum4 = xsum4,
-                       .avx512 = m->avx512,
+        ds_input in = {.avx512 = m->avx512,
                        .int8_isa = m->int8_isa,
                        .by_panels = !m->int8_isa && R > EXACT_MAX_ROWS && !by_lanes && !by_amx,
                        .by_lanes = by_lanes,

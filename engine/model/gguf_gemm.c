@@ -284,10 +284,10 @@ int baton_cpu_has_avx512(void) {
  * Compiled for AVX-512 F/BW/VL through a target attribute, in the same library as the AVX2
  * kernels; the caller (gguf_kernel.py) calls it only when /proc/cpuinfo lists those flags, and
  * baton_gguf_gemv_avx512 itself refuses (-2) on a CPU without them, so it never faults. One
- * block is two vectors of 16: the same products x_j q_j, d and m as baton_gguf_gemm, summed
- * 16 lanes wide instead of 8 (float32 arithmetic, another summation order). Two output rows
- * per iteration share the x loads and give the core independent accumulation chains (4, 8 were
- * no faster). */
+ * block is two vectors of 16: the products x_j w_j of the block's rebuilt float32 weights,
+ * summed 16 lanes wide (float32 arithmetic; baton_gguf_gemm factors d and m out of the block
+ * instead, another order of the same sums). Two output rows per iteration share the x loads
+ * and give the core independent accumulation chains (4, 8 were no faster). */
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
 AVX512_TARGET static inline void quants16_q4_1(const uint8_t *qs, __m512 *q_lo, __m512 *q_hi) {
@@ -314,108 +314,85 @@ AVX512_TARGET static inline __m128 scales_pair_q4_1(const uint8_t *b0, const uin
 /* y[i * ys + r] = (weight row r) . (input row i) for r < count (<= 2), i < TM (<= TILE_M): the
  * AVX-512 arithmetic of every float32 product of one to a few rows (gemv_avx512, the fused
  * step's few-row products), per output element. Weight row r starts at w + r * row_bytes; a
- * lone row (count 1) is computed twice, the copy dropped. Per block, as row_tile_avx2 factors
- * it: p = x_lo q_lo + x_hi q_hi (16 lanes), acc = d p + acc; y = the lanes' sum + offset, where
- * for Q4_1 offset = offset + m * sum(x) block by block, the two weight rows' in one 128-bit
- * multiply and add (lanes 1 and 3 of (d0, m0, d1, m1) * sum(x); lanes 0 and 2 are dropped).
- * With xsum4 (the TM rows' block sums laid out [nb][TILE_M][4], each repeated in 4 lanes:
- * block_sums4) the TM rows' offsets are one 512-bit multiply and add a block, lanes 4 i .. 4 i + 3
- * row i's, the same operations lane for lane. TYPE and TM are constants where it is inlined
- * (callers switch on them). */
+ * lone row (count 1) is computed twice, the copy dropped. Per block each weight row's 32
+ * float32 weights are rebuilt exactly (Q4_1: w = d q + m, q = 0..15, as a table of the 16
+ * values d k + m, one fused multiply-add, looked up by each nibble with a permute; Q8_0:
+ * w = d q), and every input row adds x_lo w_lo, then x_hi w_hi, to its 16 running sums (two
+ * fused multiply-adds a row and block); y = the lanes' sum. d k + m is one rounding of the
+ * exact value (d k is exact in float32: an 11-bit significand times 4 bits), the float32
+ * weight of the converted checkpoint; d q of Q8_0 is exact. So an extra input row costs two
+ * fused multiply-adds a block and weight row, and the weights are rebuilt once for all TM
+ * rows. TYPE and TM are constants where it is inlined (callers switch on them). */
 AVX512_TARGET static inline __attribute__((always_inline)) void tile_avx512(
     const uint8_t *w, int64_t row_bytes, const int32_t TYPE, int64_t K, int count,
-    const float *x, const float *xsum, const float *xsum4, const int TM, float *y, int64_t ys) {
+    const float *x, const int TM, float *y, int64_t ys) {
     const int64_t nb = K / QK, bb = TYPE == 3 ? 20 : 34;
     const uint8_t *row1 = w + (count > 1 ? row_bytes : 0);
     __m512 acc[2][TILE_M];
-    __m128 offset[TILE_M];
-    __m512 offsets = _mm512_setzero_ps(); /* with xsum4: offset[i] in lanes 4 i .. 4 i + 3 */
-    for (int i = 0; i < TM; i++) {
-        acc[0][i] = acc[1][i] = _mm512_setzero_ps();
-        offset[i] = _mm_setzero_ps();
-    }
+    for (int i = 0; i < TM; i++) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i lane1 = _mm512_set1_epi32(1), lane2 = _mm512_set1_epi32(2),
+                  lane3 = _mm512_set1_epi32(3);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *b0 = w + b * bb, *b1 = row1 + b * bb;
-        __m512 q0_lo, q0_hi, q1_lo, q1_hi, d0, d1;
-        __m128 dm = _mm_setzero_ps();
+        __m512 w0_lo, w0_hi, w1_lo, w1_hi;
         if (TYPE == 3) {
-            quants16_q4_1(b0 + 4, &q0_lo, &q0_hi);
-            quants16_q4_1(b1 + 4, &q1_lo, &q1_hi);
-            dm = scales_pair_q4_1(b0, b1);
-            d0 = _mm512_broadcastss_ps(dm);
-            d1 = _mm512_permutexvar_ps(_mm512_set1_epi32(2), _mm512_castps128_ps512(dm));
+            const __m512 dm = _mm512_castps128_ps512(scales_pair_q4_1(b0, b1));
+            const __m512 t0 = _mm512_fmadd_ps(_mm512_broadcastss_ps(_mm512_castps512_ps128(dm)),
+                                              iota, _mm512_permutexvar_ps(lane1, dm));
+            const __m512 t1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(lane2, dm), iota,
+                                              _mm512_permutexvar_ps(lane3, dm));
+            const __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b0 + 4)));
+            const __m512i i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b1 + 4)));
+            w0_lo = _mm512_permutexvar_ps(i0, t0);
+            w0_hi = _mm512_permutexvar_ps(_mm512_srli_epi32(i0, 4), t0);
+            w1_lo = _mm512_permutexvar_ps(i1, t1);
+            w1_hi = _mm512_permutexvar_ps(_mm512_srli_epi32(i1, 4), t1);
         } else {
+            __m512 q0_lo, q0_hi, q1_lo, q1_hi;
             quants16_q8_0(b0 + 2, &q0_lo, &q0_hi);
             quants16_q8_0(b1 + 2, &q1_lo, &q1_hi);
-            d0 = _mm512_set1_ps(f16_to_f32(b0));
-            d1 = _mm512_set1_ps(f16_to_f32(b1));
+            const __m512 d0 = _mm512_set1_ps(f16_to_f32(b0)), d1 = _mm512_set1_ps(f16_to_f32(b1));
+            w0_lo = _mm512_mul_ps(q0_lo, d0);
+            w0_hi = _mm512_mul_ps(q0_hi, d0);
+            w1_lo = _mm512_mul_ps(q1_lo, d1);
+            w1_hi = _mm512_mul_ps(q1_hi, d1);
         }
-        if (TYPE == 3 && xsum4 != NULL)
-            offsets = _mm512_add_ps(offsets, _mm512_mul_ps(_mm512_broadcast_f32x4(dm),
-                                                           _mm512_loadu_ps(xsum4 + b * 4 * TILE_M)));
         for (int i = 0; i < TM; i++) {
             const float *xb = x + i * K + b * QK;
             const __m512 x_lo = _mm512_loadu_ps(xb), x_hi = _mm512_loadu_ps(xb + 16);
-            if (TYPE == 3 && xsum4 == NULL)
-                offset[i] = _mm_add_ps(offset[i], _mm_mul_ps(dm, _mm_set1_ps(xsum[i * nb + b])));
-            const __m512 p0 = _mm512_fmadd_ps(x_hi, q0_hi, _mm512_mul_ps(x_lo, q0_lo));
-            const __m512 p1 = _mm512_fmadd_ps(x_hi, q1_hi, _mm512_mul_ps(x_lo, q1_lo));
-            acc[0][i] = _mm512_fmadd_ps(d0, p0, acc[0][i]);
-            acc[1][i] = _mm512_fmadd_ps(d1, p1, acc[1][i]);
+            acc[0][i] = _mm512_fmadd_ps(x_hi, w0_hi, _mm512_fmadd_ps(x_lo, w0_lo, acc[0][i]));
+            acc[1][i] = _mm512_fmadd_ps(x_hi, w1_hi, _mm512_fmadd_ps(x_lo, w1_lo, acc[1][i]));
         }
     }
-    float offs[4 * TILE_M];
-    if (TYPE == 3 && xsum4 != NULL) _mm512_storeu_ps(offs, offsets);
-    else
-        for (int i = 0; i < TM; i++) _mm_storeu_ps(offs + 4 * i, offset[i]);
     for (int i = 0; i < TM; i++) {
-        const float *off = offs + 4 * i;
-        y[i * ys] = _mm512_reduce_add_ps(acc[0][i]) + off[1];
-        if (count > 1) y[i * ys + 1] = _mm512_reduce_add_ps(acc[1][i]) + off[3];
+        y[i * ys] = _mm512_reduce_add_ps(acc[0][i]);
+        if (count > 1) y[i * ys + 1] = _mm512_reduce_add_ps(acc[1][i]);
     }
-}
-
-/* xsum4 [nb][TILE_M][4] for tile_avx512: the block sums xsum [tm][nb] of tm (<= TILE_M) rows,
- * row i's in lanes 4 i .. 4 i + 3 (zeros past tm). */
-static inline void block_sums4(const float *xsum, int64_t nb, int tm, float *xsum4) {
-    for (int64_t b = 0; b < nb; b++)
-        for (int i = 0; i < TILE_M; i++) {
-            const float v = i < tm ? xsum[i * nb + b] : 0.0f;
-            for (int lane = 0; lane < 4; lane++) xsum4[(b * TILE_M + i) * 4 + lane] = v;
-        }
 }
 
 /* One row of x times pairs of weight rows (tile_avx512), the pairs shared out among threads. */
 AVX512_TARGET static void gemv_avx512(const float *x, int64_t K, const uint8_t *w, int64_t N,
-                                      int32_t type, const float *xsum, float *y) {
+                                      int32_t type, float *y) {
     const int64_t row_bytes = K / QK * (type == 3 ? 20 : 34), pairs = (N + 1) / 2;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < pairs; g++) {
         const int64_t n0 = 2 * g;
         const int count = N - n0 < 2 ? 1 : 2;
         const uint8_t *rows = w + n0 * row_bytes;
-        if (type == 3) tile_avx512(rows, row_bytes, 3, K, count, x, xsum, NULL, 1, y + n0, 1);
-        else tile_avx512(rows, row_bytes, 8, K, count, x, xsum, NULL, 1, y + n0, 1);
+        if (type == 3) tile_avx512(rows, row_bytes, 3, K, count, x, 1, y + n0, 1);
+        else tile_avx512(rows, row_bytes, 8, K, count, x, 1, y + n0, 1);
     }
 }
 
 /* y[1, N] = x[1, K] W^T with AVX-512. Returns 0; -1 for an unknown block type or K not a
  * multiple of 32; -2 where this CPU lacks AVX-512 F/BW/VL (the caller then uses
- * baton_gguf_gemm). xsum: [K / 32] scratch. */
+ * baton_gguf_gemm). */
 int baton_gguf_gemv_avx512(const float *x, int64_t K, const uint8_t *w, int64_t N, int32_t type,
-                           float *xsum, float *y) {
+                           float *y) {
     if ((type != 3 && type != 8) || K % QK != 0) return -1;
     if (!baton_cpu_has_avx512()) return -2;
-    const int64_t nb = K / QK;
-    if (type == 3)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + b * QK;
-            __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
-                                     _mm256_add_ps(_mm256_loadu_ps(xb + 16),
-                                                   _mm256_loadu_ps(xb + 24)));
-            xsum[b] = hsum(s);
-        }
-    gemv_avx512(x, K, w, N, type, xsum, y);
+    gemv_avx512(x, K, w, N, type, y);
     return 0;
 }
 

@@ -55,7 +55,7 @@ def load_kernel() -> ctypes.CDLL | None:
         SOURCE,
         baton_gguf_gemm=[ptr, i64, i64, ptr, i64, i32, ptr, ptr],
         baton_gguf_dequantize=[ptr, i64, i64, i32, ptr],
-        baton_gguf_gemv_avx512=[ptr, i64, ptr, i64, i32, ptr, ptr],
+        baton_gguf_gemv_avx512=[ptr, i64, ptr, i64, i32, ptr],
         baton_gguf_gemm_panel=[ptr, i64, i64, ptr, i64, i32, ptr],
         baton_gguf_gemm_lanes=[ptr, i64, i64, ptr, i64, i32, ptr],
         baton_gguf_gemm_amx=[ptr, i64, i64, ptr, i64, i32, ptr],
@@ -178,7 +178,7 @@ def gguf_matmul(
         isa = _auto_isas(lib)[0]
     if m == 1 and isa == "avx512" and (block_type == Q4_1 or q8_0_avx512):
         rc = lib.baton_gguf_gemv_avx512(
-            x.data_ptr(), k, blocks.data_ptr(), n, block_type, xsum.data_ptr(), y.data_ptr()
+            x.data_ptr(), k, blocks.data_ptr(), n, block_type, y.data_ptr()
         )
         if rc == 0:
             return y

@@ -142,9 +142,8 @@ def test_bad_k_is_refused_by_the_avx512_entry():
         pytest.skip("no AVX-512 here")
     x = torch.zeros(1, 48)
     out = torch.empty(1, 1)
-    xsum = torch.empty(2)
     w = torch.zeros(1, 40, dtype=torch.uint8)
-    args = (x.data_ptr(), 48, w.data_ptr(), 1, Q4_1, xsum.data_ptr(), out.data_ptr())
+    args = (x.data_ptr(), 48, w.data_ptr(), 1, Q4_1, out.data_ptr())
     assert lib.baton_gguf_gemv_avx512(*args) == -1  # K = 48 is not a multiple of 32
     assert gguf_kernel.Q4_1 == Q4_1
 
@@ -178,9 +177,9 @@ def test_q8_0_rows_take_the_avx512_kernel_where_amx_is_on(quantized_llama):
     blocks, weight = quantized(n, k, Q8_0, seed=6)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(6))
     xsum, by_avx512, by_avx2 = torch.empty(k // 32), torch.empty(1, n), torch.empty(1, n)
-    ptrs = (x.data_ptr(), k, blocks.data_ptr(), n, Q8_0, xsum.data_ptr())
+    ptrs = (x.data_ptr(), k, blocks.data_ptr(), n, Q8_0)
     assert lib.baton_gguf_gemv_avx512(*ptrs, by_avx512.data_ptr()) == 0
-    assert lib.baton_gguf_gemm(x.data_ptr(), 1, *ptrs[1:], by_avx2.data_ptr()) == 0
+    assert lib.baton_gguf_gemm(x.data_ptr(), 1, *ptrs[1:], xsum.data_ptr(), by_avx2.data_ptr()) == 0
     assert not torch.equal(by_avx512, by_avx2)
     assert torch.equal(gguf_matmul(lib, x, blocks, Q8_0, "avx512", q8_0_avx512=True), by_avx512)
     assert torch.equal(gguf_matmul(lib, x, blocks, Q8_0, "avx512"), by_avx2)
