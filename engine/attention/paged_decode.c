@@ -448,13 +448,16 @@ PD_AVX512_TARGET static inline __attribute__((always_inline)) void pd_values_spa
  * for bit those of the tiled code, whichever path a pass takes. */
 #define PD_LANES_MIN 32
 
-/* Whether a pass of ng query vectors goes by lanes: 32 or more, or a last vector of 16 lanes at
- * least three quarters full (12-16 vectors: 4 or 5 SmolLM2 decode rows over a shared prompt).
+/* Whether a pass of ng query vectors goes by lanes: 32 or more, or a last vector of 16 lanes
+ * more than three quarters full (13-16 vectors: 5 SmolLM2 decode rows over a shared prompt).
  * Fewer fill a vector too little, and 17-31 leave most of a second one empty: by tiles.
  * Measured with benchmarks/attention_paths.py (one pass of 128 keys, Intel Xeon, AVX-512):
- * lanes / tiles 1.53x at 3 vectors, 1.10x at 9, 0.94x at 12, 0.85x at 15, 1.12x at 18. */
+ * lanes / tiles 1.53x at 3 vectors, 1.10x at 9, 0.94x at 12, 0.85x at 15, 1.12x at 18. At 12
+ * (4 SmolLM2 rows) the fused step's attention over 2,000 cold keys was 3% faster by lanes on
+ * that Xeon, and 8% faster by tiles on a Zen 4 EPYC with paced prefetches (one thread;
+ * docs/design/cpu-kernels.md, decode attention): by tiles. */
 static inline int pd_by_lanes(int64_t ng) {
-    return ng >= PD_LANES_MIN || ng % 16 == 0 || ng % 16 >= 12;
+    return ng >= PD_LANES_MIN || ng % 16 == 0 || ng % 16 >= 13;
 }
 
 /* e^x = y 2^n (x within float32's range): n = floor(x log2(e) + 1/2) and y = e^(x - n ln 2)
