@@ -87,6 +87,7 @@ typedef struct {
 #define HEADS_SCHEDULE schedule(dynamic, 1)
 #endif
 _Static_assert(TILE_M == I8_TILE_M, "one tile height for the float32 and the int8 tiles");
+_Static_assert(AVX512_TILE_M >= TILE_M, "swiglu_for's tiles hold either");
 #define PRAGMA(x) _Pragma(#x)
 /* A work-share of the step: `omp for` without its barrier; each is followed by team_barrier()
  * (team_barrier.h: waits without sleeping). */
@@ -133,7 +134,7 @@ static void rows_avx2(const ds_matrix *w, const float *x, const float *xsum, int
 }
 
 /* float32, AVX-512: gguf_gemm.c's tile_avx512 (gemv_avx512's arithmetic) for Q4_1 or Q8_0,
- * with the block type and tm (1 .. TILE_M) made constants. */
+ * with the block type and tm (1 .. AVX512_TILE_M) made constants. */
 AVX512_TARGET static void rows_avx512(const ds_matrix *w, const float *x, int64_t n0, int count,
                                       int tm, float *y, int64_t ys) {
     const int64_t row_bytes = w->k / QK * block_bytes_of(w->type);
@@ -143,7 +144,11 @@ AVX512_TARGET static void rows_avx512(const ds_matrix *w, const float *x, int64_
     case 1: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, 1, y, ys); break;                   \
     case 2: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, 2, y, ys); break;                   \
     case 3: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, 3, y, ys); break;                   \
-    default: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, 4, y, ys); break;                  \
+    case 4: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, 4, y, ys); break;                   \
+    case 5: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, 5, y, ys); break;                   \
+    case 6: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, 6, y, ys); break;                   \
+    case 7: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, 7, y, ys); break;                   \
+    default: tile_avx512(rows, row_bytes, TYPE, w->k, count, x, 8, y, ys); break;                  \
     }
     if (w->type == 3) {
         TILE_TM(3)
@@ -183,8 +188,16 @@ static void i8_rows(const ds_matrix *w, const ds_input *in, int64_t n0, int coun
         i8_rows_avx2(xq, xd, xs, w->k, rows, count, w->type, tm, y, ys);
 }
 
+/* The input rows that share one unpacking of a block of W: AVX512_TILE_M on the AVX-512
+ * float32 tiles (two running sums a row and weight row, so 8 rows fit the registers), else
+ * TILE_M. */
+static inline int tile_rows(const ds_matrix *w, const ds_input *in) {
+    return !in->int8_isa && in->avx512 && (w->type == 3 || in->avx512 == 2) ? AVX512_TILE_M
+                                                                            : TILE_M;
+}
+
 /* y[i * ys + r] = rows n0 + r of W times input rows m0 + i (+ bias), r < count <= 2,
- * i < tm <= TILE_M. */
+ * i < tm <= tile_rows(w, in). */
 static void matrix_rows(const ds_matrix *w, const ds_input *in, int64_t n0, int count, int64_t m0,
                         int tm, float *y, int64_t ys) {
     const float *x = in->x + m0 * w->k, *xsum = in->xsum + m0 * (w->k / QK);
@@ -218,12 +231,13 @@ static void matrix_for(const ds_matrix *w, const ds_input *in, int64_t R, float 
         panel_product_for(in->x, R, w->k, w->blocks, N, w->type, w->bias, in->panels, y);
         return;
     }
+    const int th = tile_rows(w, in);
     OMP_FOR(ROWS_SCHEDULE)
     for (int64_t g = 0; g < pairs; g++) {
         const int64_t n0 = 2 * g;
-        for (int64_t m0 = 0; m0 < R; m0 += TILE_M)
-            matrix_rows(w, in, n0, N - n0 < 2 ? 1 : 2, m0,
-                        R - m0 < TILE_M ? (int)(R - m0) : TILE_M, y + m0 * N + n0, N);
+        for (int64_t m0 = 0; m0 < R; m0 += th)
+            matrix_rows(w, in, n0, N - n0 < 2 ? 1 : 2, m0, R - m0 < th ? (int)(R - m0) : th,
+                        y + m0 * N + n0, N);
     }
     team_barrier();
 }
@@ -375,13 +389,14 @@ static void swiglu_for(const ds_matrix *w, const ds_input *in, int64_t R, int64_
         swiglu_panels_for(w, in, R, inter, act);
         return;
     }
+    const int th = tile_rows(w, in);
     OMP_FOR(SWIGLU_SCHEDULE)
     for (int64_t c = 0; c < (inter + 7) / 8; c++) {
         const int64_t i0 = 8 * c;
         const int count = inter - i0 < 8 ? (int)(inter - i0) : 8;
-        for (int64_t m0 = 0; m0 < R; m0 += TILE_M) {
-            const int tm = R - m0 < TILE_M ? (int)(R - m0) : TILE_M;
-            float gate[TILE_M][8], up[TILE_M][8];
+        for (int64_t m0 = 0; m0 < R; m0 += th) {
+            const int tm = R - m0 < th ? (int)(R - m0) : th;
+            float gate[AVX512_TILE_M][8], up[AVX512_TILE_M][8];
             for (int r = 0; r < count; r += 2) {
                 const int pair = count - r < 2 ? 1 : 2;
                 matrix_rows(w, in, i0 + r, pair, m0, tm, gate[0] + r, 8);

@@ -311,8 +311,10 @@ AVX512_TARGET static inline __m128 scales_pair_q4_1(const uint8_t *b0, const uin
     return _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(dm0), dm1, 1));
 }
 
-/* y[i * ys + r] = (weight row r) . (input row i) for r < count (<= 2), i < TM (<= TILE_M): the
- * AVX-512 arithmetic of every float32 product of one to a few rows (gemv_avx512, the fused
+#define AVX512_TILE_M 8 /* rows of x sharing one rebuilt block in tile_avx512 */
+
+/* y[i * ys + r] = (weight row r) . (input row i) for r < count (<= 2), i < TM (<= AVX512_TILE_M):
+ * the AVX-512 arithmetic of every float32 product of one to a few rows (gemv_avx512, the fused
  * step's few-row products), per output element. Weight row r starts at w + r * row_bytes; a
  * lone row (count 1) is computed twice, the copy dropped. Per block each weight row's 32
  * float32 weights are rebuilt exactly (Q4_1: w = d q + m, q = 0..15, as a table of the 16
@@ -328,7 +330,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void tile_avx512(
     const float *x, const int TM, float *y, int64_t ys) {
     const int64_t nb = K / QK, bb = TYPE == 3 ? 20 : 34;
     const uint8_t *row1 = w + (count > 1 ? row_bytes : 0);
-    __m512 acc[2][TILE_M];
+    __m512 acc[2][AVX512_TILE_M]; /* with the 4 rebuilt weight vectors: 20 of the 32 registers */
     for (int i = 0; i < TM; i++) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i lane1 = _mm512_set1_epi32(1), lane2 = _mm512_set1_epi32(2),
