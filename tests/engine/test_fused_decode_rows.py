@@ -230,7 +230,7 @@ def test_int8_rows_equal_the_unfused_int8_path(quantized_llama, isa, count):
     "isa,int8", [(isa, False) for isa in RUNNABLE_ISAS] + [(isa, True) for isa in INT8_ISAS]
 )
 @pytest.mark.parametrize("prefix_len", [PREFIX, LONG_PREFIX])
-# 7: the exact kernels' tiles of 4 and 3 rows (their Q4_1 offsets in one vector a tile);
+# 7: one AVX-512 tile of 7 rows (AVX2 and int8: tiles of 4 and 3);
 # 50: 17 rows share the prefix, 34 query vectors, which pass its window in lanes on AVX-512
 @pytest.mark.parametrize("count", [7, 12, 17, 34, 50])
 def test_each_row_is_what_it_is_alone(quantized_llama, isa, int8, prefix_len, count):
