@@ -9,9 +9,11 @@ new a request; short-prompt: 256 new tokens), one engine measures the steps a cl
 client of S streams causes: a request's prefill (its first token) and decode steps of 1 and of
 S rows at that context (the S rows share the cached prompt where the workload does). It counts
 each step's floating-point work from the model's shape (products: 2 x weights per row, the
-output projection for rows that sample; attention: 4 x head_dim x keys per query head) and
-times PyTorch's float32 matrix product (MKL / oneDNN) on the model's product shapes at 256
-rows; the reference rate is the faster of that and the products of the measured prefills.
+output projection for rows that sample; attention: 4 x head_dim x keys per query head), times
+PyTorch's float32 matrix product (MKL / oneDNN) on the model's product shapes at 256 rows, and
+measures the CPU's peak float32 rate (fma_peak.c: chains of fused multiply-adds on registers,
+--threads threads); the reference rate is the fastest of those and the products of the
+measured prefills, in practice the peak: no step does its multiply-adds faster.
 
 Per request of --output-len tokens, one stream costs a prefill and output-len - 1 one-row
 steps. S streams cost, per S requests, S prefill steps that each carry the other S - 1
@@ -20,8 +22,9 @@ output-len - 1 - (S - 1) S-row decode steps for the remaining tokens. Printed: t
 ratio of S streams to one from the measured steps, and the highest it could be if the S
 streams' steps did all their extra work at the reference rate (one stream as measured): the
 prefills at that rate, and each further row of a step, beside a prefill or in an S-row step,
-one row's products and attention at that rate. A ratio target above that bound cannot hold
-on this machine without a slower one-stream figure; the served ratio adds the token path and
+one row's products and attention at that rate. With the peak as the reference that is a
+ceiling: a ratio target above it cannot hold on this machine without a slower one-stream
+figure; the served ratio adds the token path and
 the HTTP door on top.
 
 The same two figures for the disaggregated shape, a prefill worker and a decode worker each
@@ -34,8 +37,10 @@ and set the round only where the prefill worker is the busier (disaggregated_rat
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -44,6 +49,7 @@ from engine import LLM, SamplingParams
 from engine.model.fused_decode import PARTS
 from engine.model.loader import read_hf_config
 from engine.model_resolver import resolve_model
+from engine.native import load_native
 
 MODEL_ALIAS = "smollm2-135m-instruct"
 VOCAB_DRAW = 40_000  # prompt tokens are drawn from [100, min(VOCAB_DRAW, vocab))
@@ -61,6 +67,25 @@ def reference_rate(shape: Shape, threads: int, rows: int = 256, repeats: int = 2
         for _ in range(repeats):
             torch.mm(x, w.t())
         best = max(best, 2.0 * rows * k * n * repeats / (time.perf_counter() - start))
+    return best
+
+
+def peak_rate(threads: int, repeats: int = 5) -> float | None:
+    """FLOP/s of `threads` threads running only fused multiply-adds on registers (fma_peak.c;
+    the best of `repeats`), or None where the C source cannot be built here."""
+    lib = load_native(Path(__file__).with_name("fma_peak.c"))
+    if lib is None:
+        return None
+    run = lib.baton_fma_peak
+    run.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+    run.argtypes += [ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_float)]
+    best = 0.0
+    for wide in (0, 1):
+        for _ in range(repeats):
+            flops, sink = ctypes.c_double(), ctypes.c_float()
+            if run(threads, 2_000_000, wide, ctypes.byref(flops), ctypes.byref(sink)) != 0:
+                return None
+            best = max(best, flops.value)
     return best
 
 
@@ -167,10 +192,14 @@ def main() -> None:
     args = parser.parse_args()
 
     shape = Shape.of(read_hf_config(resolve_model(args.model)))
-    ref = reference_rate(shape, args.threads)  # before the engine's threads exist
+    torch_rate = reference_rate(shape, args.threads)  # before the engine's threads exist
+    peak = peak_rate(args.threads)
+    ref = max(torch_rate, peak or 0.0)
     steps = Steps(args.model, args.threads)
     print(f"{args.model}, {args.threads} threads, {args.streams} streams, {args.output_len} tokens")
-    print(f"reference: PyTorch float32 products at 256 rows, best shape: {ref / 1e9:.0f} GFLOP/s")
+    print(f"PyTorch float32 products at 256 rows, best shape: {torch_rate / 1e9:.0f} GFLOP/s")
+    if peak is not None:
+        print(f"peak float32 rate (fused multiply-adds only): {peak / 1e9:.0f} GFLOP/s")
     system = steps.tokens(2000)
     steps.add(system, 1)
     steps.finish()  # the shared system prompt, cached from here on
@@ -195,7 +224,7 @@ def main() -> None:
             product_rate = new * shape.row_flops() / products
             attention_rate = shape.attention_flops(prompt_keys(cached, new)) / attention
             rates = f" (products {product_rate / 1e9:.0f}, attention {attention_rate / 1e9:.0f})"
-            rate = max(ref, product_rate)  # the reference: the faster float32 products
+            rate = max(ref, product_rate)  # the reference: the fastest float32 rate
         print(f"\n{name}: {cached} cached + {new} new tokens, answers of {args.output_len}")
         print(
             f"  prefill          {1e3 * prefill:7.1f} ms, {flops_prefill / 1e9:5.2f} GFLOP,"
@@ -219,7 +248,7 @@ def main() -> None:
         print(f"  tokens/s, {S} streams vs 1: {measured:.2f}x from these steps,")
         print(
             f"    at most {bound:.2f}x with all their extra work at {rate / 1e9:.0f} GFLOP/s"
-            " (the faster float32 products: PyTorch's or these prefills')"
+            " (the fastest float32 rate: the peak, PyTorch's products or these prefills')"
         )
         split = disaggregated_ratio(S, n, prefill, one, prefill, many)
         split_bound = disaggregated_ratio(

@@ -67,12 +67,23 @@ def test_runs_on_a_tiny_engine(tiny_llama, monkeypatch, capsys):
         ["serving_bounds", "--model", tiny_llama, "--threads", "1", "--rounds", "1"],
     )
     monkeypatch.setattr(serving_bounds, "reference_rate", lambda shape, threads: 1e9)
+    monkeypatch.setattr(serving_bounds, "peak_rate", lambda threads: 2e9)
     serving_bounds.main()
     out = capsys.readouterr().out
     for workload in ("shared-prefix: 2000 cached + 64 new", "short-prompt: 0 cached + 256 new"):
         assert workload in out
     assert out.count("tokens/s, 4 streams vs 1") == 2
     assert out.count("disaggregated (a prefill and a decode worker of 1 threads each)") == 2
+    assert "peak float32 rate (fused multiply-adds only): 2 GFLOP/s" in out
+
+
+def test_the_peak_rate_is_what_a_core_can_do():
+    """One thread's peak float32 rate is at least 8 lanes x 2 FLOP a cycle of a 1 GHz core (any
+    x86-64 with AVX2 and FMA) and at most 2 FMA units x 16 lanes x 2 FLOP a cycle at 6 GHz."""
+    one = serving_bounds.peak_rate(1, repeats=3)
+    if one is None:
+        pytest.skip("no C compiler or no AVX2/FMA here")
+    assert 16e9 <= one <= 384e9
 
 
 def test_disaggregated_rounds_are_the_decode_steps_or_the_prefill_workers_load():
