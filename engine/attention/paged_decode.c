@@ -273,7 +273,7 @@ static inline PdAhead pd_ahead_from(const PdArgs *a, const int64_t *table, int64
  * this span). Sent in bursts at the scores (8 rows for every 8 keys, the second span at the
  * pass's start), the prefetches of a pass of 12 query vectors overran the core's queue of
  * misses and the output update found the memory idle: over 30 layers' caches (more than the
- * CPU's caches hold) the pass took 1.55x its time over cached keys, 1.16x paced
+ * CPU's caches hold) the pass took 1.55-1.7x its time over cached keys, 1.1-1.3x paced
  * (docs/design/cpu-kernels.md, decode attention). */
 static inline void pd_prefetch_paced(PdAhead *ahead, int64_t *sent, int64_t unit, int64_t units,
                                      int64_t quota, const int64_t d) {
