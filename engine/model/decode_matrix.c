@@ -106,13 +106,15 @@ static void block_sums(const float *x, int64_t K, float *xsum) {
     }
 }
 
-/* in = the R rows of x [R, K] ready for a product: block sums, and the int8 blocks where the
- * step uses them (per block of 32, so all rows in one call). */
+/* in = the R rows of x [R, K] ready for a product: block sums where the AVX2 float32 tiles
+ * take them (Q4_1's m sum(x); the AVX-512 tiles rebuild the weights, panels and lanes need
+ * none), and the int8 blocks where the step uses them (per block of 32, so all rows in one
+ * call). */
 static void prepare_input(ds_input *in, const float *x, int64_t R, int64_t K, float *xsum,
                           int8_t *xq, float *xd, float *xs) {
     if (in->by_amx) amx_split_for(x, R, K, in->xb, in->xb_sum); /* ends in a barrier */
     else if (in->by_lanes && !lanes_few_rows(R)) lanes_pack_for(x, R, K, in->xt); /* barrier */
-    else if (!in->by_panels) block_sums(x, R * K, xsum); /* panels need none */
+    else if (!in->by_panels && !in->avx512 && !in->int8_isa) block_sums(x, R * K, xsum);
     if (in->int8_isa) baton_quantize_row_q8(x, R * K, xq, xd, xs);
     in->x = x;
     in->xsum = xsum;
