@@ -79,12 +79,15 @@ typedef struct {
  * holding up the barrier with half of every product (at load ~7 on the 2 shared cores dynamic
  * chunks took 133 vs 159 ms per one-row step with static halves), while on a quiet machine
  * guided costs what static does (7.76 vs 7.70 ms per step at 2 threads; dynamic chunks of 32
- * rows: 9.02 ms). Which thread computes a row never changes its value. -DROWS_SCHEDULE=...
- * (with SWIGLU_SCHEDULE and decode_step.c's HEADS_SCHEDULE) at build time overrides them. */
+ * rows: 9.02 ms). Which thread computes a row never changes its value. The per-head tasks
+ * (decode_step.c: RoPE per row and KV head, the windows' merge per row and head) are guided
+ * down to one: a 256-token prompt step has 3,072 of them a layer, and one claim each (dynamic)
+ * cost ~6 ms of its ~295 ms on the Zen 4 VM. -DROWS_SCHEDULE=... (with SWIGLU_SCHEDULE and
+ * HEADS_SCHEDULE) at build time overrides them. */
 #ifndef ROWS_SCHEDULE
 #define ROWS_SCHEDULE schedule(guided, 16)
 #define SWIGLU_SCHEDULE schedule(guided, 4)
-#define HEADS_SCHEDULE schedule(dynamic, 1)
+#define HEADS_SCHEDULE schedule(guided, 1)
 #endif
 _Static_assert(TILE_M == I8_TILE_M, "one tile height for the float32 and the int8 tiles");
 _Static_assert(AVX512_TILE_M >= TILE_M, "swiglu_for's tiles hold either");

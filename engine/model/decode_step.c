@@ -140,8 +140,8 @@ typedef struct {
     int64_t h, w, k1, row0, nrows;
 } ds_window;
 
-/* Windows run together by one thread: a prompt's window w of KV head h for each of its chunks
- * (chunk), or any other window alone. */
+/* Windows run together by one thread: on AMX, a prompt's window w of KV head h for each of its
+ * chunks (chunk: the window's keys are packed once for all of them), or any window alone. */
 typedef struct {
     int64_t first, count; /* windows[first .. first + count) */
     int chunk;            /* 1: a prompt's chunks, in order (the last one reaches furthest) */
@@ -162,10 +162,14 @@ static void free_plan(ds_attention_plan *p) {
     free(p->tasks);
 }
 
-/* 0, or -2 when scratch memory failed. */
+/* 0, or -2 when scratch memory failed. chunk_tasks: a prompt's window is one task for all its
+ * chunks (AMX packs its keys once for them); else each chunk's window is a task of its own, so
+ * that a short prompt's few windows still spread evenly over the threads (a 256-token prompt
+ * has 2 windows per KV head, SmolLM2's 6 tasks of 13 chunks and 7: two threads would get 4
+ * and 2 of them). */
 static int plan_attention(ds_attention_plan *p, const int64_t *tables, int64_t width,
                           const int64_t *seq_lens, int64_t R, int64_t G, int64_t KVH,
-                          int64_t block_size) {
+                          int64_t block_size, int chunk_tasks) {
     const int64_t W = ATTEND_WINDOW, per_group = MAX_NG / G;
     /* scratch [R] each: run_end, idx, sub_lens, sub_shared, row0, rows, same, sorted, gshared,
      * chunk_row0, chunk_rows, chunk_end; sub_members [2 R]; sub_tables [R, width] */
@@ -254,12 +258,17 @@ static int plan_attention(ds_attention_plan *p, const int64_t *tables, int64_t w
                 ds_window_task task = {p->num_windows, 0, 1}; /* the chunks reaching window w */
                 for (int64_t c = prompt_chunk0[i]; c < prompt_chunk0[i + 1]; c++) {
                     if (w * W >= chunk_end[c]) continue;
-                    p->windows[p->num_windows++] = (ds_window){
+                    const ds_window window = {
                         h, w, (w + 1) * W < chunk_end[c] ? (w + 1) * W : chunk_end[c],
                         chunk_row0[c], chunk_rows[c]};
+                    if (!chunk_tasks) {
+                        ALONE(window);
+                        continue;
+                    }
+                    p->windows[p->num_windows++] = window;
                     task.count++;
                 }
-                p->tasks[p->num_tasks++] = task;
+                if (chunk_tasks) p->tasks[p->num_tasks++] = task;
             }
         for (int64_t i = 0; i < nd; i++) /* a decode row's other windows, alone */
             for (int64_t w = sub_shared[i] / W; w * W < sub_lens[i]; w++)
@@ -374,26 +383,27 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
     if (R > 1 && !rows_disjoint(tables, width, seq_lens, R, m->block_size)) return -1;
     const int64_t q_size = H * D, kv_size = KVH * D, qkv_n = q_size + 2 * kv_size;
     const int64_t max_k = I > E ? (I > q_size ? I : q_size) : (E > q_size ? E : q_size);
-    /* shared: qkv, attention output, a product's output, the SwiGLU activations (all [R, .]);
-     * then per thread (private): residuals x and normed xn [R, E], roped q and k of one head,
-     * block sums, int8 scales [R, max_k / 32] (three), a window's queries and states, int8
-     * quants [R, max_k] bytes */
+    const int by_lanes = !m->int8_isa && m->avx512 && R >= LANES_MIN_ROWS;
+    const int by_amx = !m->int8_isa && m->avx512 == 2 && R >= AMX_MIN_ROWS;
+    /* with AMX, the prompts' windows too are attended by tiles (window_amx.c) */
+    const int by_amx_windows = by_amx && wa_takes(D);
     ds_attention_plan plan;
-    if (plan_attention(&plan, tables, width, seq_lens, R, G, KVH, m->block_size) != 0) {
+    if (plan_attention(&plan, tables, width, seq_lens, R, G, KVH, m->block_size,
+                       by_amx_windows) != 0) {
         free_plan(&plan);
         return -2;
     }
     const int64_t num_states = R * H * plan.max_windows, state_floats = 2 + D;
+    /* shared: qkv, attention output, a product's output, the SwiGLU activations (all [R, .]);
+     * then per thread (private): residuals x and normed xn [R, E], roped q and k of one head,
+     * block sums, int8 scales [R, max_k / 32] (three), a window's queries and states, int8
+     * quants [R, max_k] bytes */
     /* Every part starts on a cache line (SCRATCH_ALIGN floats): the products' 32-byte loads of
      * x rows and panels then never straddle two lines, whatever address malloc returns. */
     const int64_t window_size = lines(2 * MAX_NG * D + 2 * MAX_NG);
-    const int by_lanes = !m->int8_isa && m->avx512 && R >= LANES_MIN_ROWS;
-    const int by_amx = !m->int8_isa && m->avx512 == 2 && R >= AMX_MIN_ROWS;
     const int64_t lanes_own = lanes_scratch_floats(max_k, E); /* few: only the head */
     const int64_t amx_own = amx_scratch_floats(max_k);
-    /* with AMX, the prompts' windows too are attended by tiles (window_amx.c): per thread its
-     * scratch, then a window's packed keys */
-    const int by_amx_windows = by_amx && wa_takes(D);
+    /* AMX windows: per thread window_amx.c's scratch, then a window's packed keys */
     const int64_t amx_window_size =
         by_amx_windows ? lines(wa_scratch_floats(D) + wa_pack_words(D) / 2) : 0;
     const int64_t own_size =
