@@ -243,6 +243,7 @@ class ModelRunner:
                 [p + 1 for r in rows for p in range(r.start, r.start + r.n)],
                 logit_rows,
                 None if len(rows) == ends[-1] else [r.n for r in rows],
+                all_hidden=False,  # only the logit rows' hidden states are read
             )
         self.phases.lap("forward")
         if out is None:

@@ -116,7 +116,8 @@ static void block_sums(const float *x, int64_t K, float *xsum) {
 static void prepare_input(ds_input *in, const float *x, int64_t R, int64_t K, float *xsum,
                           int8_t *xq, float *xd, float *xs) {
     if (in->by_amx) amx_split_for(x, R, K, in->xb, in->xb_sum); /* ends in a barrier */
-    else if (in->by_lanes && !lanes_few_rows(R)) lanes_pack_for(x, R, K, in->xt); /* barrier */
+    /* packed even for few rows (whose products read x): swiglu_lanes_for reads xt */
+    else if (in->by_lanes) lanes_pack_for(x, R, K, in->xt); /* barrier */
     else if (!in->by_panels && !in->avx512 && !in->int8_isa) block_sums(x, R * K, xsum);
     if (in->int8_isa) baton_quantize_row_q8(x, R * K, xq, xd, xs);
     in->x = x;

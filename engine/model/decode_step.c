@@ -358,7 +358,10 @@ int baton_decode_amx_min_rows(void) { return AMX_MIN_ROWS; }
  * sequences. Writes every row's keys and values into every layer's cache, the final-normed
  * hidden states into hidden [R, E] and, where the model has a head and logits is not NULL,
  * the logits of rows logit_rows (strictly increasing, num_logit_rows of them) into logits
- * [num_logit_rows, vocab]. A row's results do not depend on the other rows of the step: they
+ * [num_logit_rows, vocab]. only_logit_rows: the last layer past its attention (the output
+ * and MLP products, the final norm) runs for the logit rows alone, since nothing reads the
+ * other rows' results: hidden holds the logit rows' states, zeros elsewhere (a 256-token
+ * prompt's step skips 255/256 of a layer's products but the qkv; 2.8% of SmolLM2's). A row's results do not depend on the other rows of the step: they
  * are what a step of as many rows computes for it with the keys before it in the cache (up
  * to EXACT_MAX_ROWS rows: what it computes alone, R = 1).
  * timings: NULL, or [T_PARTS] seconds that thread 0 adds its time per part to.
@@ -366,7 +369,8 @@ int baton_decode_amx_min_rows(void) { return AMX_MIN_ROWS; }
  * then); -2 when scratch memory failed. */
 int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const int64_t *tables,
                       int64_t width, const int64_t *seq_lens, const int64_t *logit_rows,
-                      int64_t num_logit_rows, float *hidden, float *logits, double *timings) {
+                      int64_t num_logit_rows, int only_logit_rows, float *hidden, float *logits,
+                      double *timings) {
     const int64_t E = m->hidden, I = m->intermediate, H = m->num_heads, KVH = m->num_kv_heads,
                   D = m->head_dim, G = m->num_heads / (m->num_kv_heads ? m->num_kv_heads : 1);
     if (check_model(m) != 0 || R < 1 || num_logit_rows < 0 || num_logit_rows > R) return -1;
@@ -401,7 +405,8 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
     /* Every part starts on a cache line (SCRATCH_ALIGN floats): the products' 32-byte loads of
      * x rows and panels then never straddle two lines, whatever address malloc returns. */
     const int64_t window_size = lines(2 * MAX_NG * D + 2 * MAX_NG);
-    const int64_t lanes_own = lanes_scratch_floats(max_k, E); /* few: only the head */
+    /* few rows' products: the head, and with only_logit_rows a pruned last layer's */
+    const int64_t lanes_own = lanes_scratch_floats(max_k, only_logit_rows ? max_k : E);
     const int64_t amx_own = amx_scratch_floats(max_k);
     /* AMX windows: per thread window_amx.c's scratch, then a window's packed keys */
     const int64_t amx_window_size =
@@ -574,14 +579,18 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
                 }
             }
             team_barrier();
-            /* each head's windows merged in key order */
+            /* each head's windows merged in key order: every row's, or in a pruned last layer
+             * the logit rows' (attn then holds those rows, in order) */
+            const int pruned = only_logit_rows && l == m->num_layers - 1;
+            const int64_t Rl = pruned ? num_logit_rows : R; /* rows past the attention */
             OMP_FOR(HEADS_SCHEDULE)
-            for (int64_t task = 0; task < R * H; task++) {
-                const int64_t b = task / H, windows = (seq_lens[b] + ATTEND_WINDOW - 1) / ATTEND_WINDOW;
+            for (int64_t task = 0; task < Rl * H; task++) {
+                const int64_t b = pruned ? logit_rows[task / H] : task / H, hb = b * H + task % H;
+                const int64_t windows = (seq_lens[b] + ATTEND_WINDOW - 1) / ATTEND_WINDOW;
                 PdRunning run = {-INFINITY, 0.0f};
                 memset(window_acc, 0, sizeof(float) * (size_t)D);
                 for (int64_t w = 0; w < windows; w++) {
-                    const float *st = states + (task * plan.max_windows + w) * state_floats;
+                    const float *st = states + (hb * plan.max_windows + w) * state_floats;
                     pd_merge(&run, window_acc, st[0], st[1], st + 2, D);
                 }
                 const float inv = 1.0f / run.l;
@@ -589,28 +598,46 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
             }
             team_barrier();
             MARK(T_ATTENTION);
-            prepare_input(&in, attn, R, q_size, xsum, xq, xd, xs);
+            if (pruned) /* this thread's residuals of the logit rows to the front (in place:
+                         * logit_rows[i] >= i) */
+                for (int64_t i = 0; i < Rl; i++)
+                    if (logit_rows[i] != i)
+                        memcpy(x + i * E, x + logit_rows[i] * E, sizeof(float) * (size_t)E);
+            /* Rl rows from here on; in keeps the step's kinds of products (set by R), so each
+             * row's numbers are what the whole step computes for it */
+            prepare_input(&in, attn, Rl, q_size, xsum, xq, xd, xs);
             MARK(T_NORM);
-            matrix_for(&L->o, &in, R, tmp);
+            matrix_for(&L->o, &in, Rl, tmp);
             MARK(T_O);
-            for (int64_t e = 0; e < R * E; e++) x[e] = x[e] + tmp[e];
-            baton_rms_norm(x, R, E, L->post_norm, m->eps, xn);
-            prepare_input(&in, xn, R, E, xsum, xq, xd, xs);
+            for (int64_t e = 0; e < Rl * E; e++) x[e] = x[e] + tmp[e];
+            baton_rms_norm(x, Rl, E, L->post_norm, m->eps, xn);
+            prepare_input(&in, xn, Rl, E, xsum, xq, xd, xs);
             MARK(T_NORM);
-            swiglu_for(&L->gate_up, &in, R, I, act);
+            swiglu_for(&L->gate_up, &in, Rl, I, act);
             MARK(T_GATE_UP);
-            prepare_input(&in, act, R, I, xsum, xq, xd, xs);
+            prepare_input(&in, act, Rl, I, xsum, xq, xd, xs);
             MARK(T_NORM);
-            matrix_for(&L->down, &in, R, tmp);
+            matrix_for(&L->down, &in, Rl, tmp);
             MARK(T_DOWN);
-            for (int64_t e = 0; e < R * E; e++) x[e] = x[e] + tmp[e];
+            for (int64_t e = 0; e < Rl * E; e++) x[e] = x[e] + tmp[e];
         }
-        baton_rms_norm(x, R, E, m->final_norm, m->eps, xn);
+        /* the rows the last layer ran for: all R, or the logit rows (at the front of x) */
+        const int64_t Rf = only_logit_rows ? num_logit_rows : R;
+        baton_rms_norm(x, Rf, E, m->final_norm, m->eps, xn);
 #pragma omp master
-        memcpy(hidden, xn, sizeof(float) * (size_t)(R * E));
+        {
+            if (!only_logit_rows) {
+                memcpy(hidden, xn, sizeof(float) * (size_t)(R * E));
+            } else {
+                memset(hidden, 0, sizeof(float) * (size_t)(R * E));
+                for (int64_t i = 0; i < Rf; i++)
+                    memcpy(hidden + logit_rows[i] * E, xn + i * E, sizeof(float) * (size_t)E);
+            }
+        }
         if (m->head.blocks != NULL && logits != NULL && num_logit_rows > 0) {
-            /* the logit rows to the front of xn (logit_rows[i] >= i: in place) */
-            for (int64_t i = 0; i < num_logit_rows; i++)
+            /* the logit rows to the front of xn (logit_rows[i] >= i: in place; there already
+             * with only_logit_rows) */
+            for (int64_t i = 0; i < num_logit_rows && !only_logit_rows; i++)
                 if (logit_rows[i] != i)
                     memcpy(xn + i * E, xn + logit_rows[i] * E, sizeof(float) * (size_t)E);
             /* The head's arithmetic is set by its own row count: up to EXACT_MAX_ROWS logit

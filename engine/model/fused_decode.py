@@ -118,9 +118,9 @@ class Model(ctypes.Structure):
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled step with its signature set, or None where it cannot run here."""
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    # model, rows, tokens, tables, table width, lengths, logit rows, their count, hidden,
-    # logits, timings
-    rows = [ctypes.POINTER(Model), i64, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr]
+    # model, rows, tokens, tables, table width, lengths, logit rows, their count, only the
+    # logit rows' hidden states, hidden, logits, timings
+    rows = [ctypes.POINTER(Model), i64, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int, ptr, ptr, ptr]
     return load_kernel_library(
         SOURCE,
         baton_decode_rows=rows,
@@ -316,6 +316,7 @@ class FusedDecoder:
         seq_lens: list[int],
         logit_rows: list[int],
         rows_per_table: list[int] | None = None,
+        all_hidden: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """R rows: tokens[r] at position seq_lens[r] - 1, its key and value to that position's
         slot of its block table. Each table serves one row, or with rows_per_table, table i
@@ -323,7 +324,10 @@ class FusedDecoder:
         seq_lens one after another). Returns (final hidden [R, E], logits
         [len(logit_rows), V] of the rows logit_rows (increasing), or None where the model's
         head is not in blocks or logit_rows is empty); None where the C step refused (nothing
-        was written: the caller runs the unfused path)."""
+        was written: the caller runs the unfused path). all_hidden=False (a caller that reads
+        only the logit rows' results): where the head is in blocks, the last layer's products
+        after its attention run for the logit rows alone, and the other rows of hidden are
+        zeros; the logit rows' numbers, logits and the cache are the same either way."""
         rows = len(tokens)
         counts = [1] * len(block_tables) if rows_per_table is None else rows_per_table
         if (
@@ -359,6 +363,7 @@ class FusedDecoder:
             ints.data_ptr() + 8 * rows,
             ints.data_ptr() + 16 * rows,
             heads,
+            int(not all_hidden and self.has_head),
             hidden.data_ptr(),
             None if out is None else out.data_ptr(),
             self.timings,

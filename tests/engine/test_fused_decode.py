@@ -49,9 +49,9 @@ def spy_steps(runner, monkeypatch) -> list[int | tuple[int, ...]]:
     calls: list[int | tuple[int, ...]] = []
     original = runner.fused.step_rows
 
-    def step_rows(tokens, block_tables, seq_lens, logit_rows, rows_per_table=None):
+    def step_rows(tokens, block_tables, seq_lens, logit_rows, rows_per_table=None, **options):
         calls.append(seq_lens[0] if len(seq_lens) == 1 else tuple(seq_lens))
-        return original(tokens, block_tables, seq_lens, logit_rows, rows_per_table)
+        return original(tokens, block_tables, seq_lens, logit_rows, rows_per_table, **options)
 
     monkeypatch.setattr(runner.fused, "step_rows", step_rows)
     return calls

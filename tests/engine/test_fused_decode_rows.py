@@ -516,3 +516,36 @@ def test_a_prompt_gives_the_same_numbers_however_it_is_chunked(request, model, i
     assert torch.equal(second_hidden, hidden[len(rows) + cut :])
     assert torch.equal(second_logits, logits[-1:])
     assert all(torch.equal(a, b) for a, b in zip(whole, halves, strict=True))
+
+
+@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
+@pytest.mark.parametrize("decodes,length", [(4, 150), (0, 40), (12, 3)])
+def test_only_the_logit_rows_past_the_last_attention_give_the_same_numbers(
+    quantized_llama_one_head, isa, decodes, length
+):
+    """all_hidden=False (what the model runner asks for): the last layer's output and MLP
+    products run for the logit rows alone. A fresh prompt's chunk beside `decodes` decode rows
+    (logits of every decode row and the chunk's last token; then of none of them): the logit
+    rows' hidden states, the logits and every layer's cache bit for bit what the whole step
+    computes, the other rows' hidden states zeros. 150 + 4 rows multiply by lanes on AVX-512
+    (the pruned layer's 5 rows too), 40 rows by panels or lanes, 3 + 12 rows by panels."""
+    runner = runner_for(str(quantized_llama_one_head), isa, False)
+    rows, prefix = make_rows(decodes, seed=80) if decodes else ([], [])
+    prompt = fresh_prompt(rows, length, seed=81)
+    whole = prefill(runner, rows, prefix) if rows else caches(runner)
+    pruned_kv = copy_of(whole, runner)
+    full, pruned = (
+        FusedDecoder.build(runner.model, kv, runner.backend, runner.config)
+        for kv in (whole, pruned_kv)
+    )
+    tokens, tables, lens, per_table, logit_rows = chunk_step(rows, prompt, 0, length)
+    for wanted in (logit_rows, []):
+        hidden, logits = full.step_rows(tokens, tables, lens, wanted, per_table)
+        only_hidden, only_logits = pruned.step_rows(
+            tokens, tables, lens, wanted, per_table, all_hidden=False
+        )
+        others = [r for r in range(len(tokens)) if r not in wanted]
+        assert torch.equal(only_hidden[wanted], hidden[wanted])
+        assert not only_hidden[others].any() and hidden[others].abs().sum() > 0
+        assert (logits is None and only_logits is None) or torch.equal(only_logits, logits)
+        assert all(torch.equal(a, b) for a, b in zip(whole, pruned_kv, strict=True))
