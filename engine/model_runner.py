@@ -212,10 +212,19 @@ class ModelRunner:
 
     def _fusable(self, rows: list[BatchRow]) -> bool:
         """Whether the fused C step can run this step: at most fused_max_rows tokens in all,
-        each row drawing at most one sample and no prompt logprobs; with int8 activations
+        whose attention states fit (FusedDecoder.states_fit), each row drawing at most one
+        sample and no prompt logprobs; with int8 activations
         decode rows only (prompts stay float32, see EngineOptions.int8_activations)."""
-        one_token = self.fused is not None and self.fused.int8
-        return sum(r.n for r in rows) <= self.fused_max_rows and all(
+        fused = self.fused
+        if fused is None:
+            return False
+        tokens = sum(r.n for r in rows)
+        if tokens > self.fused_max_rows or not fused.states_fit(
+            tokens, max(r.start + r.n for r in rows)
+        ):
+            return False
+        one_token = fused.int8
+        return all(
             len(r.samples) <= 1 and r.prompt_logprobs is None and (r.n == 1 or not one_token)
             for r in rows
         )

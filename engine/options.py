@@ -178,7 +178,7 @@ class EngineOptions:
     )
     fused_decode: bool = option(
         True,
-        "CPU float32 with GGUF blocks: a step of up to 512 tokens (decode rows and prompt "
+        "CPU float32 with GGUF blocks: a step of up to 1,024 tokens (decode rows and prompt "
         "chunks; with int8_activations decode rows only) runs the whole decoder stack and "
         "the logits in one C call, each weight read once per step (a row's numbers do not "
         "depend on the other rows of its step); off: the per-operation path for every step "

@@ -37,12 +37,15 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 BLOCK_TYPES = (3, 8)  # GGML Q4_1, Q8_0: what decode_step.c multiplies
-# Most rows (tokens) a step runs fused with. The C step takes any number; its per-row attention
-# states grow with rows x windows of keys (at 512 rows and 8k keys ~80 MB), and a prompt step
-# of ~1,000 tokens is about as fast through the unfused path's oneDNN products. 512: a
-# 256-token chunk beside other streams' decode rows stays fused (1.2x the per-operation path's
-# speed there: python -m benchmarks.fused_prompt_steps, docs/design/fused-decode.md).
-MAX_ROWS = 512
+# Most rows (tokens) a step runs fused with: the engine's default chunk (chunk_size 1024), so a
+# long prompt is prefilled fused (a 1,000-token step 1.15x, a 512-token one 1.26x the
+# per-operation path's speed: python -m benchmarks.fused_prompt_steps, 2026-12-05, Zen 4 VM).
+MAX_ROWS = 1024
+# The C step keeps an attention state (2 + head_dim floats) per row, query head and window of
+# 128 keys (decode_step.c's ATTEND_WINDOW) for the merge: a step whose states would take more
+# runs the per-operation path (SmolLM2: 1,024 rows up to ~5,000 keys, 512 up to ~10,000).
+MAX_STATE_BYTES = 96 << 20
+STATE_WINDOW = 128
 # The parts decode_step.c times (its enum, in order), as profile labels.
 PARTS = (
     "norms, residuals, block sums",
@@ -184,6 +187,7 @@ class FusedDecoder:
         self.has_head = bool(model.head.blocks)
         self.hidden_size, self.vocab, self.block_size = model.hidden, model.vocab, model.block_size
         self.int8 = bool(model.int8_isa)  # the products quantize activations to int8
+        self.state_bytes = 4 * model.num_heads * (2 + model.head_dim)  # a row's, per window
         self.timings: ctypes.Array | None = None  # set by profile(): seconds per part
 
     @classmethod
@@ -295,6 +299,12 @@ class FusedDecoder:
         return len(kv_caches) == len(self._caches) and all(
             a is b for a, b in zip(kv_caches, self._caches, strict=True)
         )
+
+    def states_fit(self, rows: int, longest: int) -> bool:
+        """Whether a step of `rows` rows, the longest `longest` tokens long (its keys), keeps
+        its attention states within MAX_STATE_BYTES."""
+        windows = -(-longest // STATE_WINDOW)
+        return rows * windows * self.state_bytes <= MAX_STATE_BYTES
 
     def profile(self, on: bool) -> None:
         """Start (zeroed) or stop accumulating thread 0's seconds per part into .timings."""

@@ -390,6 +390,24 @@ def test_steps_of_more_tokens_than_max_rows_take_the_unfused_path(quantized_llam
     assert MAX_ROWS >= 64
 
 
+def test_steps_whose_attention_states_do_not_fit_take_the_unfused_path(
+    quantized_llama, monkeypatch
+):
+    """A step's attention states (a row's per query head and window of 128 keys) past
+    MAX_STATE_BYTES: the unfused path, the same greedy tokens. Here the states of the prompts'
+    step (5 x 3 rows, one window) exceed the bound set and the decode steps' (5 rows) do not."""
+    prompts = random_prompts([3] * 5, seed=61, vocab=VOCAB)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    fused = LLM(str(quantized_llama), **OPTS)
+    state_bytes = fused.engine.runner.fused.state_bytes
+    monkeypatch.setattr(fused_decode, "MAX_STATE_BYTES", 10 * state_bytes)
+    calls = spy_steps(fused.engine.runner, monkeypatch)
+    ours = [o.token_ids for o in fused.generate(prompts, params)]
+    assert calls == [(4, 4, 4, 4, 4), (5, 5, 5, 5, 5)]  # the decode steps only
+    unfused = LLM(str(quantized_llama), fused_decode=False, **OPTS)
+    assert ours == [o.token_ids for o in unfused.generate(prompts, params)]
+
+
 def chunk_step(rows: list[Row], prompt: Row, lo: int, hi: int):
     """Inputs of one step: every row of `rows` decodes its first token after its context, and
     `prompt`'s tokens [lo, hi) are a chunk (a row per token). Returns (tokens, tables,
