@@ -212,16 +212,10 @@ class ModelRunner:
 
     def _fusable(self, rows: list[BatchRow]) -> bool:
         """Whether the fused C step can run this step: at most fused_max_rows tokens in all,
-        whose attention states fit (FusedDecoder.states_fit), each row drawing at most one
-        sample and no prompt logprobs; with int8 activations
+        each row drawing at most one sample and no prompt logprobs; with int8 activations
         decode rows only (prompts stay float32, see EngineOptions.int8_activations)."""
         fused = self.fused
-        if fused is None:
-            return False
-        tokens = sum(r.n for r in rows)
-        if tokens > self.fused_max_rows or not fused.states_fit(
-            tokens, max(r.start + r.n for r in rows)
-        ):
+        if fused is None or sum(r.n for r in rows) > self.fused_max_rows:
             return False
         one_token = fused.int8
         return all(

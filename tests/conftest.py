@@ -67,6 +67,19 @@ def quantized_llama_one_head(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def quantized_llama_long(tmp_path_factory) -> Path:
+    """quantized_llama with 1,024 positions: prompts whose rows reach five or more of the
+    fused step's windows of 128 keys."""
+    from engine.weights.gguf_convert import convert_gguf_to_hf
+    from tests.engine.test_gguf_blocks import write_quantized_llama_gguf
+
+    root = tmp_path_factory.mktemp("gguf_long")
+    write_quantized_llama_gguf(root / "tiny.gguf", context=1024)
+    convert_gguf_to_hf(root / "tiny.gguf", root / "hf")
+    return root / "hf"
+
+
+@pytest.fixture(scope="session")
 def hf_models():
     """Cache of transformers models by checkpoint dir (fp32, eval)."""
     from transformers import AutoModelForCausalLM

@@ -79,6 +79,7 @@ typedef struct {
     const float *rope;       /* [max_positions, D / 2, 2]: (cos, sin) of each rotation pair */
     ds_matrix head;          /* output projection; blocks NULL: logits are not computed here */
     int32_t int8_isa;        /* 0: float32 activations; else BATON_I8_* (int8_activations) */
+    int64_t max_state_bytes; /* a step whose attention states would take more is refused (-3) */
 } ds_model;
 
 /* Parts of the step, timed by thread 0 when the caller passes a timings array. */
@@ -121,6 +122,11 @@ static void rope_rows(const float *src, int64_t heads, int64_t D, const float *r
  *     one prompt head: pd_find_groups) share the windows wholly inside those blocks;
  *   - a prompt's chunk (consecutive rows of one sequence), up to MAX_NG / G rows at a time,
  *     share every window, each row attending up to its own position (the kernel's limits).
+ *     Off AMX one thread runs a chunk's windows from 0 in order and merges each into the
+ *     chunk's running states as it ends (the merge the heads would do, in the same order),
+ *     so a long prompt's rows keep one state per head instead of one per window (less
+ *     memory to write and read back); many windows are cut into runs, so that
+ *     the threads still share a step's work evenly (plan_attention).
  * A window's numbers for a row are the same whichever way it runs (no lane mixes query
  * vectors; a row's keys end in a window as they would alone) and the cut points do not depend
  * on the other rows: a row's output is the same whatever rows share its step. */
@@ -132,6 +138,8 @@ static void rope_rows(const float *src, int64_t heads, int64_t D, const float *r
 #define WINDOW_GRAB 2
 #endif
 #define WINDOWS_SCHEDULE schedule(dynamic, WINDOW_GRAB)
+/* Tasks a thread of a prompt chunk's windows, at least (plan_attention's runs of windows). */
+#define CHUNK_TASKS 16
 _Static_assert(ATTEND_WINDOW == WA_MAX_KEYS && MAX_NG == WA_MAX_NG, "window_amx.c's bounds");
 
 /* One window: keys [w ATTEND_WINDOW, k1) of KV head h for members[row0 .. row0 + nrows),
@@ -141,25 +149,44 @@ typedef struct {
 } ds_window;
 
 /* Windows run together by one thread: on AMX, a prompt's window w of KV head h for each of its
- * chunks (chunk: the window's keys are packed once for all of them), or any window alone. */
+ * chunks (chunk: the window's keys are packed once for all of them); off AMX, a run of a
+ * prompt chunk's consecutive windows (fold when it starts at window 0: see below); or any
+ * window alone. */
 typedef struct {
     int64_t first, count; /* windows[first .. first + count) */
     int chunk;            /* 1: a prompt's chunks, in order (the last one reaches furthest) */
+    int fold;             /* 1: one chunk's windows 0, 1, ... merged as they run */
 } ds_window_task;
 
-/* The windows of a step: which rows share which, and every window each row needs. */
+/* The windows of a step: which rows share which, and every window each row needs.
+ * States: each row's (m, l, acc) per query head and slot, [state0[b] .. + H slots(b)) in
+ * units of 2 + D floats, head-major. A row's first `folded[b]` windows (a prompt chunk's
+ * windows from 0 that one task runs in order) are merged as they run, the first slot holding
+ * their merge; every later window has a slot of its own. The head's merge of its slots in key
+ * order then computes, operation for operation, the merge of its windows in key order (the
+ * first slot merged into the empty state is that state exactly). */
 typedef struct {
     int64_t *members; /* [2 R]: the groups' rows, then each decode row by itself */
     ds_window *windows;
     ds_window_task *tasks;
-    int64_t num_windows, max_windows; /* windows to run; most windows of one row */
+    int64_t num_windows; /* windows to run */
     int64_t num_tasks;
+    int64_t *folded, *state0, *slots; /* [R] each */
+    int64_t num_slots;                /* sum over rows of H slots(b) */
 } ds_attention_plan;
 
 static void free_plan(ds_attention_plan *p) {
     free(p->members);
     free(p->windows);
     free(p->tasks);
+    free(p->folded);
+}
+
+/* Row b's state of query head `head` for window w (plan's slots). */
+static inline float *state_of(const ds_attention_plan *p, float *states, int64_t b, int64_t head,
+                              int64_t w, int64_t state_floats) {
+    const int64_t slot = w < p->folded[b] ? 0 : w - p->folded[b] + 1;
+    return states + (p->state0[b] + head * p->slots[b] + slot) * state_floats;
 }
 
 /* 0, or -2 when scratch memory failed. chunk_tasks: a prompt's window is one task for all its
@@ -169,15 +196,16 @@ static void free_plan(ds_attention_plan *p) {
  * and 2 of them). */
 static int plan_attention(ds_attention_plan *p, const int64_t *tables, int64_t width,
                           const int64_t *seq_lens, int64_t R, int64_t G, int64_t KVH,
-                          int64_t block_size, int chunk_tasks) {
+                          int64_t block_size, int chunk_tasks, int threads) {
     const int64_t W = ATTEND_WINDOW, per_group = MAX_NG / G;
+    p->folded = malloc(sizeof(int64_t) * (size_t)(3 * R));
     /* scratch [R] each: run_end, idx, sub_lens, sub_shared, row0, rows, same, sorted, gshared,
      * chunk_row0, chunk_rows, chunk_end; sub_members [2 R]; sub_tables [R, width] */
     int64_t *run_end = malloc(sizeof(int64_t) * (size_t)(14 * R + R * width));
     p->members = malloc(sizeof(int64_t) * (size_t)(2 * R));
     p->windows = NULL;
     p->tasks = NULL;
-    if (!run_end || !p->members) {
+    if (!run_end || !p->members || !p->folded) {
         free(run_end);
         return -2;
     }
@@ -205,13 +233,8 @@ static int plan_attention(ds_attention_plan *p, const int64_t *tables, int64_t w
     a.group = G, a.block_size = block_size;
     const int64_t num_groups =
         pd_find_groups(&a, nd, sub_members, sub_shared, row0, rows, same, sorted);
-    int64_t total = 0;
-    p->max_windows = 0;
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t n = (seq_lens[r] + W - 1) / W;
-        total += n;
-        p->max_windows = n > p->max_windows ? n : p->max_windows;
-    }
+    int64_t total = 0; /* every row's windows */
+    for (int64_t r = 0; r < R; r++) total += (seq_lens[r] + W - 1) / W;
     p->windows = malloc(sizeof(ds_window) * (size_t)(KVH * total > 0 ? KVH * total : 1));
     p->tasks = malloc(sizeof(ds_window_task) * (size_t)(KVH * total > 0 ? KVH * total : 1));
     if (!p->windows || !p->tasks) {
@@ -243,32 +266,61 @@ static int plan_attention(ds_attention_plan *p, const int64_t *tables, int64_t w
     const int64_t single0 = m;
     for (int64_t i = 0; i < nd; i++) p->members[m++] = idx[i];
     prompt_chunk0[num_prompts] = num_chunks;
+    /* Off AMX a chunk's windows run in runs of `segment`, the first folded (state_of): about
+     * CHUNK_TASKS tasks a thread at least, so that threads share them out evenly, and most
+     * prompts' windows all folded in one run (a chunk's rows then keep one state per head). */
+    int64_t chunk_windows = 0;
+    for (int64_t c = 0; c < num_chunks; c++) chunk_windows += (chunk_end[c] + W - 1) / W;
+    const int64_t per_thread = CHUNK_TASKS * (threads > 0 ? threads : 1);
+    const int64_t segment =
+        chunk_tasks ? 1 : (KVH * chunk_windows + per_thread - 1) / per_thread;
+    for (int64_t r = 0; r < R; r++) p->folded[r] = 1;
+    for (int64_t c = 0; c < num_chunks && segment > 1; c++)
+        for (int64_t i = chunk_row0[c]; i < chunk_row0[c] + chunk_rows[c]; i++) {
+            const int64_t b = p->members[i], n = (seq_lens[b] + W - 1) / W;
+            p->folded[b] = n < segment ? n : segment;
+        }
+    p->state0 = p->folded + R;
+    p->slots = p->state0 + R;
+    p->num_slots = 0;
+    for (int64_t r = 0; r < R; r++) {
+        p->slots[r] = (seq_lens[r] + W - 1) / W - p->folded[r] + 1;
+        p->state0[r] = p->num_slots;
+        p->num_slots += (KVH * G) * p->slots[r];
+    }
     p->num_windows = p->num_tasks = 0;
 #define ALONE(window)                                                                              \
     do {                                                                                           \
-        p->tasks[p->num_tasks++] = (ds_window_task){p->num_windows, 1, 0};                         \
+        p->tasks[p->num_tasks++] = (ds_window_task){.first = p->num_windows, .count = 1};          \
         p->windows[p->num_windows++] = window;                                                     \
     } while (0)
     for (int64_t h = 0; h < KVH; h++) {
         for (int64_t g = 0; g < num_groups; g++) /* windows wholly inside the shared keys */
             for (int64_t w = 0; w < gshared[g] / W; w++)
                 ALONE(((ds_window){h, w, (w + 1) * W, row0[g], rows[g]}));
-        for (int64_t i = 0; i < num_prompts; i++) /* every window of a chunk's keys */
+        for (int64_t i = 0; i < num_prompts && chunk_tasks; i++) /* per window, all chunks */
             for (int64_t w = 0; w * W < chunk_end[prompt_chunk0[i + 1] - 1]; w++) {
-                ds_window_task task = {p->num_windows, 0, 1}; /* the chunks reaching window w */
+                ds_window_task task = {p->num_windows, 0, 1, 0}; /* the chunks reaching w */
                 for (int64_t c = prompt_chunk0[i]; c < prompt_chunk0[i + 1]; c++) {
                     if (w * W >= chunk_end[c]) continue;
-                    const ds_window window = {
+                    p->windows[p->num_windows++] = (ds_window){
                         h, w, (w + 1) * W < chunk_end[c] ? (w + 1) * W : chunk_end[c],
                         chunk_row0[c], chunk_rows[c]};
-                    if (!chunk_tasks) {
-                        ALONE(window);
-                        continue;
-                    }
-                    p->windows[p->num_windows++] = window;
                     task.count++;
                 }
-                if (chunk_tasks) p->tasks[p->num_tasks++] = task;
+                p->tasks[p->num_tasks++] = task;
+            }
+        /* per chunk, runs of its windows: the last chunks (the most keys) first */
+        for (int64_t c = num_chunks - 1; c >= 0 && !chunk_tasks; c--)
+            for (int64_t w0 = 0; w0 * W < chunk_end[c]; w0 += segment) {
+                ds_window_task task = {p->num_windows, 0, 0, w0 == 0};
+                for (int64_t w = w0; w < w0 + segment && w * W < chunk_end[c]; w++) {
+                    p->windows[p->num_windows++] = (ds_window){
+                        h, w, (w + 1) * W < chunk_end[c] ? (w + 1) * W : chunk_end[c],
+                        chunk_row0[c], chunk_rows[c]};
+                    task.count++;
+                }
+                p->tasks[p->num_tasks++] = task;
             }
         for (int64_t i = 0; i < nd; i++) /* a decode row's other windows, alone */
             for (int64_t w = sub_shared[i] / W; w * W < sub_lens[i]; w++)
@@ -366,7 +418,8 @@ int baton_decode_amx_min_rows(void) { return AMX_MIN_ROWS; }
  * to EXACT_MAX_ROWS rows: what it computes alone, R = 1).
  * timings: NULL, or [T_PARTS] seconds that thread 0 adds its time per part to.
  * Returns 0; -1 for a shape, token, position or row set it does not take (nothing written
- * then); -2 when scratch memory failed. */
+ * then); -2 when scratch memory failed; -3 when its attention states would pass
+ * m->max_state_bytes (nothing written). */
 int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const int64_t *tables,
                       int64_t width, const int64_t *seq_lens, const int64_t *logit_rows,
                       int64_t num_logit_rows, int only_logit_rows, float *hidden, float *logits,
@@ -392,19 +445,24 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
     /* with AMX, the prompts' windows too are attended by tiles (window_amx.c) */
     const int by_amx_windows = by_amx && wa_takes(D);
     ds_attention_plan plan;
-    if (plan_attention(&plan, tables, width, seq_lens, R, G, KVH, m->block_size,
-                       by_amx_windows) != 0) {
+    if (plan_attention(&plan, tables, width, seq_lens, R, G, KVH, m->block_size, by_amx_windows,
+                       omp_get_max_threads()) != 0) {
         free_plan(&plan);
         return -2;
     }
-    const int64_t num_states = R * H * plan.max_windows, state_floats = 2 + D;
+    const int64_t num_states = plan.num_slots, state_floats = 2 + D;
+    if ((double)num_states * (double)(sizeof(float) * state_floats) > (double)m->max_state_bytes) {
+        free_plan(&plan); /* many decode rows over long contexts, or a chunk's many windows */
+        return -3;
+    }
     /* shared: qkv, attention output, a product's output, the SwiGLU activations (all [R, .]);
      * then per thread (private): residuals x and normed xn [R, E], roped q and k of one head,
      * block sums, int8 scales [R, max_k / 32] (three), a window's queries and states, int8
      * quants [R, max_k] bytes */
     /* Every part starts on a cache line (SCRATCH_ALIGN floats): the products' 32-byte loads of
      * x rows and panels then never straddle two lines, whatever address malloc returns. */
-    const int64_t window_size = lines(2 * MAX_NG * D + 2 * MAX_NG);
+    /* a window's queries, outputs and running states; a fold's outputs and states */
+    const int64_t window_size = lines(3 * MAX_NG * D + 4 * MAX_NG);
     /* few rows' products: the head, and with only_logit_rows a pruned last layer's */
     const int64_t lanes_own = lanes_scratch_floats(max_k, only_logit_rows ? max_k : E);
     const int64_t amx_own = amx_scratch_floats(max_k);
@@ -436,7 +494,7 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
     }
     float *qkv = shared, *attn = qkv + lines(R * qkv_n), *tmp = attn + lines(R * q_size),
           *act = tmp + lines(R * E);
-    /* roped queries [R, H, D]; window states [R, H, max_windows, 2 + D] */
+    /* roped queries [R, H, D]; window states (plan's slots, 2 + D floats each) */
     float *roped = act + lines(R * I), *states = roped + lines(R * q_size),
           *xt = states + lines(num_states * state_floats);
     float *own_all = shared + shared_size;
@@ -450,6 +508,8 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
               *xs = xd + lines(nb), *window_q = xs + lines(nb);
         float *window_acc = window_q + MAX_NG * D;
         PdRunning *window_run = (PdRunning *)(window_acc + MAX_NG * D);
+        float *fold_acc = (float *)(window_run + MAX_NG);
+        PdRunning *fold_run = (PdRunning *)(fold_acc + MAX_NG * D);
         float *amx_window = x + own_size - amx_window_size; /* window_amx.c's scratch */
         uint16_t *amx_pack = (uint16_t *)(amx_window + (by_amx_windows ? wa_scratch_floats(D) : 0));
         int64_t window_limits[MAX_NG], window_counts[MAX_NG];
@@ -514,15 +574,16 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
                 /* the keys this thread attends next, where it knows them: the next task's in
                  * its grab of WINDOW_GRAB tasks, or every next task when it runs alone (a
                  * window on the vector kernel) */
-                PdArgs pw = pa;
+                PdArgs after = pa; /* after the task's last window */
                 if ((alone || (t + 1) % WINDOW_GRAB != 0) && t + 1 < plan.num_tasks &&
                     !(by_amx_windows && plan.tasks[t + 1].chunk)) {
                     const ds_window *next = &plan.windows[plan.tasks[t + 1].first];
-                    pw.next_table = tables + plan.members[next->row0] * width;
-                    pw.next_h = next->h;
-                    pw.next_t0 = next->w * ATTEND_WINDOW;
-                    pw.next_t1 = next->k1;
+                    after.next_table = tables + plan.members[next->row0] * width;
+                    after.next_h = next->h;
+                    after.next_t0 = next->w * ATTEND_WINDOW;
+                    after.next_t1 = next->k1;
                 }
+                PdArgs pw = after;
                 /* a prompt's window on AMX: its keys packed once for all its chunks, to the
                  * furthest (the last chunk's) end */
                 const int packed = by_amx_windows && task->chunk;
@@ -530,8 +591,22 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
                 if (packed)
                     wa_pack(&pa, tables + plan.members[last->row0] * width, last->h,
                             last->w * ATTEND_WINDOW, last->k1, amx_pack);
-                for (int64_t i = task->first; i < task->first + task->count; i++) {
+                const int64_t end = task->first + task->count;
+                const int fold = task->fold && task->count > 1;
+                for (int64_t i = task->first; i < end; i++) {
                     const ds_window *win = &plan.windows[i];
+                    if (i + 1 < end && !packed) { /* the task's next window */
+                        const ds_window *next = win + 1;
+                        pw.next_table = tables + plan.members[next->row0] * width;
+                        pw.next_h = next->h;
+                        pw.next_t0 = next->w * ATTEND_WINDOW;
+                        pw.next_t1 = next->k1;
+                    } else if (i + 1 == end && i > task->first) {
+                        pw.next_table = after.next_table;
+                        pw.next_h = after.next_h;
+                        pw.next_t0 = after.next_t0;
+                        pw.next_t1 = after.next_t1;
+                    }
                     const int64_t lead = plan.members[win->row0], ng = win->nrows * G;
                     const int64_t k0 = win->w * ATTEND_WINDOW, k1 = win->k1;
                     const float *qg = roped + lead * q_size + win->h * G * D;
@@ -564,17 +639,34 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
                             pd_attend_avx2(&pw, qg, ng, limits, table, win->h, k0, k1,
                                            window_run, window_acc);
                     }
+                    if (fold) { /* into the task's running states, from the empty ones */
+                        if (i == task->first)
+                            for (int64_t v = 0; v < ng; v++) {
+                                fold_run[v] = (PdRunning){-INFINITY, 0.0f};
+                                memset(fold_acc + v * D, 0, sizeof(float) * (size_t)D);
+                            }
+                        for (int64_t j = 0; j < win->nrows; j++) {
+                            if (seq_lens[plan.members[win->row0 + j]] <= k0) continue;
+                            for (int64_t v = j * G; v < (j + 1) * G; v++)
+                                pd_merge(&fold_run[v], fold_acc + v * D, window_run[v].m,
+                                         window_run[v].l, window_acc + v * D, D);
+                        }
+                        if (i + 1 < end) continue;
+                    }
+                    const PdRunning *from_run = fold ? fold_run : window_run;
+                    const float *from_acc = fold ? fold_acc : window_acc;
                     for (int64_t j = 0; j < win->nrows; j++)
                         for (int64_t g = 0; g < G; g++) {
                             const int64_t b = plan.members[win->row0 + j], v = j * G + g;
-                            if (seq_lens[b] <= k0) continue; /* a prompt row before the window */
-                            float *st = states + ((b * H + win->h * G + g) * plan.max_windows +
-                                                  win->w) * state_floats;
-                            st[0] = window_run[v].m;
-                            st[1] = window_run[v].l;
+                            if (!fold && seq_lens[b] <= k0) continue; /* a row before w */
+                            /* a fold's rows: their first slot */
+                            float *st = state_of(&plan, states, b, win->h * G + g,
+                                                 fold ? 0 : win->w, state_floats);
+                            st[0] = from_run[v].m;
+                            st[1] = from_run[v].l;
                             /* a loop, not memcpy: a 64-token prompt over 2,000 cached tokens
                              * stores ~300,000 of these states, a libc call each */
-                            for (int64_t e = 0; e < D; e++) st[2 + e] = window_acc[v * D + e];
+                            for (int64_t e = 0; e < D; e++) st[2 + e] = from_acc[v * D + e];
                         }
                 }
             }
@@ -585,14 +677,12 @@ int baton_decode_rows(const ds_model *m, int64_t R, const int64_t *tokens, const
             const int64_t Rl = pruned ? num_logit_rows : R; /* rows past the attention */
             OMP_FOR(HEADS_SCHEDULE)
             for (int64_t task = 0; task < Rl * H; task++) {
-                const int64_t b = pruned ? logit_rows[task / H] : task / H, hb = b * H + task % H;
-                const int64_t windows = (seq_lens[b] + ATTEND_WINDOW - 1) / ATTEND_WINDOW;
+                const int64_t b = pruned ? logit_rows[task / H] : task / H;
+                const float *st = state_of(&plan, states, b, task % H, 0, state_floats);
                 PdRunning run = {-INFINITY, 0.0f};
                 memset(window_acc, 0, sizeof(float) * (size_t)D);
-                for (int64_t w = 0; w < windows; w++) {
-                    const float *st = states + (hb * plan.max_windows + w) * state_floats;
+                for (int64_t slot = 0; slot < plan.slots[b]; slot++, st += state_floats)
                     pd_merge(&run, window_acc, st[0], st[1], st + 2, D);
-                }
                 const float inv = 1.0f / run.l;
                 for (int64_t e = 0; e < D; e++) attn[task * D + e] = window_acc[e] * inv;
             }

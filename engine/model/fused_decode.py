@@ -41,11 +41,12 @@ BLOCK_TYPES = (3, 8)  # GGML Q4_1, Q8_0: what decode_step.c multiplies
 # long prompt is prefilled fused (a 1,000-token step 1.15x, a 512-token one 1.26x the
 # per-operation path's speed: python -m benchmarks.fused_prompt_steps, 2026-12-05, Zen 4 VM).
 MAX_ROWS = 1024
-# The C step keeps an attention state (2 + head_dim floats) per row, query head and window of
-# 128 keys (decode_step.c's ATTEND_WINDOW) for the merge: a step whose states would take more
-# runs the per-operation path (SmolLM2: 1,024 rows up to ~5,000 keys, 512 up to ~10,000).
+# The C step keeps attention states (2 + head_dim floats each) for its merge: a prompt chunk's
+# rows about one per query head (their windows of keys merged as they run), a decode row one
+# per query head and window of 128 keys. A step whose states would take more than this runs
+# the per-operation path (SmolLM2: e.g. 1,024 decode rows over ~5,000 keys each).
 MAX_STATE_BYTES = 96 << 20
-STATE_WINDOW = 128
+STATES_REFUSED = -3  # baton_decode_rows' answer to such a step
 # The parts decode_step.c times (its enum, in order), as profile labels.
 PARTS = (
     "norms, residuals, block sums",
@@ -115,6 +116,7 @@ class Model(ctypes.Structure):
         ("rope", ctypes.c_void_p),
         ("head", Matrix),
         ("int8_isa", ctypes.c_int32),  # 0, or BATON_I8_* (set per step, as gguf_matmul_int8)
+        ("max_state_bytes", ctypes.c_int64),
     ]
 
 
@@ -187,7 +189,6 @@ class FusedDecoder:
         self.has_head = bool(model.head.blocks)
         self.hidden_size, self.vocab, self.block_size = model.hidden, model.vocab, model.block_size
         self.int8 = bool(model.int8_isa)  # the products quantize activations to int8
-        self.state_bytes = 4 * model.num_heads * (2 + model.head_dim)  # a row's, per window
         self.timings: ctypes.Array | None = None  # set by profile(): seconds per part
 
     @classmethod
@@ -244,6 +245,7 @@ class FusedDecoder:
             rope.data_ptr(),
             head,
             INT8_ISA_IDS[isa] if int8 else 0,
+            MAX_STATE_BYTES,
         )
         logger.info(
             "decode steps of up to %d rows run fused in C (%s%s; fused_decode=False turns it off)",
@@ -300,11 +302,15 @@ class FusedDecoder:
             a is b for a, b in zip(kv_caches, self._caches, strict=True)
         )
 
-    def states_fit(self, rows: int, longest: int) -> bool:
-        """Whether a step of `rows` rows, the longest `longest` tokens long (its keys), keeps
-        its attention states within MAX_STATE_BYTES."""
-        windows = -(-longest // STATE_WINDOW)
-        return rows * windows * self.state_bytes <= MAX_STATE_BYTES
+    @property
+    def max_state_bytes(self) -> int:
+        """Most bytes of attention states a step keeps (MAX_STATE_BYTES): step_rows answers
+        None for a step that would keep more."""
+        return int(self._model.max_state_bytes)
+
+    @max_state_bytes.setter
+    def max_state_bytes(self, value: int) -> None:
+        self._model.max_state_bytes = value
 
     def profile(self, on: bool) -> None:
         """Start (zeroed) or stop accumulating thread 0's seconds per part into .timings."""
@@ -334,7 +340,8 @@ class FusedDecoder:
         seq_lens one after another). Returns (final hidden [R, E], logits
         [len(logit_rows), V] of the rows logit_rows (increasing), or None where the model's
         head is not in blocks or logit_rows is empty); None where the C step refused (nothing
-        was written: the caller runs the unfused path). all_hidden=False (a caller that reads
+        was written: the caller runs the unfused path), its attention states past
+        max_state_bytes too. all_hidden=False (a caller that reads
         only the logit rows' results): where the head is in blocks, the last layer's products
         after its attention run for the logit rows alone, and the other rows of hidden are
         zeros; the logit rows' numbers, logits and the cache are the same either way."""
@@ -378,6 +385,9 @@ class FusedDecoder:
             None if out is None else out.data_ptr(),
             self.timings,
         )
+        if rc == STATES_REFUSED:
+            logger.debug("fused step: attention states past max_state_bytes; unfused path")
+            return None
         if rc != 0:
             logger.warning("fused decode step refused (%d); running the unfused path", rc)
             return None

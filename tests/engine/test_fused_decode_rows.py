@@ -390,22 +390,26 @@ def test_steps_of_more_tokens_than_max_rows_take_the_unfused_path(quantized_llam
     assert MAX_ROWS >= 64
 
 
-def test_steps_whose_attention_states_do_not_fit_take_the_unfused_path(
-    quantized_llama, monkeypatch
-):
-    """A step's attention states (a row's per query head and window of 128 keys) past
-    MAX_STATE_BYTES: the unfused path, the same greedy tokens. Here the states of the prompts'
-    step (5 x 3 rows, one window) exceed the bound set and the decode steps' (5 rows) do not."""
-    prompts = random_prompts([3] * 5, seed=61, vocab=VOCAB)
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    fused = LLM(str(quantized_llama), **OPTS)
-    state_bytes = fused.engine.runner.fused.state_bytes
-    monkeypatch.setattr(fused_decode, "MAX_STATE_BYTES", 10 * state_bytes)
-    calls = spy_steps(fused.engine.runner, monkeypatch)
-    ours = [o.token_ids for o in fused.generate(prompts, params)]
-    assert calls == [(4, 4, 4, 4, 4), (5, 5, 5, 5, 5)]  # the decode steps only
-    unfused = LLM(str(quantized_llama), fused_decode=False, **OPTS)
-    assert ours == [o.token_ids for o in unfused.generate(prompts, params)]
+def test_steps_whose_attention_states_do_not_fit_take_the_unfused_path(quantized_llama):
+    """A step whose attention states would pass max_state_bytes: the C step refuses it before
+    writing anything (the engine then runs the per-operation path). 16 decode rows, each with
+    one window of keys (one state per query head): 64 states of 2 + head_dim floats; a bound
+    one state short refuses the step, the bound itself takes it, and the cache is as the
+    taken step alone leaves it."""
+    runner = runner_for(str(quantized_llama), "avx2", False)
+    rows, prefix = make_rows(16, seed=82)
+    kv = prefill(runner, rows, prefix)
+    before = [c.clone() for c in kv]
+    fused = FusedDecoder.build(runner.model, kv, runner.backend, runner.config)
+    args = runner.model.args
+    states = 4 * len(rows) * args.num_heads * (2 + args.head_dim)
+    step = decode_inputs(rows, 0)
+    fused.max_state_bytes = states - 1
+    assert fused.step_rows(*step, list(range(16))) is None
+    assert all(torch.equal(a, b) for a, b in zip(kv, before, strict=True))
+    fused.max_state_bytes = states
+    assert fused.step_rows(*step, list(range(16))) is not None
+    assert not all(torch.equal(a, b) for a, b in zip(kv, before, strict=True))
 
 
 def chunk_step(rows: list[Row], prompt: Row, lo: int, hi: int):
@@ -472,6 +476,19 @@ def test_a_long_prompt_beside_decodes_equals_the_unfused_step(quantized_llama_on
     assert_step_equals_unfused(runner, rows, prefix, chunk_step(rows, prompt, 0, 150))
 
 
+@pytest.mark.usefixtures("threads")
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("isa", RUNNABLE_ISAS)
+def test_a_prompt_of_many_windows_beside_decodes_equals_the_unfused_step(quantized_llama_long, isa):
+    """520 tokens beside four decode rows (its chunks' windows run in runs, the first folded
+    as it runs: of 3 windows on two threads, of 6 on one): within the tolerance of the fused
+    step's products of many rows."""
+    runner = runner_for(str(quantized_llama_long), isa, False)
+    rows, prefix = make_rows(4, seed=78)
+    prompt = fresh_prompt(rows, 520, seed=79)
+    assert_step_equals_unfused(runner, rows, prefix, chunk_step(rows, prompt, 0, 520))
+
+
 @pytest.mark.parametrize("isa", RUNNABLE_ISAS)
 def test_two_prompts_beside_decodes_equal_the_unfused_step(quantized_llama_one_head, isa):
     """Two fresh prompts in one step (with AMX each packs its own windows: 70 tokens, two
@@ -491,9 +508,19 @@ def test_two_prompts_beside_decodes_equal_the_unfused_step(quantized_llama_one_h
     assert_step_equals_unfused(runner, rows, prefix, (tokens, tables, lens, per_table, logit_rows))
 
 
-@pytest.mark.parametrize("model", ["quantized_llama", "quantized_llama_one_head"])
+@pytest.mark.parametrize(
+    "model,length,cut",
+    [
+        (model, length, cut)
+        for model in ("quantized_llama", "quantized_llama_one_head")
+        for length, cut in ((32, 12), (64, 28), (150, 70))
+    ]
+    # five windows for the last rows: off AMX the whole step runs each chunk's windows in
+    # runs of three, the first folded as it runs; the first part in runs of one, the second
+    # of three (decode_step.c's CHUNK_TASKS)
+    + [("quantized_llama_long", 520, 200)],
+)
 @pytest.mark.parametrize("isa", RUNNABLE_ISAS)
-@pytest.mark.parametrize("length,cut", [(32, 12), (64, 28), (150, 70)])
 def test_a_prompt_gives_the_same_numbers_however_it_is_chunked(request, model, isa, length, cut):
     """A fresh prompt beside four decode rows in one step, and the same in two steps (the
     decode rows in the first; 150 tokens: several windows of keys and several groups of rows

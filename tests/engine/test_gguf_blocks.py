@@ -68,14 +68,14 @@ def test_bad_blocks_are_refused():
 
 
 def write_quantized_llama_gguf(
-    path: Path, v_type=Q4_1, heads: int = HEADS, kv_heads: int = KV_HEADS
+    path: Path, v_type=Q4_1, heads: int = HEADS, kv_heads: int = KV_HEADS, context: int = 256
 ) -> None:
     """A tiny tied-embedding Llama: Q4_1 layer matrices (attn_v: v_type), a Q8_0 embedding,
-    float32 norms; head_dim E / heads."""
+    float32 norms; head_dim E / heads; `context` positions."""
     w = gguf.GGUFWriter(path, arch="llama")
     for add, value in (
         (w.add_block_count, LAYERS),
-        (w.add_context_length, 256),
+        (w.add_context_length, context),
         (w.add_embedding_length, E),
         (w.add_feed_forward_length, FF),
         (w.add_head_count, heads),
