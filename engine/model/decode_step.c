@@ -190,10 +190,11 @@ static inline float *state_of(const ds_attention_plan *p, float *states, int64_t
 }
 
 /* 0, or -2 when scratch memory failed. chunk_tasks: a prompt's window is one task for all its
- * chunks (AMX packs its keys once for them); else each chunk's window is a task of its own, so
- * that a short prompt's few windows still spread evenly over the threads (a 256-token prompt
- * has 2 windows per KV head, SmolLM2's 6 tasks of 13 chunks and 7: two threads would get 4
- * and 2 of them). */
+ * chunks (AMX packs its keys once for them); else each chunk's windows are runs of its own, the
+ * first folded, so that a short prompt's few windows still spread evenly over the threads (a
+ * 256-token prompt has 2 windows per KV head: as 6 tasks of all chunks, two threads would get
+ * 4 and 2 of them; as 39 of one chunk each, the largest first, about half each). threads: the
+ * step's team. */
 static int plan_attention(ds_attention_plan *p, const int64_t *tables, int64_t width,
                           const int64_t *seq_lens, int64_t R, int64_t G, int64_t KVH,
                           int64_t block_size, int chunk_tasks, int threads) {
@@ -272,8 +273,8 @@ static int plan_attention(ds_attention_plan *p, const int64_t *tables, int64_t w
     int64_t chunk_windows = 0;
     for (int64_t c = 0; c < num_chunks; c++) chunk_windows += (chunk_end[c] + W - 1) / W;
     const int64_t per_thread = CHUNK_TASKS * (threads > 0 ? threads : 1);
-    const int64_t segment =
-        chunk_tasks ? 1 : (KVH * chunk_windows + per_thread - 1) / per_thread;
+    const int64_t runs = (KVH * chunk_windows + per_thread - 1) / per_thread;
+    const int64_t segment = chunk_tasks || runs < 1 ? 1 : runs;
     for (int64_t r = 0; r < R; r++) p->folded[r] = 1;
     for (int64_t c = 0; c < num_chunks && segment > 1; c++)
         for (int64_t i = chunk_row0[c]; i < chunk_row0[c] + chunk_rows[c]; i++) {
