@@ -2,7 +2,9 @@
 row (2 x weights), the output projection for rows that sample, and attention (4 x head_dim per
 query head and key; a prompt row attends its cached keys and the prompt's keys up to itself).
 The counts equal PyTorch's FLOP counter over transformers' forward of the same checkpoint
-(tests/bench/test_serving_bounds.py), attention counted causally.
+(tests/bench/test_serving_bounds.py), attention counted causally. A prompt's work as Baton's
+fused step does it (pruned) leaves out the last layer's products past its attention for
+every row but the one that samples (nothing reads them).
 """
 
 from __future__ import annotations
@@ -62,9 +64,18 @@ class Shape:
         """One query row over `keys` positions: scores and values of every query head."""
         return 4.0 * self.layers * self.heads * self.head_dim * keys
 
-    def prefill_flops(self, cached: int, new: int) -> float:
+    def tail_flops(self) -> float:
+        """One row's products of a layer past its attention: output, gate + up, down."""
+        return 2.0 * sum(k * n for k, n in self.products()[1:])
+
+    def prefill_products(self, new: int, pruned: bool = False) -> float:
+        """The products of a prompt's `new` rows; pruned: the last layer's tail for the last
+        row only."""
+        return new * self.row_flops() - ((new - 1) * self.tail_flops() if pruned else 0.0)
+
+    def prefill_flops(self, cached: int, new: int, pruned: bool = False) -> float:
         return (
-            new * self.row_flops()
+            self.prefill_products(new, pruned)
             + self.attention_flops(prompt_keys(cached, new))
             + self.head_flops()
         )

@@ -216,12 +216,15 @@ def main() -> None:
             (steps.decode(prefix, new, S, 16) for _ in range(args.rounds)), key=lambda run: run[0]
         )
         cached, keys = len(prefix), len(prefix) + new + args.output_len // 2
-        flops_prefill, flops_row = shape.prefill_flops(cached, new), shape.decode_row_flops(keys)
+        # the fused step (its parts timed) runs the last layer's tail for the sampled row only
+        pruned = bool(parts)
+        flops_prefill = shape.prefill_flops(cached, new, pruned)
+        flops_row = shape.decode_row_flops(keys)
         products = sum(seconds for part, seconds in parts.items() if "product" in part)
         attention = parts.get("rope + KV write + attention", 0.0)
         rates, rate = "", ref
         if products > 0 and attention > 0:
-            product_rate = new * shape.row_flops() / products
+            product_rate = shape.prefill_products(new, pruned) / products
             attention_rate = shape.attention_flops(prompt_keys(cached, new)) / attention
             rates = f" (products {product_rate / 1e9:.0f}, attention {attention_rate / 1e9:.0f})"
             rate = max(ref, product_rate)  # the reference: the fastest float32 rate

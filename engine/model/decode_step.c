@@ -273,8 +273,8 @@ static int plan_attention(ds_attention_plan *p, const int64_t *tables, int64_t w
     int64_t chunk_windows = 0;
     for (int64_t c = 0; c < num_chunks; c++) chunk_windows += (chunk_end[c] + W - 1) / W;
     const int64_t per_thread = CHUNK_TASKS * (threads > 0 ? threads : 1);
-    const int64_t runs = (KVH * chunk_windows + per_thread - 1) / per_thread;
-    const int64_t segment = chunk_tasks || runs < 1 ? 1 : runs;
+    const int64_t per_run = (KVH * chunk_windows + per_thread - 1) / per_thread;
+    const int64_t segment = chunk_tasks || per_run < 1 ? 1 : per_run;
     for (int64_t r = 0; r < R; r++) p->folded[r] = 1;
     for (int64_t c = 0; c < num_chunks && segment > 1; c++)
         for (int64_t i = chunk_row0[c]; i < chunk_row0[c] + chunk_rows[c]; i++) {

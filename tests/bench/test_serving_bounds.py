@@ -60,6 +60,22 @@ def test_prefill_products_and_the_last_rows_logits(hf_model):
     )
 
 
+def test_a_layers_tail_is_what_transformers_computes_past_its_attention(hf_model):
+    """The pruned prefill leaves out, for every row but the last, the last layer's output
+    projection and MLP: tail_flops, as PyTorch counts them on transformers' modules."""
+    model, shape = hf_model
+    layer = model.model.layers[-1]
+    attn_out = torch.randn(1, 1, shape.heads * shape.head_dim)
+    hidden = torch.randn(1, 1, shape.hidden)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        layer.self_attn.o_proj(attn_out)
+        layer.mlp(hidden)
+    assert counter.get_total_flops() == shape.tail_flops()
+    assert shape.prefill_flops(0, 3, pruned=True) == shape.prefill_flops(0, 3) - 2 * (
+        shape.tail_flops()
+    )
+
+
 def test_runs_on_a_tiny_engine(tiny_llama, monkeypatch, capsys):
     monkeypatch.setattr(
         sys,
