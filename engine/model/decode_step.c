@@ -414,9 +414,10 @@ int baton_decode_amx_min_rows(void) { return AMX_MIN_ROWS; }
  * [num_logit_rows, vocab]. only_logit_rows: the last layer past its attention (the output
  * and MLP products, the final norm) runs for the logit rows alone, since nothing reads the
  * other rows' results: hidden holds the logit rows' states, zeros elsewhere (a 256-token
- * prompt's step skips 255/256 of a layer's products but the qkv; 2.8% of SmolLM2's). A row's results do not depend on the other rows of the step: they
- * are what a step of as many rows computes for it with the keys before it in the cache (up
- * to EXACT_MAX_ROWS rows: what it computes alone, R = 1).
+ * prompt's step skips 255/256 of a layer's products but the qkv; 2.8% of SmolLM2's). A row's
+ * results do not depend on the other rows of the step: they are what a step of as many rows
+ * computes for it with the keys before it in the cache (up to EXACT_MAX_ROWS rows: what it
+ * computes alone, R = 1).
  * timings: NULL, or [T_PARTS] seconds that thread 0 adds its time per part to.
  * Returns 0; -1 for a shape, token, position or row set it does not take (nothing written
  * then); -2 when scratch memory failed; -3 when its attention states would pass

@@ -36,7 +36,7 @@ def test_rows_per_batch_with_the_fused_step_on_and_off(quantized_llama, tmp_path
                 monkeypatch.setattr(
                     runner.fused,
                     "step_rows",
-                    lambda t, *a: fused_rows.append(len(t)) or rows(t, *a),
+                    lambda t, *a, **k: fused_rows.append(len(t)) or rows(t, *a, **k),
                 )
         return timed(llm, prompts, steps, tag)
 
