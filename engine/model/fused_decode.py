@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_step.c")
 BLOCK_TYPES = (3, 8)  # GGML Q4_1, Q8_0: what decode_step.c multiplies
 # Most rows (tokens) a step runs fused with: the engine's default chunk (chunk_size 1024), so a
-# long prompt is prefilled fused (a 1,000-token step 1.15x, a 512-token one 1.26x the
+# long prompt is prefilled fused (a 1,000-token step 1.11x, a 512-token one 1.28x the
 # per-operation path's speed: python -m benchmarks.fused_prompt_steps, 2026-12-05, Zen 4 VM).
 MAX_ROWS = 1024
 # The C step keeps attention states (2 + head_dim floats each) for its merge: a prompt chunk's
@@ -341,10 +341,10 @@ class FusedDecoder:
         [len(logit_rows), V] of the rows logit_rows (increasing), or None where the model's
         head is not in blocks or logit_rows is empty); None where the C step refused (nothing
         was written: the caller runs the unfused path), its attention states past
-        max_state_bytes too. all_hidden=False (a caller that reads
-        only the logit rows' results): where the head is in blocks, the last layer's products
-        after its attention run for the logit rows alone, and the other rows of hidden are
-        zeros; the logit rows' numbers, logits and the cache are the same either way."""
+        max_state_bytes too. all_hidden=False (a caller that reads only the logit rows'
+        results): where the head is in blocks, the last layer's products after its attention
+        run for the logit rows alone, and the other rows of hidden are zeros; the logit rows'
+        numbers, logits and the cache are the same either way."""
         rows = len(tokens)
         counts = [1] * len(block_tables) if rows_per_table is None else rows_per_table
         if (
